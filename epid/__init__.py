@@ -1,0 +1,1 @@
+"""epid: synthetic VMAT deliveries, EPID frames and cross-trained forward/inverse models."""
