@@ -380,6 +380,14 @@ def help_text() -> str:
     return "\n".join(lines)
 
 
+def markdown_table() -> str:
+    """The README's variable table (``python -m epid.config`` prints it)."""
+    rows = ["| Variable | Meaning | Default | Example |", "|---|---|---|---|"]
+    for item in VARIABLES:
+        rows.append(f"| `{item.name}` | {item.meaning} | `{item.shown_default}` | `{item.example}` |")
+    return "\n".join(rows)
+
+
 def describe(config: Config) -> str:
     """The resolved config, one ``EPID_NAME = value`` line per variable."""
     width = max(len(variable.name) for variable in VARIABLES)
@@ -412,3 +420,7 @@ def _compact(ids: tuple[int, ...] | list[int]) -> str:
         return f"{ids[0]}..{ids[-1]}"
     shown = ", ".join(str(i) for i in ids[:8])
     return shown + (f", ... ({len(ids)} in all)" if len(ids) > 8 else "")
+
+
+if __name__ == "__main__":
+    print(markdown_table())

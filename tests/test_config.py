@@ -1,0 +1,219 @@
+"""EPID_* parsing: defaults, accepted spellings, and one clear error per bad value."""
+
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from epid.config import VARIABLES, Config, ConfigError, load_config
+from epid.errors import InputError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_defaults_are_the_legacy_run():
+    config = load_config({})
+    assert config.world_size == 1
+    assert config.batch_size == 128
+    assert config.dataset_shuffle is True
+    assert config.dataset_seed == 12345
+    assert config.dataset_ids == tuple(range(640))
+    assert config.num_workers == 0 and config.pin_memory is True and config.prefetch_factor == 2
+    assert config.timing_every == 0 and config.timing_max == 1
+    assert config.epochs == 2000 and config.control_points == 2050
+    assert config.noise_std == 0.005 and config.lr == 1e-4 and config.weight_decay == 1e-4
+    assert config.checkpoint_path == "checkpoints/epid_checkpoint.pth"
+    assert config.device == "auto" and config.kernel == "" and config.cache_dir == ""
+
+
+def test_variable_table_matches_config_fields():
+    fields = {variable.field for variable in VARIABLES}
+    assert len(fields) == len(VARIABLES)
+    config_fields = set(Config.__dataclass_fields__)
+    assert fields <= config_fields
+    assert config_fields - fields == {"dataset_ids", "launched_by_torchrun"}
+    defaults = Config()
+    for variable in VARIABLES:
+        if variable.default is not None:
+            assert getattr(defaults, variable.field) == variable.default, variable.name
+
+
+@pytest.mark.parametrize("world_size, batch", [(1, 128), (2, 64), (3, 42), (8, 16)])
+def test_default_batch_is_128_over_world_size(world_size, batch):
+    config = load_config({"EPID_WORLD_SIZE": str(world_size)})
+    assert config.batch_size == batch
+    assert load_config({"EPID_WORLD_SIZE": str(world_size), "EPID_BATCH_SIZE": "128"}).batch_size == 128
+
+
+@pytest.mark.parametrize("word, value", [("1", True), ("TRUE", True), ("Yes", True), ("on", True),
+                                          ("0", False), ("false", False), ("NO", False), ("Off", False)])
+def test_booleans_accept_common_spellings(word, value):
+    assert load_config({"EPID_PIN_MEMORY": word}).pin_memory is value
+    assert load_config({"EPID_DATASET_SHUFFLE": word}).dataset_shuffle is value
+
+
+def test_empty_value_means_default():
+    assert load_config({"EPID_WORLD_SIZE": "", "EPID_LR": "  "}) == load_config({})
+
+
+def test_selection_and_kernel_spec(tmp_path):
+    kernel = tmp_path / "k.mat"
+    kernel.write_bytes(b"placeholder")
+    config = load_config({"EPID_DATASET_RANGE": "0:640:80", "EPID_KERNEL": f"{kernel}:measured"})
+    assert config.dataset_ids == (0, 80, 160, 240, 320, 400, 480, 560)
+    assert config.kernel_path == str(kernel) and config.kernel_variable == "measured"
+    assert load_config({"EPID_KERNEL": str(kernel)}).kernel_variable is None
+
+
+@pytest.mark.parametrize("spec, path, variable", [
+    (r"C:\kernels\epid.mat", r"C:\kernels\epid.mat", None),
+    (r"C:\kernels\epid.mat:k", r"C:\kernels\epid.mat", "k"),
+    ("C:/kernels/epid.mat", "C:/kernels/epid.mat", None),
+    ("epid.mat:", "epid.mat", None),
+])
+def test_kernel_spec_handles_windows_drives(spec, path, variable):
+    config = Config(kernel=spec)
+    assert (config.kernel_path, config.kernel_variable) == (path, variable)
+
+
+def test_learning_rate_scaling():
+    base = {"EPID_WORLD_SIZE": "2", "EPID_BATCH_SIZE": "128", "EPID_LR": "1e-4"}
+    assert load_config(base).effective_lr == pytest.approx(1e-4)
+    assert load_config({**base, "EPID_LR_SCALING": "linear"}).effective_lr == pytest.approx(2e-4)
+    assert load_config({**base, "EPID_LR_SCALING": "sqrt"}).effective_lr == pytest.approx(math.sqrt(2) * 1e-4)
+
+
+def test_torchrun_world_size_wins_and_conflicts_are_named():
+    torchrun = {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1"}
+    config = load_config(torchrun)
+    assert config.world_size == 4 and config.batch_size == 32 and config.launched_by_torchrun
+    with pytest.raises(ConfigError, match=r"^EPID_WORLD_SIZE='2': torchrun set WORLD_SIZE=4"):
+        load_config({**torchrun, "EPID_WORLD_SIZE": "2"})
+
+
+def test_round_trip_through_dict():
+    config = load_config({"EPID_DATASET_IDS": "3,1", "EPID_LR": "3e-4"})
+    assert Config.from_dict(config.to_dict()) == config
+    assert Config.from_dict({**config.to_dict(), "field_of_a_later_release": 1}) == config
+
+
+def bad_values(tmp_path):
+    """A bad value for every variable, with a fragment its error must contain."""
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    return {
+        "EPID_WORLD_SIZE": ("0", "an integer >= 1"),
+        "EPID_BATCH_SIZE": ("-4", "an integer >= 1"),
+        "EPID_DATASET_SHUFFLE": ("maybe", "1/0, true/false or yes/no"),
+        "EPID_DATASET_SEED": ("1.5", "not an integer"),
+        "EPID_DATASET_RANGE": ("0:640:0", "step cannot be 0; expected start:stop[:step]"),
+        "EPID_DATASET_IDS": ("1,999", "outside 0..639"),
+        "EPID_DEVICE": ("tpu", "auto, cpu, cuda or cuda:N"),
+        "EPID_BACKEND": ("mpi", "auto, nccl or gloo"),
+        "EPID_THREADS": ("-1", "an integer >= 0"),
+        "EPID_DRY_RUN": ("2", "1/0, true/false or yes/no"),
+        "EPID_CONTROL_POINTS": ("3", "an integer >= 4"),
+        "EPID_KERNEL": (str(tmp_path / "missing.mat"), "no file"),
+        "EPID_NOISE_STD": ("-0.1", "a finite number >= 0"),
+        "EPID_NOISE_SEED": ("seed", "not an integer"),
+        "EPID_CACHE_DIR": (str(a_file), "exists and is not a directory"),
+        "EPID_NUM_WORKERS": ("two", "not an integer"),
+        "EPID_PIN_MEMORY": ("pinned", "1/0, true/false or yes/no"),
+        "EPID_PREFETCH_FACTOR": ("0", "an integer >= 1"),
+        "EPID_BATCH_ORDER": ("random", "sequential or shuffled"),
+        "EPID_MODEL_SIZE": ("huge", "full, small or tiny"),
+        "EPID_EPOCHS": ("0", "an integer >= 1"),
+        "EPID_STEPS_PER_EPOCH": ("-2", "an integer >= 0"),
+        "EPID_LR": ("0", "a number > 0"),
+        "EPID_WEIGHT_DECAY": ("inf", "a number >= 0"),
+        "EPID_LR_SCALING": ("cubic", "none, linear or sqrt"),
+        "EPID_WARMUP_EPOCHS": ("x", "not an integer"),
+        "EPID_GRAD_ACCUM": ("0", "an integer >= 1"),
+        "EPID_PRECISION": ("fp8", "auto, bf16, fp16 or fp32"),
+        "EPID_COMPILE": ("y", "1/0, true/false or yes/no"),
+        "EPID_SEED": ("-3", "an integer >= 0"),
+        "EPID_MAX_NONFINITE_STEPS": ("0", "an integer >= 1"),
+        "EPID_EARLY_STOP_PATIENCE": ("soon", "not an integer"),
+        "EPID_GAMMA_SAMPLES": ("-1", "an integer >= 0"),
+        "EPID_CHECKPOINT_PATH": (str(tmp_path), "is a directory"),
+        "EPID_RESUME": ("please", "1/0, true/false or yes/no"),
+        "EPID_PROGRESS": ("loud", "1/0, true/false or yes/no"),
+        "EPID_TIMING_EVERY": ("often", "not an integer"),
+        "EPID_TIMING_MAX": ("-1", "an integer >= 0"),
+    }
+
+
+def test_every_variable_has_a_bad_value_case(tmp_path):
+    assert set(bad_values(tmp_path)) == {variable.name for variable in VARIABLES}
+
+
+@pytest.mark.parametrize("name", [variable.name for variable in VARIABLES])
+def test_every_bad_value_is_rejected_by_name(name, tmp_path):
+    value, fragment = bad_values(tmp_path)[name]
+    with pytest.raises(ConfigError) as caught:
+        load_config({name: value})
+    message = str(caught.value)
+    assert message.startswith(f"{name}={value!r}: ")
+    assert fragment in message
+    assert "\n" not in message
+    assert isinstance(caught.value, InputError)
+
+
+def test_combinations_are_checked(tmp_path):
+    with pytest.raises(ConfigError, match="^EPID_DATASET_IDS='1': EPID_DATASET_RANGE is also set"):
+        load_config({"EPID_DATASET_RANGE": "0:4", "EPID_DATASET_IDS": "1"})
+    with pytest.raises(ConfigError, match="rank 2 would get no dataset"):
+        load_config({"EPID_WORLD_SIZE": "3", "EPID_DATASET_IDS": "1,2"})
+    with pytest.raises(ConfigError, match="^EPID_WORLD_SIZE='200': the default per-rank batch"):
+        load_config({"EPID_WORLD_SIZE": "200", "EPID_BATCH_SIZE": ""})
+    with pytest.raises(ConfigError, match="^EPID_RESUME='1': no checkpoint at EPID_CHECKPOINT_PATH"):
+        load_config({"EPID_RESUME": "1", "EPID_CHECKPOINT_PATH": str(tmp_path / "none.pth")})
+
+
+def run_script(env_update, *args):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EPID_")}
+    env.update(env_update)
+    return subprocess.run(
+        [sys.executable, str(ROOT / "generate_and_train.py"), *args],
+        env=env, capture_output=True, text=True, timeout=120, cwd=ROOT,
+    )
+
+
+def test_entry_script_reports_bad_value_in_one_line_and_exits_2():
+    result = run_script({"EPID_DATASET_RANGE": "0:640:0"})
+    assert result.returncode == 2
+    assert result.stderr.strip() == (
+        "generate_and_train.py: error: EPID_DATASET_RANGE='0:640:0': step cannot be 0; "
+        "expected start:stop[:step] with IDs in 0..639"
+    )
+    assert "Traceback" not in result.stderr
+
+
+def test_dry_run_prints_config_and_rank_ids():
+    result = run_script({"EPID_DRY_RUN": "1", "EPID_WORLD_SIZE": "3", "EPID_DATASET_RANGE": "0:640:80"})
+    assert result.returncode == 0, result.stderr
+    assert "EPID_WORLD_SIZE" in result.stdout and "EPID_BATCH_SIZE          = 42" in result.stdout
+    rank_lines = re.findall(r"rank (\d): (\d) dataset\(s\): ([\d, ]+)", result.stdout)
+    assert [int(rank) for rank, _, _ in rank_lines] == [0, 1, 2]
+    seen = sorted(int(i) for _, _, ids in rank_lines for i in ids.split(", "))
+    assert seen == list(range(0, 640, 80))
+
+
+def test_help_lists_every_variable_with_its_default():
+    result = run_script({}, "--help")
+    assert result.returncode == 0
+    for variable in VARIABLES:
+        assert re.search(rf"{variable.name}\s+default {re.escape(variable.shown_default)}", result.stdout)
+
+
+def test_readme_documents_every_variable():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    for variable in VARIABLES:
+        row = re.search(rf"^\| `{variable.name}` \|(.+)$", readme, flags=re.MULTILINE)
+        assert row, f"{variable.name} has no row in the README table"
+        assert f"`{variable.shown_default}`" in row.group(1) or variable.shown_default in row.group(1)
+        assert variable.example in row.group(1)
