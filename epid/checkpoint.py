@@ -1,0 +1,141 @@
+"""Training checkpoints: plain containers, written atomically, loadable with weights_only.
+
+A checkpoint is a dict of tensors, numbers, strings, lists and dicts only, so
+``torch.load(path, weights_only=True)`` reads it without running pickled code. Keys:
+
+  format_version, run_id, epoch (last completed, 1-based), forward_model, inverse_model
+  (state dicts without ``module.`` / ``_orig_mod.`` prefixes), model_config
+  {"forward": kwargs, "inverse": kwargs}, optimizer, scheduler, scaler (or None), rng,
+  history {"train": {term: [...]}, "val": {term: [...]}, "gamma_pass": [...], "lr": [...],
+  "samples_per_s": [...], ...}, best_val_loss, best_epoch, config (Config.to_dict()),
+  dataset_ids, world_size, torch_version, and ``interrupted`` (None, or where an epoch was
+  stopped by a signal: {"epoch", "batches_done", "train_sums", "train_samples", ...}).
+
+Writes go to a temporary file in the same folder, are fsynced, renamed over the target and
+the folder is fsynced, so a crash at any moment leaves the previous checkpoint loadable.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import zipfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from epid.errors import InputError
+from epid.models import ForwardModel, InverseModel
+
+FORMAT_VERSION = 1
+REQUIRED_KEYS = ("format_version", "epoch", "forward_model", "inverse_model", "model_config")
+WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+
+
+class CheckpointError(InputError):
+    """A checkpoint file that is missing, unreadable or does not fit the request."""
+
+
+def best_path(path: str | Path) -> Path:
+    """The best-validation checkpoint beside ``path``: ``run.pth`` -> ``run_best.pth``."""
+    path = Path(path)
+    return path.with_name(f"{path.stem}_best{path.suffix or '.pth'}")
+
+
+def save_checkpoint(path: str | Path, payload: Mapping[str, Any]) -> None:
+    """Write ``payload`` to ``path`` atomically (temporary file, fsync, rename, fsync folder)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(temporary, "wb") as handle:
+            torch.save(dict(payload), handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
+    _fsync_directory(path.parent)
+
+
+def _fsync_directory(directory: Path) -> None:
+    if os.name != "posix":
+        return
+    descriptor = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def strip_wrapper_prefixes(state: Mapping[str, Any]) -> dict[str, Any]:
+    """A state dict without DistributedDataParallel (``module.``) / torch.compile (``_orig_mod.``) prefixes."""
+    stripped = {}
+    for key, value in state.items():
+        changed = True
+        while changed:
+            changed = False
+            for prefix in WRAPPER_PREFIXES:
+                if key.startswith(prefix):
+                    key, changed = key[len(prefix):], True
+        stripped[key] = value
+    return stripped
+
+
+def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+    """Read a checkpoint with ``weights_only=True`` and check its layout.
+
+    Model state dicts come back without wrapper prefixes. Raises CheckpointError naming the
+    file and the reason (missing, not a checkpoint, unsafe content, newer format, missing keys).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {str(path)!r}: no such file")
+    if not zipfile.is_zipfile(path):
+        raise CheckpointError(f"checkpoint {str(path)!r}: not a torch.save file (truncated or another format)")
+    try:
+        payload = torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as error:
+        raise CheckpointError(
+            f"checkpoint {str(path)!r}: holds objects that torch.load(weights_only=True) refuses ({_unsafe_reason(error)})"
+        ) from None
+    except (RuntimeError, EOFError, OSError, ValueError, zipfile.BadZipFile) as error:
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise CheckpointError(f"checkpoint {str(path)!r}: unreadable or truncated ({reason})") from None
+    if not isinstance(payload, dict):
+        raise CheckpointError(f"checkpoint {str(path)!r}: holds a {type(payload).__name__}, expected a dict")
+    missing = [key for key in REQUIRED_KEYS if key not in payload]
+    if missing:
+        raise CheckpointError(f"checkpoint {str(path)!r}: missing {', '.join(missing)}; not an epid training checkpoint")
+    if not isinstance(payload["format_version"], int) or payload["format_version"] > FORMAT_VERSION:
+        raise CheckpointError(
+            f"checkpoint {str(path)!r}: format version {payload['format_version']!r} is newer than "
+            f"this code reads ({FORMAT_VERSION}); update epid"
+        )
+    for key in ("forward_model", "inverse_model"):
+        payload[key] = strip_wrapper_prefixes(payload[key])
+    return payload
+
+
+def _unsafe_reason(error: Exception) -> str:
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    named = [line for line in lines if "Unsupported global" in line]
+    return (named or lines or ["unknown content"])[0].split(" was not an allowed")[0]
+
+
+def build_models_from_checkpoint(
+    checkpoint: Mapping[str, Any], device: str | torch.device = "cpu"
+) -> tuple[ForwardModel, InverseModel]:
+    """The (forward, inverse) models a checkpoint describes, weights loaded, in eval mode on ``device``."""
+    config = checkpoint["model_config"]
+    try:
+        forward_model = ForwardModel(**config["forward"])
+        inverse_model = InverseModel(**config["inverse"])
+        forward_model.load_state_dict(strip_wrapper_prefixes(checkpoint["forward_model"]))
+        inverse_model.load_state_dict(strip_wrapper_prefixes(checkpoint["inverse_model"]))
+    except (TypeError, KeyError, RuntimeError, ValueError) as error:
+        reason = str(error).strip().splitlines()[0]
+        raise CheckpointError(f"checkpoint model does not match its model_config ({reason})") from None
+    return forward_model.to(device).eval(), inverse_model.to(device).eval()
