@@ -1,0 +1,806 @@
+"""Training samples, splits, batch windows and the frame source of the training data path.
+
+Sample ``s`` of a dataset (``0 <= s < N - 2`` for ``N`` control points) pairs control
+point ``s + 1`` ("prev") with control point ``s + 2`` ("curr"); its EPID frames are
+frame ``s + 1`` and frame ``s + 2``. The first ``floor(0.8125 * (N - 2))`` samples of
+each dataset are for training, the rest for validation (1664 / 384 for N = 2050).
+
+A batch is a ``Window``: consecutive samples ``start .. stop - 1`` of one split of one
+dataset. It needs frames ``start + 1 .. stop + 1`` only; they are rendered once (or read
+from the frame cache) and sliced into ``epid_prev`` and ``epid_curr``, so frame ``f``
+of dataset ``d`` is the same tensor values wherever it appears.
+
+Only control points are kept in memory (packed losslessly, 0.65 MB per dataset of 2050
+control points); frames are synthesised for the batch at hand on the device that trains
+on them. With a cache directory, each
+dataset's frames are written once as float16 and read back window by window through
+``np.memmap``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import math
+import os
+import random
+import struct
+import uuid
+import zlib
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from epid import imaging, sequences
+from epid.kernel import default_kernel, kernel_from_config
+from epid.sequences import ControlPoints, generate_control_points
+
+if TYPE_CHECKING:
+    from epid.config import Config
+
+try:
+    import fcntl
+except ImportError:  # Windows: concurrent cache writers both write; the atomic rename keeps one.
+    fcntl = None
+
+log = logging.getLogger(__name__)
+
+TRAIN_FRACTION = 0.8125
+SPLITS = ("train", "val")
+BATCH_ORDERS = ("sequential", "shuffled")
+MIN_CONTROL_POINTS = 4
+FRAME_SHAPE = (imaging.GRID_SIZE, imaging.GRID_SIZE)
+CACHE_FORMAT_VERSION = 1
+CACHE_MAGIC = b"EPIDF16\n"
+CACHE_HEADER_BYTES = 4096
+CACHE_CHUNK_FRAMES = 64
+
+Device = str | torch.device
+FrameRender = Callable[[ControlPoints, int, np.ndarray, torch.device], torch.Tensor]
+
+
+# --------------------------------------------------------------------------- samples
+
+
+def num_samples(n_control_points: int) -> int:
+    """Samples per dataset, ``N - 2``; raises ValueError when a split would be empty."""
+    if n_control_points < MIN_CONTROL_POINTS:
+        raise ValueError(
+            f"{n_control_points} control points give {max(n_control_points - 2, 0)} samples; "
+            f"at least {MIN_CONTROL_POINTS} control points are needed for a non-empty "
+            "training and validation split"
+        )
+    return n_control_points - 2
+
+
+def split_range(n_control_points: int, split: str) -> range:
+    """Sample indices of ``split`` ("train" or "val") in a dataset of N control points.
+
+    Train is the first ``floor(0.8125 * (N - 2))`` samples, val the rest; both are
+    non-empty for every N >= 4.
+    """
+    total = num_samples(n_control_points)
+    n_train = math.floor(TRAIN_FRACTION * total)
+    if split == "train":
+        return range(0, n_train)
+    if split == "val":
+        return range(n_train, total)
+    raise ValueError(f"split {split!r} is not one of {SPLITS}")
+
+
+@dataclass(frozen=True)
+class Window:
+    """Consecutive samples ``start .. stop - 1`` of one dataset, inside one split."""
+
+    dataset_id: int
+    start: int
+    stop: int
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.start < self.stop:
+            raise ValueError(f"window [{self.start}, {self.stop}) is empty or negative")
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+    @property
+    def first_frame(self) -> int:
+        """Frame of the first sample's prev control point, ``start + 1``."""
+        return self.start + 1
+
+    @property
+    def frame_indices(self) -> np.ndarray:
+        """Frames ``start + 1 .. stop + 1`` (``len(self) + 1`` of them), int64."""
+        return np.arange(self.start + 1, self.stop + 2, dtype=np.int64)
+
+
+def dataset_windows(
+    dataset_id: int, n_control_points: int, split: str, batch_size: int
+) -> list[Window]:
+    """The split's samples cut into windows of ``batch_size`` (the last may be shorter).
+
+    The windows cover every sample of the split exactly once. A window holds one
+    sample only when the split's length leaves a remainder of 1; batch losses that
+    pair neighbouring samples see no pair in it.
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch size must be at least 1, got {batch_size}")
+    samples = split_range(n_control_points, split)
+    return [
+        Window(dataset_id, start, min(start + batch_size, samples.stop))
+        for start in range(samples.start, samples.stop, batch_size)
+    ]
+
+
+def windows_per_dataset(n_control_points: int, split: str, batch_size: int) -> int:
+    """``len(dataset_windows(...))`` without building them."""
+    return math.ceil(len(split_range(n_control_points, split)) / batch_size)
+
+
+# --------------------------------------------------------------------------- epochs
+
+
+def steps_per_epoch(
+    datasets_per_rank: Sequence[int],
+    *,
+    n_control_points: int,
+    batch_size: int,
+    split: str = "train",
+    max_batches: int = 0,
+) -> int:
+    """Batches every rank takes in one epoch, so that no rank waits on another.
+
+    Policy: the largest window count of any rank. Ranks with fewer windows wrap around
+    and revisit the first windows of their epoch order (see ``epoch_windows``), so every
+    sample of every rank is used at least once per epoch and all ranks take the same
+    number of steps. ``datasets_per_rank[r]`` is the number of datasets of rank ``r``
+    (every rank computes it for every rank from the deterministic assignment, e.g.
+    ``[len(ids) for ids in sharding.assign_all_ranks(...)]``). ``max_batches > 0``
+    caps the count (short smoke runs and benchmarks); with gradient accumulation pass
+    optimizer steps times accumulation steps.
+
+    Validation needs no equalisation when it runs without per-step collectives: each
+    rank then evaluates each of its windows exactly once.
+    """
+    if not datasets_per_rank or min(datasets_per_rank) < 1:
+        raise ValueError(f"every rank needs at least one dataset, got {list(datasets_per_rank)}")
+    per_dataset = windows_per_dataset(n_control_points, split, batch_size)
+    steps = max(datasets_per_rank) * per_dataset
+    return min(steps, max_batches) if max_batches > 0 else steps
+
+
+def epoch_windows(
+    windows: Sequence[Window],
+    *,
+    order: str = "sequential",
+    seed: int = 0,
+    epoch: int = 0,
+    steps: int | None = None,
+) -> list[Window]:
+    """This epoch's windows of one rank, in training order.
+
+    ``sequential`` keeps the given order (datasets in the rank's assigned order, windows
+    in sample order: the legacy order). ``shuffled`` permutes the windows with a
+    generator seeded by ``(seed, epoch)`` only: a new order every epoch, the same order
+    on every run. With ``steps``, the list is cut to ``steps`` windows, or wrapped
+    around from its start when it is shorter (see ``steps_per_epoch``).
+    """
+    if order not in BATCH_ORDERS:
+        raise ValueError(f"batch order {order!r} is not one of {BATCH_ORDERS}")
+    if not windows:
+        raise ValueError("no windows to order")
+    ordered = list(windows)
+    if order == "shuffled":
+        random.Random(f"epid-window-order:{seed}:{epoch}").shuffle(ordered)
+    if steps is None:
+        return ordered
+    return [ordered[i % len(ordered)] for i in range(steps)]
+
+
+# --------------------------------------------------------------------------- batches
+
+
+@dataclass(eq=False, repr=False)
+class Batch:
+    """A window of consecutive samples of one dataset (tensors in mm and MU).
+
+    leaf_a, leaf_b: (B, 104), [prev 52, curr 52] leaf positions, mm.
+    scalars: (B, 5), [mu_curr (MU), jaw_1 prev, jaw_1 curr, jaw_2 prev, jaw_2 curr (mm)].
+    leaf_weight_a, leaf_weight_b: (B, 104), loss weights in the leaf layout.
+    epid_prev, epid_curr: (B, 1, 256, 256), frames ``s + 1`` and ``s + 2``.
+    dataset_id, first_sample: where the window starts (-1 when not from a dataset).
+    frames: (B + 1, 1, 256, 256) when epid_prev / epid_curr are its views ``[:-1]`` and
+        ``[1:]``; ``to`` and ``pin_memory`` then move the shared frames once.
+    """
+
+    leaf_a: torch.Tensor
+    leaf_b: torch.Tensor
+    scalars: torch.Tensor
+    leaf_weight_a: torch.Tensor
+    leaf_weight_b: torch.Tensor
+    epid_prev: torch.Tensor
+    epid_curr: torch.Tensor
+    dataset_id: int = -1
+    first_sample: int = -1
+    frames: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return self.leaf_a.shape[0]
+
+    def __repr__(self) -> str:
+        return (
+            f"Batch(dataset_id={self.dataset_id}, first_sample={self.first_sample}, "
+            f"samples={len(self)}, device={self.leaf_a.device})"
+        )
+
+    def to(self, device: Device, non_blocking: bool = False) -> Batch:
+        """The batch on ``device`` (non-blocking copies need pinned source memory)."""
+        return self._apply(lambda t: t.to(device, non_blocking=non_blocking))
+
+    def pin_memory(self) -> Batch:
+        """The batch in page-locked host memory (needs an accelerator)."""
+        return self._apply(lambda t: t.pin_memory())
+
+    def _apply(self, move: Callable[[torch.Tensor], torch.Tensor]) -> Batch:
+        if self.frames is not None:
+            frames = move(self.frames)
+            epid_prev, epid_curr = frames[:-1], frames[1:]
+        else:
+            frames, epid_prev, epid_curr = None, move(self.epid_prev), move(self.epid_curr)
+        return Batch(
+            leaf_a=move(self.leaf_a),
+            leaf_b=move(self.leaf_b),
+            scalars=move(self.scalars),
+            leaf_weight_a=move(self.leaf_weight_a),
+            leaf_weight_b=move(self.leaf_weight_b),
+            epid_prev=epid_prev,
+            epid_curr=epid_curr,
+            dataset_id=self.dataset_id,
+            first_sample=self.first_sample,
+            frames=frames,
+        )
+
+
+def assemble_batch(control_points: ControlPoints, window: Window, frames: torch.Tensor) -> Batch:
+    """The samples of ``window`` from the dataset's control points and its frames.
+
+    ``frames``: (len(window) + 1, 256, 256), frames ``window.start + 1 .. window.stop + 1``.
+    Parameter tensors are float32 on the frames' device.
+    """
+    if frames.shape != (len(window) + 1, *FRAME_SHAPE):
+        raise ValueError(f"frames of shape {tuple(frames.shape)} do not fit {window}")
+    prev = np.arange(window.start + 1, window.stop + 1)
+    curr = prev + 1
+
+    def pair(values: np.ndarray) -> torch.Tensor:
+        both = np.concatenate([values[prev], values[curr]], axis=1)
+        return torch.from_numpy(both.astype(np.float32)).to(frames.device)
+
+    cp = control_points
+    scalars = np.stack(
+        [cp.mu[curr], cp.jaw_1[prev], cp.jaw_1[curr], cp.jaw_2[prev], cp.jaw_2[curr]], axis=1
+    )
+    stacked = frames.unsqueeze(1)
+    return Batch(
+        leaf_a=pair(cp.leaf_a),
+        leaf_b=pair(cp.leaf_b),
+        scalars=torch.from_numpy(scalars.astype(np.float32)).to(frames.device),
+        leaf_weight_a=pair(cp.leaf_weight),
+        leaf_weight_b=pair(cp.leaf_weight),
+        epid_prev=stacked[:-1],
+        epid_curr=stacked[1:],
+        dataset_id=window.dataset_id,
+        first_sample=window.start,
+        frames=stacked,
+    )
+
+
+# --------------------------------------------------------------------------- frame cache
+
+
+class FrameCache:
+    """One float16 file of frames 1 .. N - 1 per dataset under ``directory``.
+
+    File layout: a 4096-byte header (magic, JSON with the cache key, shape and the
+    CRC-32 of the frame bytes) followed by (N - 1, 256, 256) float16 frames, frame ``f``
+    at index ``f - 1``. The file name carries a digest of the key, which holds
+    everything that changes the frames (N, kernel digest, noise, a format version and
+    the frame engine's source digest), so a changed setting never reads stale frames.
+
+    Files are written once, atomically (temporary file, fsync, rename), under an
+    advisory lock where the platform has one. The first open of a file in a process
+    checks its size, header and checksum; a bad file is reported with a one-line
+    warning naming it, rewritten and never read. Later opens check the size only.
+    """
+
+    def __init__(self, directory: str | Path, key: dict[str, Any]) -> None:
+        self.directory = Path(directory)
+        self.key = dict(key)
+        text = json.dumps(self.key, sort_keys=True)
+        self.digest = hashlib.sha256(text.encode()).hexdigest()[:16]
+        self.n_frames = int(self.key["n_control_points"]) - 1
+        self._verified: set[Path] = set()
+        self._verified_pid = os.getpid()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_verified"] = set()
+        return state
+
+    @property
+    def data_bytes(self) -> int:
+        return self.n_frames * FRAME_SHAPE[0] * FRAME_SHAPE[1] * 2
+
+    def path(self, dataset_id: int) -> Path:
+        return self.directory / f"frames_{dataset_id:03d}_{self.digest}.f16"
+
+    def read(
+        self,
+        dataset_id: int,
+        first_frame: int,
+        stop_frame: int,
+        render_all: Callable[[], Iterator[np.ndarray]],
+    ) -> np.ndarray:
+        """Frames ``first_frame .. stop_frame - 1`` of a dataset, float16 (F, 256, 256).
+
+        ``render_all`` yields the dataset's frames 1 .. N - 1 in order, in float32
+        chunks of shape (F, 256, 256); it is called only when the file must be written.
+        """
+        if not 1 <= first_frame < stop_frame <= self.n_frames + 1:
+            raise ValueError(f"frames {first_frame}..{stop_frame - 1} outside 1..{self.n_frames}")
+        path = self._ensure(dataset_id, render_all)
+        frames = np.memmap(
+            path,
+            dtype=np.float16,
+            mode="r",
+            offset=CACHE_HEADER_BYTES,
+            shape=(self.n_frames, *FRAME_SHAPE),
+        )
+        window = np.array(frames[first_frame - 1 : stop_frame - 1])
+        del frames
+        return window
+
+    def _ensure(self, dataset_id: int, render_all: Callable[[], Iterator[np.ndarray]]) -> Path:
+        if self._verified_pid != os.getpid():
+            self._verified, self._verified_pid = set(), os.getpid()
+        path = self.path(dataset_id)
+        expected_size = CACHE_HEADER_BYTES + self.data_bytes
+        if path in self._verified and _file_size(path) == expected_size:
+            return path
+        self._verified.discard(path)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        with _exclusive_lock(path.with_name(path.name + ".lock")):
+            problem = self._problem(dataset_id, path)
+            if problem is not None:
+                if problem != "missing":
+                    log.warning("frame cache %s is %s; regenerating it", path, problem)
+                self._write(dataset_id, path, render_all())
+        self._verified.add(path)
+        return path
+
+    def _header(self, dataset_id: int, crc32: int) -> bytes:
+        content = dict(
+            self.key,
+            dataset_id=dataset_id,
+            shape=[self.n_frames, *FRAME_SHAPE],
+            dtype="float16",
+            crc32=crc32,
+        )
+        text = json.dumps(content, sort_keys=True).encode()
+        header = CACHE_MAGIC + struct.pack("<I", len(text)) + text
+        if len(header) > CACHE_HEADER_BYTES:
+            raise ValueError("frame cache header does not fit in its block")
+        return header.ljust(CACHE_HEADER_BYTES, b"\0")
+
+    def _problem(self, dataset_id: int, path: Path) -> str | None:
+        """None for a good file, else what is wrong with it ("missing", ...)."""
+        size = _file_size(path)
+        if size is None:
+            return "missing"
+        expected_size = CACHE_HEADER_BYTES + self.data_bytes
+        if size != expected_size:
+            return f"of the wrong size ({size} bytes, expected {expected_size})"
+        with open(path, "rb") as handle:
+            block = handle.read(CACHE_HEADER_BYTES)
+            stored = _parse_header(block)
+            if stored is None:
+                return "unreadable (bad header)"
+            if block != self._header(dataset_id, stored["crc32"]):
+                return "for other settings (header does not match)"
+            crc32 = 0
+            while chunk := handle.read(1 << 24):
+                crc32 = zlib.crc32(chunk, crc32)
+        if crc32 != stored["crc32"]:
+            return "corrupt (checksum mismatch)"
+        return None
+
+    def _write(self, dataset_id: int, path: Path, chunks: Iterator[np.ndarray]) -> None:
+        temporary = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
+        try:
+            with open(temporary, "wb") as handle:
+                handle.write(bytes(CACHE_HEADER_BYTES))
+                crc32, written = 0, 0
+                for chunk in chunks:
+                    data = np.ascontiguousarray(chunk, dtype=np.float16).tobytes()
+                    crc32 = zlib.crc32(data, crc32)
+                    written += len(data)
+                    handle.write(data)
+                if written != self.data_bytes:
+                    raise RuntimeError(f"rendered {written} bytes of frames, expected {self.data_bytes}")
+                handle.seek(0)
+                handle.write(self._header(dataset_id, crc32))
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(temporary, path)
+            _fsync_directory(path.parent)
+        finally:
+            temporary.unlink(missing_ok=True)
+
+
+def _parse_header(block: bytes) -> dict[str, Any] | None:
+    start = len(CACHE_MAGIC) + 4
+    if len(block) < start or not block.startswith(CACHE_MAGIC):
+        return None
+    (length,) = struct.unpack("<I", block[len(CACHE_MAGIC) : start])
+    try:
+        content = json.loads(block[start : start + length])
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    if not isinstance(content, dict) or not isinstance(content.get("crc32"), int):
+        return None
+    return content
+
+
+def _file_size(path: Path) -> int | None:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return None
+
+
+@contextlib.contextmanager
+def _exclusive_lock(lock_path: Path) -> Iterator[None]:
+    if fcntl is None:
+        yield
+        return
+    with open(lock_path, "a+b") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _fsync_directory(directory: Path) -> None:
+    if os.name != "posix":
+        return
+    descriptor = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+# --------------------------------------------------------------------------- data source
+
+
+def kernel_digest(kernel: np.ndarray | torch.Tensor) -> str:
+    """SHA-256 of a kernel's shape and float64 values."""
+    values = kernel.detach().cpu().numpy() if isinstance(kernel, torch.Tensor) else kernel
+    values = np.ascontiguousarray(values, dtype=np.float64)
+    digest = hashlib.sha256(str(values.shape).encode())
+    digest.update(values.tobytes())
+    return digest.hexdigest()
+
+
+def engine_digest() -> str:
+    """SHA-256 of the sources that turn an ID into frames (control points and imaging)."""
+    digest = hashlib.sha256()
+    for module in (sequences, imaging):
+        digest.update(Path(module.__file__).read_bytes())
+    return digest.hexdigest()
+
+
+class EngineRender:
+    """Renders frames with ``epid.imaging`` for one kernel and noise setting.
+
+    Keeps the kernel prepared once per device (``imaging.renderer_for``).
+    """
+
+    def __init__(self, kernel: np.ndarray | torch.Tensor, noise_std: float, noise_seed: int) -> None:
+        self.kernel = kernel
+        self.noise_std = noise_std
+        self.noise_seed = noise_seed
+        self._renderers: dict[torch.device, imaging.FrameRenderer] = {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_renderers"] = {}
+        return state
+
+    def __call__(
+        self,
+        control_points: ControlPoints,
+        dataset_id: int,
+        frame_indices: np.ndarray,
+        device: torch.device,
+    ) -> torch.Tensor:
+        renderer = self._renderers.get(device)
+        if renderer is None:
+            renderer = self._renderers[device] = imaging.renderer_for(self.kernel, device)
+        return renderer.render(
+            control_points,
+            frame_indices,
+            dataset_id=dataset_id,
+            noise_std=self.noise_std,
+            noise_seed=self.noise_seed,
+        )
+
+
+class PackedControlPoints:
+    """One dataset's control points stored in half the bytes, losslessly.
+
+    Each array whose values are whole tenths (mm, MU, leaf weights) within int16 range
+    is stored as int16 tenths and decoded with the same float division the generator
+    used; the decoded array is checked to be bit-identical when packing, and an array
+    that would not be is kept as it is.
+    """
+
+    def __init__(self, control_points: ControlPoints) -> None:
+        self._type = type(control_points)
+        self._arrays: dict[str, tuple[np.ndarray, np.dtype | None]] = {}
+        self._others: dict[str, Any] = {}
+        for item in fields(control_points):
+            value = getattr(control_points, item.name)
+            if isinstance(value, np.ndarray):
+                self._arrays[item.name] = _pack_tenths(value)
+            else:
+                self._others[item.name] = value
+
+    @property
+    def nbytes(self) -> int:
+        return sum(stored.nbytes for stored, _ in self._arrays.values())
+
+    def unpack(self) -> ControlPoints:
+        arrays = {name: _unpack_tenths(*packed) for name, packed in self._arrays.items()}
+        return self._type(**arrays, **self._others)
+
+
+def _pack_tenths(values: np.ndarray) -> tuple[np.ndarray, np.dtype | None]:
+    """(int16 tenths, float dtype) when that round-trips exactly, else (values, None)."""
+    if values.dtype.kind != "f" or not np.isfinite(values).all():
+        return values, None
+    tenths = np.rint(values.astype(np.float64) * 10)
+    if np.abs(tenths).max(initial=0) > np.iinfo(np.int16).max:
+        return values, None
+    packed = tenths.astype(np.int16)
+    if not np.array_equal(_unpack_tenths(packed, values.dtype), values):
+        return values, None
+    return packed, values.dtype
+
+
+def _unpack_tenths(stored: np.ndarray, dtype: np.dtype | None) -> np.ndarray:
+    if dtype is None:
+        return stored
+    return stored.astype(dtype) / dtype.type(10)
+
+
+class EpidData:
+    """The training data of a rank: control points of its datasets, frames on demand.
+
+    Holds the control points of ``dataset_ids`` only (generated on first use of each
+    dataset and kept, or all at once with ``prepare``), the kernel and the renderer.
+    ``make_batch`` renders a window's frames on the device that trains on them, or
+    reads them from the frame cache when ``cache_dir`` is set.
+
+    ``render(control_points, dataset_id, frame_indices, device) -> (F, 256, 256)``
+    replaces the frame engine; ``render_id`` then names it in the cache key.
+    """
+
+    def __init__(
+        self,
+        dataset_ids: Sequence[int],
+        *,
+        control_points: int = 2050,
+        kernel: np.ndarray | torch.Tensor | None = None,
+        noise_std: float = 0.005,
+        noise_seed: int = 0,
+        cache_dir: str | Path | None = None,
+        render: FrameRender | None = None,
+        render_id: str | None = None,
+    ) -> None:
+        if not dataset_ids:
+            raise ValueError("no dataset IDs given")
+        num_samples(control_points)
+        self.dataset_ids = tuple(int(i) for i in dataset_ids)
+        self.n_control_points = control_points
+        self.kernel = default_kernel() if kernel is None else kernel
+        self.noise_std = noise_std
+        self.noise_seed = noise_seed
+        if render is None:
+            render, render_id = EngineRender(self.kernel, noise_std, noise_seed), engine_digest()
+        elif render_id is None:
+            raise ValueError("a custom render needs a render_id for the cache key")
+        self.render = render
+        self.cache = None
+        if cache_dir:
+            key = {
+                "format_version": CACHE_FORMAT_VERSION,
+                "n_control_points": control_points,
+                "kernel_sha256": kernel_digest(self.kernel),
+                "noise_std": float(noise_std),
+                "noise_seed": int(noise_seed),
+                "render_id": render_id,
+            }
+            self.cache = FrameCache(cache_dir, key)
+        self._control_points: dict[int, PackedControlPoints] = {}
+
+    @classmethod
+    def from_config(cls, config: Config, dataset_ids: Sequence[int]) -> EpidData:
+        """The data of ``dataset_ids`` with N, kernel, noise and cache of the config."""
+        return cls(
+            dataset_ids,
+            control_points=config.control_points,
+            kernel=kernel_from_config(config.kernel_path, config.kernel_variable),
+            noise_std=config.noise_std,
+            noise_seed=config.noise_seed,
+            cache_dir=config.cache_dir or None,
+        )
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_control_points"] = {}
+        return state
+
+    def control_points_for(self, dataset_id: int) -> ControlPoints:
+        """The control points of one selected dataset (generated once, then kept packed)."""
+        packed = self._control_points.get(dataset_id)
+        if packed is None:
+            if dataset_id not in self.dataset_ids:
+                raise KeyError(f"dataset {dataset_id} is not among the selected datasets")
+            control_points = generate_control_points(dataset_id, self.n_control_points)
+            self._control_points[dataset_id] = PackedControlPoints(control_points)
+            return control_points
+        return packed.unpack()
+
+    def prepare(self) -> None:
+        """Generate the control points of every selected dataset now (else on first use).
+
+        Before starting loader workers this lets forked workers share them instead of
+        each generating its own copy; it costs the generation time of every dataset.
+        """
+        for dataset_id in self.dataset_ids:
+            if dataset_id not in self._control_points:
+                self.control_points_for(dataset_id)
+
+    def control_point_bytes(self) -> int:
+        """Bytes of the control-point arrays held now."""
+        return sum(packed.nbytes for packed in self._control_points.values())
+
+    def windows(self, split: str, batch_size: int) -> list[Window]:
+        """Windows of ``split`` of every dataset, datasets in the given order."""
+        return [
+            window
+            for dataset_id in self.dataset_ids
+            for window in dataset_windows(dataset_id, self.n_control_points, split, batch_size)
+        ]
+
+    def frames(self, dataset_id: int, first_frame: int, stop_frame: int, device: Device) -> torch.Tensor:
+        """Frames ``first_frame .. stop_frame - 1`` of a dataset, float32 (F, 256, 256) on ``device``."""
+        return self._frames(self.control_points_for(dataset_id), dataset_id, first_frame, stop_frame, device)
+
+    def make_batch(self, window: Window, device: Device) -> Batch:
+        """The samples of ``window`` with their frames on ``device``."""
+        control_points = self.control_points_for(window.dataset_id)
+        frames = self._frames(control_points, window.dataset_id, window.start + 1, window.stop + 2, device)
+        return assemble_batch(control_points, window, frames)
+
+    def _frames(
+        self,
+        control_points: ControlPoints,
+        dataset_id: int,
+        first_frame: int,
+        stop_frame: int,
+        device: Device,
+    ) -> torch.Tensor:
+        device = torch.device(device)
+        if self.cache is None:
+            indices = np.arange(first_frame, stop_frame, dtype=np.int64)
+            return self.render(control_points, dataset_id, indices, device).to(torch.float32)
+
+        def render_all() -> Iterator[np.ndarray]:
+            for start in range(1, self.n_control_points, CACHE_CHUNK_FRAMES):
+                stop = min(start + CACHE_CHUNK_FRAMES, self.n_control_points)
+                indices = np.arange(start, stop, dtype=np.int64)
+                yield self.render(control_points, dataset_id, indices, device).cpu().numpy()
+
+        stored = self.cache.read(dataset_id, first_frame, stop_frame, render_all)
+        return torch.from_numpy(stored).to(device).to(torch.float32)
+
+
+# --------------------------------------------------------------------------- loading
+
+
+class WindowDataset(torch.utils.data.Dataset):
+    """Map-style dataset keyed by ``Window``: ``dataset[window]`` is a CPU ``Batch``."""
+
+    def __init__(self, data: EpidData) -> None:
+        self.data = data
+
+    def __getitem__(self, window: Window) -> Batch:
+        return self.data.make_batch(window, "cpu")
+
+
+class WindowSampler(torch.utils.data.Sampler):
+    """Yields the windows set for the current epoch (runs in the main process)."""
+
+    def __init__(self) -> None:
+        self.windows: list[Window] = []
+
+    def __iter__(self) -> Iterator[Window]:
+        return iter(list(self.windows))
+
+    def __len__(self) -> int:
+        return len(self.windows)
+
+
+def _keep(batch: Batch) -> Batch:
+    return batch
+
+
+class BatchLoader:
+    """Batches for lists of windows, synthesised directly or by DataLoader workers.
+
+    ``num_workers == 0``: each batch is made on ``device`` in this process (frames
+    rendered on the GPU when ``device`` is one). ``num_workers > 0``: persistent
+    workers synthesise batches on the CPU ahead of time (``prefetch_factor`` each),
+    pinned when ``pin_memory`` and ``device`` is CUDA; move them with
+    ``batch.to(device, non_blocking=True)``. Both paths give the same batches in
+    the same order on the same kind of device (frame noise drawn on a CUDA device
+    differs from the CPU's, see ``epid.imaging``).
+
+    Workers generate the control points of the datasets they meet and keep them for the
+    run; call ``data.prepare()`` before building the loader to generate them once in
+    this process and share them with the forked workers instead. Iterate one
+    ``batches`` call to its end (or drop it) before starting the next.
+    """
+
+    def __init__(
+        self,
+        data: EpidData,
+        device: Device,
+        *,
+        num_workers: int = 0,
+        pin_memory: bool = True,
+        prefetch_factor: int = 2,
+    ) -> None:
+        self.data = data
+        self.device = torch.device(device)
+        self.num_workers = num_workers
+        self.pin_memory = pin_memory and self.device.type == "cuda"
+        self._sampler = WindowSampler()
+        self._loader = None
+        if num_workers > 0:
+            self._loader = torch.utils.data.DataLoader(
+                WindowDataset(data),
+                batch_size=None,
+                sampler=self._sampler,
+                collate_fn=_keep,
+                num_workers=num_workers,
+                pin_memory=self.pin_memory,
+                prefetch_factor=prefetch_factor,
+                persistent_workers=True,
+            )
+
+    def batches(self, windows: Sequence[Window]) -> Iterator[Batch]:
+        """The batches of ``windows``, in order."""
+        if self._loader is None:
+            return (self.data.make_batch(window, self.device) for window in windows)
+        self._sampler.windows = list(windows)
+        return iter(self._loader)
