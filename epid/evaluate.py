@@ -1,0 +1,417 @@
+"""Per-sample evaluation of a forward/inverse model pair on synthetic samples.
+
+The steps are separate so that several checkpoints can be judged on the same frames:
+
+1. ``select_samples``: a deterministic choice of samples (dataset ID, sample index);
+2. ``synthesise_samples``: their control-point parameters and EPID frames, rendered once;
+3. ``predict``: both models in batches under ``torch.inference_mode``;
+4. ``gamma_maps`` and ``sample_metrics``: gamma of the forward prediction against the
+   measured (synthetic) frame, and the inverse model's leaf, jaw and MU errors.
+
+Sample ``s`` of a dataset pairs control point ``s + 1`` (prev) with ``s + 2`` (curr); the
+forward model predicts frame ``s + 2``. Layouts follow ``epid.dataset.Batch``: leaves
+``(S, 104)`` = [prev 52, curr 52] in mm, scalars ``(S, 5)`` = [MU curr, jaw_1 prev,
+jaw_1 curr, jaw_2 prev, jaw_2 curr] in MU and mm, frames ``(S, 1, 256, 256)``.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from epid.config import Config
+from epid.dataset import Batch, Window, assemble_batch, num_samples, split_range
+from epid.errors import InputError
+from epid.gamma import gamma_index, gamma_pass_rate
+from epid.imaging import PIXEL_MM, render_frames
+from epid.kernel import kernel_from_config
+from epid.sequences import NUM_LEAF_PAIRS, PATTERNS, generate_control_points, leaf_band, pattern_for
+
+SPLITS = ("val", "train", "all")
+BATCH_FIELDS = ("leaf_a", "leaf_b", "scalars", "leaf_weight_a", "leaf_weight_b", "epid_prev", "epid_curr")
+SYNTHESIS_VARIABLES = {
+    "control_points": "EPID_CONTROL_POINTS",
+    "kernel": "EPID_KERNEL",
+    "noise_std": "EPID_NOISE_STD",
+    "noise_seed": "EPID_NOISE_SEED",
+}
+
+
+@dataclass(frozen=True)
+class SampleRef:
+    """One sample: ``sample`` pairs control point ``sample + 1`` (prev) with ``sample + 2`` (curr)."""
+
+    dataset_id: int
+    sample: int
+    pattern: str
+
+
+@dataclass(frozen=True)
+class GammaCriteria:
+    """Gamma criteria: dose difference in percent (of the reference maximum, or of the local
+    reference dose when ``local``), distance to agreement in mm, lower dose cutoff in percent
+    of the reference maximum."""
+
+    dose_percent: float = 3.0
+    distance_mm: float = 3.0
+    cutoff_percent: float = 10.0
+    local: bool = False
+    max_gamma: float = 2.0
+
+    def describe(self) -> str:
+        """Short label, e.g. ``3 %/3 mm global, cutoff 10 %``."""
+        kind = "local" if self.local else "global"
+        return f"{self.dose_percent:g} %/{self.distance_mm:g} mm {kind}, cutoff {self.cutoff_percent:g} %"
+
+
+@dataclass(frozen=True)
+class SynthesisSettings:
+    """How frames are synthesised, and where each setting came from (``sources``)."""
+
+    control_points: int
+    kernel: str
+    noise_std: float
+    noise_seed: int
+    sources: Mapping[str, str]
+
+    def describe(self) -> str:
+        """One line listing each setting with its source."""
+        kernel = self.kernel or "built-in"
+        return (
+            f"{self.control_points} control points ({self.sources['control_points']}), "
+            f"kernel {kernel} ({self.sources['kernel']}), "
+            f"noise std {self.noise_std:g} ({self.sources['noise_std']}), "
+            f"noise seed {self.noise_seed} ({self.sources['noise_seed']})"
+        )
+
+
+@dataclass
+class SampleSet:
+    """Selected samples with their parameters and frames (CPU tensors; row i is ``refs[i]``).
+
+    Fields follow ``epid.dataset.Batch``: leaf_a, leaf_b (S, 104) mm; scalars (S, 5);
+    leaf_weight_a, leaf_weight_b (S, 104); epid_prev, epid_curr (S, 1, 256, 256).
+    """
+
+    refs: list[SampleRef]
+    leaf_a: Tensor
+    leaf_b: Tensor
+    scalars: Tensor
+    leaf_weight_a: Tensor
+    leaf_weight_b: Tensor
+    epid_prev: Tensor
+    epid_curr: Tensor
+
+    def __len__(self) -> int:
+        return len(self.refs)
+
+    def as_batch(self) -> Batch:
+        """The samples as one ``Batch`` (``dataset_id`` -1: they may come from several datasets)."""
+        return Batch(**{name: getattr(self, name) for name in BATCH_FIELDS})
+
+
+@dataclass
+class Predictions:
+    """Model outputs for a ``SampleSet`` (CPU float32): forward ``epid`` (S, 1, 256, 256);
+    inverse ``leaf_a``, ``leaf_b`` (S, 104) mm and ``scalars`` (S, 5)."""
+
+    epid: Tensor
+    leaf_a: Tensor
+    leaf_b: Tensor
+    scalars: Tensor
+
+
+@dataclass(frozen=True)
+class SampleMetrics:
+    """Errors of one sample. Leaf errors average both banks and both control points; the jaw
+    band is the target's open band of leaf pairs at each control point."""
+
+    dataset_id: int
+    pattern: str
+    sample: int
+    gamma_pass_percent: float
+    leaf_mae_band_mm: float
+    leaf_mae_mm: float
+    jaw_mae_mm: float
+    mu_abs_error: float
+    forward_mse: float
+    forward_mae: float
+
+
+METRIC_NAMES = tuple(f.name for f in fields(SampleMetrics))[3:]
+METRIC_LABELS = {
+    "gamma_pass_percent": "gamma pass (%)",
+    "leaf_mae_band_mm": "leaf MAE in jaw band (mm)",
+    "leaf_mae_mm": "leaf MAE overall (mm)",
+    "jaw_mae_mm": "jaw MAE (mm)",
+    "mu_abs_error": "MU abs error (MU)",
+    "forward_mse": "forward MSE",
+    "forward_mae": "forward MAE",
+}
+
+
+def split_samples(n_control_points: int, split: str) -> range:
+    """Sample indices of ``split`` ("val", "train" or "all") of an arc of ``n_control_points``."""
+    if split == "all":
+        return range(num_samples(n_control_points))
+    return split_range(n_control_points, split)
+
+
+def select_samples(
+    dataset_ids: Iterable[int],
+    samples_per_dataset: int,
+    seed: int,
+    n_control_points: int,
+    max_total: int | None = None,
+    split: str = "val",
+) -> list[SampleRef]:
+    """A deterministic choice of samples, sorted by dataset ID then sample index.
+
+    Each dataset draws ``samples_per_dataset`` distinct samples (all of them if its split
+    has fewer) from its ``split`` with a generator seeded by ``(seed, dataset_id)``, so a
+    dataset's choice does not depend on which other datasets are selected. With
+    ``max_total`` below the total, the datasets used are spread evenly over the sorted
+    IDs (so over all patterns) and take their draws in turn until ``max_total``.
+    """
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    if samples_per_dataset < 1:
+        raise ValueError(f"samples per dataset must be at least 1, got {samples_per_dataset}")
+    candidates = np.asarray(split_samples(n_control_points, split))
+    per_dataset = min(samples_per_dataset, len(candidates))
+    ids = sorted(set(dataset_ids))
+    if max_total is not None and max_total < len(ids) * per_dataset:
+        needed = min(len(ids), math.ceil(max_total / per_dataset))
+        ids = [ids[k] for k in np.unique(np.round(np.linspace(0, len(ids) - 1, needed)).astype(int))]
+    draws = []
+    for dataset_id in ids:
+        rng = np.random.default_rng([seed, dataset_id])
+        chosen = rng.choice(candidates, size=per_dataset, replace=False)
+        draws.append([SampleRef(dataset_id, int(s), pattern_for(dataset_id)) for s in chosen])
+    in_turn = [draw[k] for k in range(per_dataset) for draw in draws]
+    if max_total is not None:
+        in_turn = in_turn[:max_total]
+    return sorted(in_turn, key=lambda ref: (ref.dataset_id, ref.sample))
+
+
+def resolve_synthesis(checkpoint_config: Mapping[str, object], config: Config,
+                      environ: Mapping[str, str] | None = None) -> SynthesisSettings:
+    """Synthesis settings for evaluating a checkpoint.
+
+    An ``EPID_*`` variable that is set (non-empty) wins; otherwise the checkpoint's own
+    training config is used, so samples look like the ones the model was trained on;
+    otherwise the built-in default. ``config`` is the validated ``load_config`` result of
+    ``environ``.
+    """
+    environ = os.environ if environ is None else environ
+    defaults = Config()
+    values: dict[str, object] = {}
+    sources: dict[str, str] = {}
+    for field_name, variable in SYNTHESIS_VARIABLES.items():
+        if environ.get(variable, "").strip():
+            values[field_name], sources[field_name] = getattr(config, field_name), variable
+        elif field_name in checkpoint_config:
+            values[field_name], sources[field_name] = checkpoint_config[field_name], "checkpoint"
+        else:
+            values[field_name], sources[field_name] = getattr(defaults, field_name), "default"
+    return SynthesisSettings(
+        control_points=int(values["control_points"]), kernel=str(values["kernel"]),
+        noise_std=float(values["noise_std"]), noise_seed=int(values["noise_seed"]), sources=sources,
+    )
+
+
+def load_synthesis_kernel(settings: SynthesisSettings) -> np.ndarray:
+    """The EPID response kernel of ``settings``; a missing file is an InputError naming its source."""
+    probe = Config(kernel=settings.kernel)
+    path, variable = probe.kernel_path, probe.kernel_variable
+    if path and not os.path.isfile(path):
+        where = "the checkpoint was trained with" if settings.sources["kernel"] == "checkpoint" else "EPID_KERNEL is"
+        raise InputError(
+            f"{where} kernel {settings.kernel!r} but there is no file {path!r} here; "
+            "set EPID_KERNEL to that kernel's .mat file"
+        )
+    return kernel_from_config(path, variable)
+
+
+def synthesise_samples(
+    refs: Sequence[SampleRef],
+    settings: SynthesisSettings,
+    kernel: np.ndarray,
+    device: torch.device | str = "cpu",
+    progress: Callable[[Iterable[int]], Iterable[int]] | None = None,
+) -> SampleSet:
+    """Generate the control points of each selected dataset once and render only the frames
+    the samples need (no cache), on ``device``; the returned tensors are on the CPU.
+
+    ``progress`` optionally wraps the loop over datasets (e.g. ``tqdm``).
+    """
+    ordered = sorted(refs, key=lambda ref: (ref.dataset_id, ref.sample))
+    by_dataset: dict[int, list[int]] = {}
+    for ref in ordered:
+        by_dataset.setdefault(ref.dataset_id, []).append(ref.sample)
+    batches = []
+    dataset_ids: Iterable[int] = list(by_dataset)
+    for dataset_id in progress(dataset_ids) if progress else dataset_ids:
+        samples = by_dataset[dataset_id]
+        control_points = generate_control_points(dataset_id, settings.control_points)
+        frame_indices = sorted({s + 1 for s in samples} | {s + 2 for s in samples})
+        frames = render_frames(
+            control_points, frame_indices, kernel, dataset_id=dataset_id,
+            noise_std=settings.noise_std, noise_seed=settings.noise_seed, device=device,
+        ).float().cpu()
+        position = {frame: k for k, frame in enumerate(frame_indices)}
+        for s in samples:
+            pair = frames[[position[s + 1], position[s + 2]]]
+            batches.append(assemble_batch(control_points, Window(dataset_id, s, s + 1), pair))
+    return SampleSet(
+        refs=ordered, **{name: torch.cat([getattr(batch, name) for batch in batches]) for name in BATCH_FIELDS}
+    )
+
+
+def predict(
+    models: tuple[torch.nn.Module, torch.nn.Module],
+    samples: SampleSet,
+    device: torch.device | str = "cpu",
+    batch_size: int = 16,
+) -> Predictions:
+    """Run the forward model on the target parameters and the inverse model on the measured
+    frame pair, ``batch_size`` samples at a time under ``torch.inference_mode``.
+
+    ``models`` = (forward, inverse), already on ``device``; both are switched to eval mode.
+    """
+    forward_model, inverse_model = models
+    forward_model.eval()
+    inverse_model.eval()
+    outputs: dict[str, list[Tensor]] = {"epid": [], "leaf_a": [], "leaf_b": [], "scalars": []}
+    with torch.inference_mode():
+        for start in range(0, len(samples), batch_size):
+            stop = start + batch_size
+
+            def chunk(tensor: Tensor) -> Tensor:
+                return tensor[start:stop].to(device)
+
+            epid, _ = forward_model(chunk(samples.leaf_a), chunk(samples.leaf_b), chunk(samples.scalars))
+            leaf_a, leaf_b, scalars, _ = inverse_model(chunk(samples.epid_prev), chunk(samples.epid_curr))
+            for name, value in (("epid", epid), ("leaf_a", leaf_a), ("leaf_b", leaf_b), ("scalars", scalars)):
+                outputs[name].append(value.float().cpu())
+    return Predictions(**{name: torch.cat(values) for name, values in outputs.items()})
+
+
+def gamma_maps(
+    reference: Tensor,
+    evaluation: Tensor,
+    criteria: GammaCriteria,
+    device: torch.device | str = "cpu",
+    batch_size: int = 16,
+) -> Tensor:
+    """Gamma of ``evaluation`` against ``reference`` (each (S, 1, 256, 256) or (S, 256, 256)),
+    computed on ``device`` in batches; (S, 256, 256) on the CPU, NaN below the cutoff."""
+    reference = reference.reshape(-1, *reference.shape[-2:])
+    evaluation = evaluation.reshape(-1, *evaluation.shape[-2:])
+    maps = []
+    for start in range(0, reference.shape[0], batch_size):
+        stop = start + batch_size
+        maps.append(gamma_index(
+            reference[start:stop].to(device), evaluation[start:stop].to(device),
+            pixel_mm=PIXEL_MM, dose_percent=criteria.dose_percent, distance_mm=criteria.distance_mm,
+            lower_percent_cutoff=criteria.cutoff_percent, local=criteria.local, max_gamma=criteria.max_gamma,
+        ).float().cpu())
+    return torch.cat(maps)
+
+
+def jaw_band(jaw_1: Tensor, jaw_2: Tensor) -> Tensor:
+    """Boolean (..., 52) mask of the leaf pairs in the open jaw band ``[lo, hi)`` of
+    ``epid.sequences.leaf_band`` (jaws in mm, any leading shape)."""
+    lo, hi = leaf_band(jaw_1.detach().cpu().numpy(), jaw_2.detach().cpu().numpy())
+    leaf = np.arange(NUM_LEAF_PAIRS)
+    return torch.from_numpy((leaf >= lo[..., None]) & (leaf < hi[..., None])).to(jaw_1.device)
+
+
+def sample_metrics(samples: SampleSet, predictions: Predictions, gamma: Tensor) -> list[SampleMetrics]:
+    """Per-sample errors of ``predictions`` against ``samples`` (gamma maps from ``gamma_maps``).
+
+    Forward: MSE and MAE over the 256 x 256 pixels of the curr frame, gamma pass rate.
+    Inverse: leaf MAE (mm) over both banks and both control points, overall and inside the
+    target jaw band; jaw MAE (mm) over jaw_1 and jaw_2 at both control points; absolute MU
+    error of the curr control point.
+    """
+    image_error = (predictions.epid - samples.epid_curr).flatten(1)
+    forward_mse = image_error.square().mean(1)
+    forward_mae = image_error.abs().mean(1)
+    pass_percent = gamma_pass_rate(gamma)
+
+    leaf_error = torch.cat([
+        (predictions.leaf_a - samples.leaf_a).abs(), (predictions.leaf_b - samples.leaf_b).abs()
+    ], dim=1)
+    band = torch.cat([
+        jaw_band(samples.scalars[:, 1], samples.scalars[:, 3]),
+        jaw_band(samples.scalars[:, 2], samples.scalars[:, 4]),
+    ], dim=1).repeat(1, 2)
+    leaf_band = (leaf_error * band).sum(1) / band.sum(1).clamp(min=1)
+    scalar_error = (predictions.scalars - samples.scalars).abs()
+
+    records = []
+    for i, ref in enumerate(samples.refs):
+        records.append(SampleMetrics(
+            dataset_id=ref.dataset_id, pattern=ref.pattern, sample=ref.sample,
+            gamma_pass_percent=float(pass_percent[i]),
+            leaf_mae_band_mm=float(leaf_band[i]) if band[i].any() else math.nan,
+            leaf_mae_mm=float(leaf_error[i].mean()),
+            jaw_mae_mm=float(scalar_error[i, 1:].mean()),
+            mu_abs_error=float(scalar_error[i, 0]),
+            forward_mse=float(forward_mse[i]), forward_mae=float(forward_mae[i]),
+        ))
+    return records
+
+
+def by_pattern(records: Iterable[SampleMetrics]) -> dict[str, list[SampleMetrics]]:
+    """Records grouped by pattern, in the order regular, semiregular, irregular (absent ones left out)."""
+    groups: dict[str, list[SampleMetrics]] = {}
+    for record in records:
+        groups.setdefault(record.pattern, []).append(record)
+    known = [p for p in PATTERNS if p in groups]
+    return {pattern: groups[pattern] for pattern in known + sorted(set(groups) - set(known))}
+
+
+def pattern_means(records: Sequence[SampleMetrics]) -> dict[str, dict[str, float]]:
+    """Mean of every metric per pattern and over ``"all"`` samples (NaNs ignored), with ``"count"``."""
+    groups = {**by_pattern(records), "all": list(records)}
+    table = {}
+    for name, group in groups.items():
+        row = {"count": float(len(group))}
+        for metric in METRIC_NAMES:
+            values = np.array([getattr(record, metric) for record in group], dtype=float)
+            row[metric] = float(np.nanmean(values)) if np.isfinite(values).any() else math.nan
+        table[name] = row
+    return table
+
+
+def write_metrics_csv(path: str | Path, records: Iterable[SampleMetrics]) -> None:
+    """One row per sample, columns of ``SampleMetrics`` (floats with 6 significant digits)."""
+    with open(path, "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=[f.name for f in fields(SampleMetrics)])
+        writer.writeheader()
+        for record in records:
+            row = asdict(record)
+            writer.writerow({key: f"{value:.6g}" if isinstance(value, float) else value for key, value in row.items()})
+
+
+def read_metrics_csv(path: str | Path) -> list[SampleMetrics]:
+    """Records written by ``write_metrics_csv``."""
+    with open(path, newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    return [
+        SampleMetrics(
+            dataset_id=int(row["dataset_id"]), pattern=row["pattern"], sample=int(row["sample"]),
+            **{metric: float(row[metric]) for metric in METRIC_NAMES},
+        )
+        for row in rows
+    ]

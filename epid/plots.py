@@ -1,0 +1,341 @@
+"""Figures for judging predictions: one page per sample, training losses, metric summaries.
+
+Figures are built with ``matplotlib.figure.Figure`` and the Agg canvas, never pyplot, so
+nothing depends on a display or on global figure state. Image axes are physical: x and
+y in mm at the EPID plane, y up (row 0 of a frame is the most positive y).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import numpy as np
+from matplotlib import colormaps
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
+from matplotlib.patches import Patch
+
+from epid.evaluate import (
+    METRIC_LABELS,
+    GammaCriteria,
+    Predictions,
+    SampleMetrics,
+    SampleSet,
+    by_pattern,
+)
+from epid.imaging import GRID_SIZE, PIXEL_MM
+from epid.sequences import LEAF_WIDTH_MM, MLC_Y_MIN_MM, NUM_LEAF_PAIRS
+
+DPI = 100
+SAMPLE_FIGSIZE = (17.0, 14.0)
+LOSSES_FIGSIZE = (16.0, 10.0)
+SUMMARY_FIGSIZE = (15.0, 9.0)
+HALF_FIELD_MM = GRID_SIZE * PIXEL_MM / 2
+LEAF_EDGES_MM = MLC_Y_MIN_MM + LEAF_WIDTH_MM * np.arange(NUM_LEAF_PAIRS + 1)
+PIXEL_CENTRES_MM = (np.arange(GRID_SIZE) + 0.5) * PIXEL_MM - HALF_FIELD_MM
+TARGET_STYLE = {"color": "black", "linestyle": "-", "linewidth": 1.4}
+PREDICTED_STYLE = {"color": "tab:red", "linestyle": "--", "linewidth": 1.4}
+JAW_TARGET_STYLE = {"color": "tab:green", "linestyle": "-", "linewidth": 1.6}
+JAW_PREDICTED_STYLE = {"color": "tab:green", "linestyle": "--", "linewidth": 1.6}
+APERTURE_COLOUR = "0.85"
+BELOW_CUTOFF_COLOUR = "0.85"
+PREV_WEIGHT_STYLE = {"color": "0.55", "linestyle": "-", "linewidth": 2.5}
+CURR_WEIGHT_STYLE = {"color": "tab:blue", "linestyle": "--", "linewidth": 1.5}
+PATTERN_COLOURS = {"regular": "tab:blue", "semiregular": "tab:orange", "irregular": "tab:purple"}
+SUMMARY_METRICS = (
+    "gamma_pass_percent", "leaf_mae_band_mm", "leaf_mae_mm", "jaw_mae_mm", "mu_abs_error", "forward_mse",
+)
+MLC_MARGIN_MM = 8.0
+IMAGE_EXTENT = (-HALF_FIELD_MM, HALF_FIELD_MM, -HALF_FIELD_MM, HALF_FIELD_MM)
+
+
+def save_figure(figure: Figure, path: str | Path) -> None:
+    """Write ``figure`` as a PNG at the module DPI (fixed pixel size, no tight cropping)."""
+    figure.savefig(path, dpi=DPI)
+
+
+# --------------------------------------------------------------------------- one sample
+
+
+def _row_of(y_mm: float) -> int:
+    """Frame row whose centre is nearest ``y_mm`` (row 0 is the most positive y)."""
+    return int(np.clip(math.floor(HALF_FIELD_MM - y_mm / PIXEL_MM), 0, GRID_SIZE - 1))
+
+
+def _column_of(x_mm: float) -> int:
+    """Frame column whose centre is nearest ``x_mm``."""
+    return int(np.clip(math.floor(HALF_FIELD_MM + x_mm / PIXEL_MM), 0, GRID_SIZE - 1))
+
+
+def field_centre(leaf_a: np.ndarray, leaf_b: np.ndarray, jaw_1: float, jaw_2: float) -> tuple[float, float]:
+    """(x, y) in mm through which the profiles run: y halfway between the jaws, x halfway
+    between the two banks of the leaf pair at that y (52 leaf positions per bank, mm)."""
+    y = (jaw_1 + jaw_2) / 2
+    pair = int(np.clip(np.searchsorted(LEAF_EDGES_MM, y, side="right") - 1, 0, NUM_LEAF_PAIRS - 1))
+    return float((leaf_a[pair] + leaf_b[pair]) / 2), float(y)
+
+
+def _image_axes(axes: Axes, title: str) -> None:
+    axes.set_title(title, fontsize=11)
+    axes.set_xlabel("x (mm)")
+    axes.set_ylabel("y (mm)")
+
+
+def _mlc_panel(axes: Axes, target: Mapping[str, np.ndarray | float], predicted: Mapping[str, np.ndarray | float],
+               title: str) -> None:
+    """Leaf positions as 5 mm steps along y (both banks) and jaws as horizontal lines."""
+    band = (LEAF_EDGES_MM[1:] > target["jaw_1"]) & (LEAF_EDGES_MM[:-1] < target["jaw_2"])
+    edges = np.clip(LEAF_EDGES_MM, target["jaw_1"], target["jaw_2"])
+    axes.fill_betweenx(
+        np.repeat(edges, 2)[1:-1], np.repeat(target["leaf_a"], 2), np.repeat(target["leaf_b"], 2),
+        where=np.repeat(band, 2), color=APERTURE_COLOUR, linewidth=0,
+    )
+    for values, style in ((target, TARGET_STYLE), (predicted, PREDICTED_STYLE)):
+        for bank in ("leaf_a", "leaf_b"):
+            axes.stairs(values[bank], LEAF_EDGES_MM, orientation="horizontal", baseline=None, **style)
+    for values, style in ((target, JAW_TARGET_STYLE), (predicted, JAW_PREDICTED_STYLE)):
+        for jaw in ("jaw_1", "jaw_2"):
+            axes.axhline(values[jaw], **style)
+    positions = np.concatenate([np.ravel(values[bank]) for values in (target, predicted) for bank in ("leaf_a", "leaf_b")])
+    jaws = np.array([values[jaw] for values in (target, predicted) for jaw in ("jaw_1", "jaw_2")])
+    axes.set_xlim(*_limits(positions, -HALF_FIELD_MM - MLC_MARGIN_MM, HALF_FIELD_MM + MLC_MARGIN_MM))
+    axes.set_ylim(*_limits(jaws, LEAF_EDGES_MM[0], LEAF_EDGES_MM[-1]))
+    axes.set_aspect("equal")
+    axes.set_title(title, fontsize=11)
+    axes.set_xlabel("x (mm)")
+    axes.set_ylabel("y (mm)")
+
+
+def _limits(values: np.ndarray, low: float, high: float) -> tuple[float, float]:
+    """Axis limits covering [low, high] and every finite value (so off-scale predictions show)."""
+    finite = values[np.isfinite(values)]
+    if finite.size:
+        low, high = min(low, float(finite.min()) - MLC_MARGIN_MM), max(high, float(finite.max()) + MLC_MARGIN_MM)
+    return low, high
+
+
+def _cp_values(leaf_a: np.ndarray, leaf_b: np.ndarray, scalars: np.ndarray, half: int) -> dict[str, np.ndarray | float]:
+    """Leaves and jaws of the prev (``half`` 0) or curr (1) control point of one sample."""
+    leaves = slice(half * NUM_LEAF_PAIRS, (half + 1) * NUM_LEAF_PAIRS)
+    return {
+        "leaf_a": leaf_a[leaves], "leaf_b": leaf_b[leaves],
+        "jaw_1": float(scalars[1 + half]), "jaw_2": float(scalars[3 + half]),
+    }
+
+
+def sample_figure(samples: SampleSet, predictions: Predictions, gamma: np.ndarray | None,
+                  record: SampleMetrics, index: int, criteria: GammaCriteria) -> Figure:
+    """One page for sample ``index``: measured and predicted curr frame on one colour scale,
+    gamma map, difference, prev and curr MLC/jaw panels (target solid, predicted dashed),
+    leaf weights, MU, and row and column profiles through the field centre.
+
+    ``gamma`` is this sample's (256, 256) gamma map (NaN below the cutoff).
+    """
+    ref = samples.refs[index]
+    measured = samples.epid_curr[index, 0].numpy()
+    predicted = predictions.epid[index, 0].numpy()
+    target_scalars = samples.scalars[index].numpy()
+    predicted_scalars = predictions.scalars[index].numpy()
+    targets = [_cp_values(samples.leaf_a[index].numpy(), samples.leaf_b[index].numpy(), target_scalars, half)
+               for half in (0, 1)]
+    predicted_cps = [_cp_values(predictions.leaf_a[index].numpy(), predictions.leaf_b[index].numpy(),
+                                predicted_scalars, half) for half in (0, 1)]
+
+    figure = Figure(figsize=SAMPLE_FIGSIZE, layout="constrained")
+    figure.suptitle(
+        f"Dataset {ref.dataset_id} ({ref.pattern}), sample {ref.sample}: "
+        f"prev CP {ref.sample + 1}, curr CP {ref.sample + 2}\n"
+        f"gamma {criteria.describe()}: {record.gamma_pass_percent:.1f} % pass  |  "
+        f"leaf MAE {record.leaf_mae_band_mm:.2f} mm in jaw band, {record.leaf_mae_mm:.2f} mm overall  |  "
+        f"jaw MAE {record.jaw_mae_mm:.2f} mm  |  MU error {record.mu_abs_error:.2f}",
+        fontsize=14,
+    )
+    figure.legend(handles=_legend_handles(), loc="outside lower center", ncol=5, fontsize=11, frameon=False)
+    rows = figure.add_gridspec(3, 1, height_ratios=(0.85, 1.0, 0.55))
+    top = rows[0].subgridspec(1, 4)
+    middle = rows[1].subgridspec(1, 4, width_ratios=(1.0, 1.0, 0.42, 0.5))
+    bottom = rows[2].subgridspec(1, 2)
+
+    x_centre, y_centre = field_centre(targets[1]["leaf_a"], targets[1]["leaf_b"], targets[1]["jaw_1"], targets[1]["jaw_2"])
+    row, column = _row_of(y_centre), _column_of(x_centre)
+    _image_row(figure, [figure.add_subplot(top[0, k]) for k in range(4)], measured, predicted, gamma, record,
+               criteria, row, column)
+
+    mlc_axes = [figure.add_subplot(middle[0, k]) for k in range(2)]
+    for half, axes in enumerate(mlc_axes):
+        name = ("Prev", "Curr")[half]
+        _mlc_panel(axes, targets[half], predicted_cps[half], f"{name} CP {ref.sample + 1 + half}: MLC and jaws")
+    _weights_panel(figure.add_subplot(middle[0, 2], sharey=mlc_axes[1]),
+                   samples.leaf_weight_a[index].numpy())
+    _mu_panel(figure.add_subplot(middle[0, 3]), float(target_scalars[0]), float(predicted_scalars[0]))
+
+    row_axes = figure.add_subplot(bottom[0, 0])
+    _profile_panel(row_axes, measured[row, :], predicted[row, :], "x (mm)",
+                   f"Row profile at y = {PIXEL_CENTRES_MM[::-1][row]:.1f} mm")
+    column_axes = figure.add_subplot(bottom[0, 1], sharey=row_axes)
+    _profile_panel(column_axes, measured[::-1, column], predicted[::-1, column], "y (mm)",
+                   f"Column profile at x = {PIXEL_CENTRES_MM[column]:.1f} mm")
+    return figure
+
+
+def _image_row(figure: Figure, axes: Sequence[Axes], measured: np.ndarray, predicted: np.ndarray,
+               gamma: np.ndarray | None, record: SampleMetrics, criteria: GammaCriteria, row: int, column: int) -> None:
+    """Measured and predicted frames (shared scale, one colour bar), gamma map, difference."""
+    top = max(float(measured.max()), float(predicted.max()), 1e-12)
+    for panel, image, title in ((axes[0], measured, "Measured (synthetic) EPID, curr"),
+                                (axes[1], predicted, "Predicted EPID (forward model)")):
+        shown = panel.imshow(image, extent=IMAGE_EXTENT, origin="upper", cmap="viridis", vmin=0, vmax=top)
+        panel.axhline(PIXEL_CENTRES_MM[::-1][row], color="white", linestyle=":", linewidth=1)
+        panel.axvline(PIXEL_CENTRES_MM[column], color="white", linestyle=":", linewidth=1)
+        _image_axes(panel, title)
+    figure.colorbar(shown, ax=list(axes[:2]), shrink=0.85, label="signal (a.u.); dotted: profiles")
+
+    gamma_cmap = colormaps["coolwarm"].with_extremes(bad=BELOW_CUTOFF_COLOUR)
+    gamma_image = np.full_like(measured, np.nan) if gamma is None else gamma
+    shown = axes[2].imshow(gamma_image, extent=IMAGE_EXTENT, origin="upper", cmap=gamma_cmap,
+                           vmin=0, vmax=criteria.max_gamma)
+    _image_axes(axes[2], f"Gamma {criteria.dose_percent:g} %/{criteria.distance_mm:g} mm: "
+                         f"{record.gamma_pass_percent:.1f} % pass")
+    figure.colorbar(shown, ax=axes[2], shrink=0.85, label=f"gamma (grey: below {criteria.cutoff_percent:g} % cutoff)")
+
+    difference = predicted - measured
+    limit = max(float(np.abs(difference).max()), 1e-12)
+    shown = axes[3].imshow(difference, extent=IMAGE_EXTENT, origin="upper", cmap="RdBu_r", vmin=-limit, vmax=limit)
+    _image_axes(axes[3], "Difference, predicted - measured")
+    figure.colorbar(shown, ax=axes[3], shrink=0.85, label="signal (a.u.)")
+
+
+def _legend_handles() -> list[Line2D | Patch]:
+    return [
+        Line2D([], [], label="target / measured", **TARGET_STYLE),
+        Line2D([], [], label="predicted", **PREDICTED_STYLE),
+        Line2D([], [], label="jaws, target", **JAW_TARGET_STYLE),
+        Line2D([], [], label="jaws, predicted", **JAW_PREDICTED_STYLE),
+        Patch(color=APERTURE_COLOUR, label="target aperture"),
+    ]
+
+
+def _weights_panel(axes: Axes, leaf_weight: np.ndarray) -> None:
+    """Loss weight of each leaf pair (104 values: prev 52, curr 52) as steps along y."""
+    for half, style in ((0, PREV_WEIGHT_STYLE), (1, CURR_WEIGHT_STYLE)):
+        weights = leaf_weight[half * NUM_LEAF_PAIRS:(half + 1) * NUM_LEAF_PAIRS]
+        axes.stairs(weights, LEAF_EDGES_MM, orientation="horizontal", baseline=None,
+                    label=("prev", "curr")[half], **style)
+    axes.set_xlim(0, 1.1)
+    axes.set_xticks([0, 0.5, 1])
+    axes.set_title("Leaf weights", fontsize=11)
+    axes.set_xlabel("loss weight")
+    axes.tick_params(labelleft=False)
+    axes.legend(loc="center left", fontsize=9)
+
+
+def _mu_panel(axes: Axes, target: float, predicted: float) -> None:
+    bars = axes.bar(["target", "predicted"], [target, predicted], color=["0.3", "tab:red"], width=0.6)
+    axes.bar_label(bars, labels=[f"{target:.1f}", f"{predicted:.1f}"], padding=3, fontsize=11)
+    axes.set_ylim(0, max(target, predicted, 1.0) * 1.2)
+    axes.set_title("MU, curr CP", fontsize=11)
+    axes.set_ylabel("MU")
+
+
+def _profile_panel(axes: Axes, measured: np.ndarray, predicted: np.ndarray, label: str, title: str) -> None:
+    axes.plot(PIXEL_CENTRES_MM, measured, **TARGET_STYLE)
+    axes.plot(PIXEL_CENTRES_MM, predicted, **PREDICTED_STYLE)
+    axes.set_xlim(-HALF_FIELD_MM, HALF_FIELD_MM)
+    axes.set_xlabel(label)
+    axes.set_ylabel("signal (a.u.)")
+    axes.set_title(title, fontsize=11)
+    axes.grid(alpha=0.3)
+
+
+# --------------------------------------------------------------------------- losses
+
+
+def losses_figure(history: Mapping[str, object], best_epoch: int | None, title: str) -> Figure:
+    """Train and validation curves of every loss term (log scale) from a checkpoint history,
+    plus the gamma pass rate and learning rate when recorded; the best epoch is marked."""
+    train = dict(history.get("train", {}) or {})
+    val = dict(history.get("val", {}) or {})
+    terms = list(dict.fromkeys([*train, *val]))
+    extras = [name for name in ("gamma_pass", "lr") if _has_finite(history.get(name))]
+    panels = len(terms) + len(extras)
+    columns = 4
+    rows = max(1, math.ceil(panels / columns))
+    figure = Figure(figsize=(LOSSES_FIGSIZE[0], 3.3 * rows + 0.6), layout="constrained")
+    figure.suptitle(title, fontsize=13)
+    axes_grid = figure.subplots(rows, columns, squeeze=False).ravel()
+    for axes, term in zip(axes_grid, terms):
+        _curve(axes, {"train": train.get(term), "val": val.get(term)}, log=True)
+        axes.set_title(term, fontsize=11)
+        _mark_best(axes, best_epoch)
+    for axes, name in zip(axes_grid[len(terms):], extras):
+        series = {"val": history[name]} if name == "gamma_pass" else {"lr": history[name]}
+        _curve(axes, series, log=name == "lr")
+        axes.set_title("gamma pass (%), validation" if name == "gamma_pass" else "learning rate", fontsize=11)
+        _mark_best(axes, best_epoch)
+    for axes in axes_grid[panels:]:
+        axes.set_visible(False)
+    if panels == 0:
+        axes_grid[0].set_visible(True)
+        axes_grid[0].text(0.5, 0.5, "no history in checkpoint", ha="center", va="center")
+    return figure
+
+
+def _has_finite(values: Sequence[float] | None) -> bool:
+    return bool(values) and bool(np.isfinite(np.asarray(values, dtype=float)).any())
+
+
+def _curve(axes: Axes, series: Mapping[str, Sequence[float] | None], log: bool) -> None:
+    positive = False
+    for name, values in series.items():
+        if not values:
+            continue
+        y = np.asarray(values, dtype=float)
+        epochs = np.arange(1, len(y) + 1)
+        axes.plot(epochs, y, marker="o" if len(y) <= 20 else None, markersize=4, label=name)
+        positive |= bool((y[np.isfinite(y)] > 0).any())
+    if log and positive:
+        axes.set_yscale("log", nonpositive="mask")
+    axes.set_xlabel("epoch")
+    axes.grid(alpha=0.3, which="both")
+    if axes.get_legend_handles_labels()[0]:
+        axes.legend(fontsize=8)
+
+
+def _mark_best(axes: Axes, best_epoch: int | None) -> None:
+    if best_epoch:
+        axes.axvline(best_epoch, color="tab:green", linestyle=":", linewidth=1.2)
+        axes.annotate(f"best {best_epoch}", xy=(best_epoch, 1), xycoords=("data", "axes fraction"),
+                      xytext=(3, -12), textcoords="offset points", fontsize=8, color="tab:green")
+
+
+# --------------------------------------------------------------------------- summary
+
+
+def summary_figure(records: Sequence[SampleMetrics], title: str) -> Figure:
+    """Distribution of each metric by pattern: box plot with every sample drawn on top."""
+    groups = by_pattern(records)
+    figure = Figure(figsize=SUMMARY_FIGSIZE, layout="constrained")
+    figure.suptitle(title, fontsize=13)
+    axes_grid = figure.subplots(2, 3).ravel()
+    jitter = np.random.default_rng(0)
+    for axes, metric in zip(axes_grid, SUMMARY_METRICS):
+        values = [np.array([getattr(r, metric) for r in group], dtype=float) for group in groups.values()]
+        finite = [v[np.isfinite(v)] for v in values]
+        positions = np.arange(1, len(groups) + 1)
+        axes.boxplot([v if v.size else [np.nan] for v in finite], positions=positions, widths=0.5,
+                     showfliers=False, showmeans=True, medianprops={"color": "black"},
+                     meanprops={"marker": "D", "markerfacecolor": "white", "markeredgecolor": "black"})
+        for position, pattern, v in zip(positions, groups, finite):
+            axes.scatter(position + jitter.uniform(-0.12, 0.12, v.size), v, s=18, alpha=0.75,
+                         color=PATTERN_COLOURS.get(pattern, "tab:gray"), zorder=3)
+        axes.set_xticks(positions, [f"{pattern}\n(n={len(group)})" for pattern, group in groups.items()])
+        axes.set_title(METRIC_LABELS[metric], fontsize=11)
+        axes.grid(alpha=0.3, axis="y")
+    return figure

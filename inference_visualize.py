@@ -1,0 +1,252 @@
+"""Predict chosen synthetic samples with a trained checkpoint and draw what a physicist
+needs to judge them: one PNG per sample (measured and predicted EPID, gamma map,
+difference, profiles, MLC/jaw panels, leaf weights, MU), losses.png from the training
+history, summary.csv and summary.png with the per-sample errors by pattern.
+
+Samples are synthesised as the checkpoint was trained: control points, kernel and
+noise come from the checkpoint's own config, unless EPID_CONTROL_POINTS, EPID_KERNEL,
+EPID_NOISE_STD or EPID_NOISE_SEED is set, which then wins (the run prints which source
+each setting came from). Datasets: --dataset-range / --dataset-ids, else
+EPID_DATASET_RANGE / EPID_DATASET_IDS, else the datasets the checkpoint was trained on.
+Samples are drawn from the validation part of each arc unless --split says otherwise.
+
+Examples:
+
+  bash:        python inference_visualize.py --checkpoint runs/a/epid.pth --dataset-range 0:640:80
+  PowerShell:  python .\\inference_visualize.py --checkpoint runs\\a\\epid.pth --dataset-ids 0,80,160
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+from epid.cli import run_main
+from epid.config import Config, load_config
+from epid.errors import InputError
+from epid.sharding import NUM_DATASETS, select_dataset_ids
+
+PROGRAM = "inference_visualize.py"
+PROGRESS_BAR_MIN_ITEMS = 8
+
+
+def parse_arguments(argv: Sequence[str] | None, config: Config) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog=PROGRAM, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--checkpoint", default=config.checkpoint_path,
+                        help="checkpoint to evaluate (default: EPID_CHECKPOINT_PATH = %(default)s)")
+    selection = parser.add_mutually_exclusive_group()
+    selection.add_argument("--dataset-range", default="", metavar="START:STOP[:STEP]",
+                           help="dataset IDs as a Python-style range, e.g. 0:640:80")
+    selection.add_argument("--dataset-ids", default="", metavar="ID,ID,...",
+                           help="dataset IDs as a comma-separated list, e.g. 0,80,160")
+    parser.add_argument("--samples-per-dataset", type=_positive_int, default=2,
+                        help="samples drawn per dataset (default %(default)s)")
+    parser.add_argument("--max-total-samples", type=_non_negative_int, default=64,
+                        help="cap on all samples, spread evenly over the datasets; 0 = no cap (default %(default)s)")
+    parser.add_argument("--split", choices=("val", "train", "all"), default="val",
+                        help="part of each arc the samples come from (default %(default)s)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the sample choice (default %(default)s)")
+    parser.add_argument("--device", default=config.device,
+                        help="auto, cpu, cuda or cuda:N (default: EPID_DEVICE = %(default)s)")
+    parser.add_argument("--batch-size", type=_positive_int, default=16,
+                        help="samples per model call (default %(default)s)")
+    parser.add_argument("--output-dir", default="inference_output",
+                        help="folder for the PNGs and summary.csv (default %(default)s)")
+    gamma = parser.add_argument_group("gamma criteria")
+    gamma.add_argument("--gamma-dose-percent", type=_positive_float, default=3.0,
+                       help="dose difference criterion, percent (default %(default)s)")
+    gamma.add_argument("--gamma-distance-mm", type=_positive_float, default=3.0,
+                       help="distance to agreement criterion, mm (default %(default)s)")
+    gamma.add_argument("--gamma-cutoff-percent", type=_non_negative_float, default=10.0,
+                       help="lower dose cutoff, percent of the measured maximum (default %(default)s)")
+    gamma.add_argument("--gamma-local", action="store_true",
+                       help="local gamma (dose criterion relative to the local measured dose)")
+    return parser.parse_args(argv)
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 1")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 0")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number > 0")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number >= 0")
+    return value
+
+
+def requested_dataset_ids(args: argparse.Namespace, config: Config) -> list[int] | None:
+    """IDs from the arguments, else from EPID_DATASET_RANGE / EPID_DATASET_IDS; None if neither."""
+    for name, range_spec, ids_spec in (
+        ("--dataset-range", args.dataset_range, ""),
+        ("--dataset-ids", "", args.dataset_ids),
+        ("EPID_DATASET_RANGE", config.dataset_range, ""),
+        ("EPID_DATASET_IDS", "", config.dataset_ids_spec),
+    ):
+        spec = range_spec or ids_spec
+        if spec:
+            try:
+                return select_dataset_ids(range_spec, ids_spec)
+            except ValueError as error:
+                raise InputError(f"{name} {spec!r}: {error}") from None
+    return None
+
+
+def prepare_output_dir(path: str) -> Path:
+    """Create ``path`` if needed and check that a file can be written there."""
+    directory = Path(path)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=directory):
+            pass
+    except OSError as error:
+        raise InputError(f"--output-dir {path!r}: cannot write there ({error.strerror or error})") from None
+    return directory
+
+
+def resolve_device(name: str):
+    """A torch.device for ``name`` (auto picks CUDA when available); unknown or absent devices are InputErrors."""
+    import torch
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise InputError(f"--device {name!r}: expected auto, cpu, cuda or cuda:N") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise InputError(f"--device {name!r}: CUDA is not available on this machine")
+    if device.type not in ("cpu", "cuda"):
+        raise InputError(f"--device {name!r}: expected auto, cpu, cuda or cuda:N")
+    return device
+
+
+def _stage(message: str) -> None:
+    print(message, flush=True)
+
+
+def _progress(items: Iterable, total: int, unit: str) -> Iterable:
+    """``items`` behind a tqdm bar when there are many and stderr is a terminal."""
+    if total < PROGRESS_BAR_MIN_ITEMS or not sys.stderr.isatty():
+        return items
+    from tqdm import tqdm
+
+    return tqdm(items, total=total, unit=unit, leave=False)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    config = load_config()
+    args = parse_arguments(argv, config)
+    dataset_ids = requested_dataset_ids(args, config)
+    output_dir = prepare_output_dir(args.output_dir)
+    checkpoint_path = args.checkpoint
+    if not os.path.isfile(checkpoint_path):
+        raise InputError(f"--checkpoint {checkpoint_path!r}: no such file (train first, or pass --checkpoint)")
+
+    from epid import evaluate, plots
+    from epid.checkpoint import CheckpointError, build_models_from_checkpoint, load_checkpoint
+
+    device = resolve_device(args.device)
+    started = time.perf_counter()
+    _stage(f"loading checkpoint {checkpoint_path}")
+    checkpoint = load_checkpoint(checkpoint_path)
+    try:
+        models = build_models_from_checkpoint(checkpoint, device)
+    except CheckpointError as error:
+        raise InputError(f"checkpoint {checkpoint_path!r}: {error}") from None
+    trained = dict(checkpoint.get("config") or {})
+    settings = evaluate.resolve_synthesis(trained, config)
+    kernel = evaluate.load_synthesis_kernel(settings)
+    if dataset_ids is None:
+        dataset_ids = sorted(checkpoint.get("dataset_ids") or trained.get("dataset_ids") or range(NUM_DATASETS))
+    refs = evaluate.select_samples(
+        dataset_ids, args.samples_per_dataset, args.seed, settings.control_points,
+        max_total=args.max_total_samples or None, split=args.split,
+    )
+    criteria = evaluate.GammaCriteria(
+        dose_percent=args.gamma_dose_percent, distance_mm=args.gamma_distance_mm,
+        cutoff_percent=args.gamma_cutoff_percent, local=args.gamma_local,
+    )
+    epoch = checkpoint.get("epoch")
+    _stage(f"  epoch {epoch}, best epoch {checkpoint.get('best_epoch')}; device {device}")
+    _stage(f"  synthesis: {settings.describe()}")
+
+    used = sorted({ref.dataset_id for ref in refs})
+    _stage(f"synthesising {len(refs)} samples ({args.split} split) from {len(used)} datasets")
+    samples = evaluate.synthesise_samples(
+        refs, settings, kernel, device, progress=lambda ids: _progress(ids, len(used), "dataset"),
+    )
+    _stage(f"predicting both directions (batches of {args.batch_size})")
+    predictions = evaluate.predict(models, samples, device, args.batch_size)
+    _stage(f"gamma {criteria.describe()}")
+    gamma = evaluate.gamma_maps(samples.epid_curr, predictions.epid, criteria, device, args.batch_size)
+    records = evaluate.sample_metrics(samples, predictions, gamma)
+
+    _stage(f"writing figures and summary to {output_dir}")
+    evaluate.write_metrics_csv(output_dir / "summary.csv", records)
+    run_label = f"{Path(checkpoint_path).name}, epoch {epoch}"
+    _save(plots.losses_figure(checkpoint.get("history") or {}, checkpoint.get("best_epoch"),
+                              f"Training history: {run_label}"), output_dir / "losses.png")
+    _save(plots.summary_figure(records, f"{len(records)} samples from {len(used)} datasets; {run_label}; "
+                                        f"gamma {criteria.describe()}"), output_dir / "summary.png")
+    for index in _progress(range(len(records)), len(records), "figure"):
+        ref = refs[index]
+        figure = plots.sample_figure(samples, predictions, gamma[index].numpy(), records[index], index, criteria)
+        _save(figure, output_dir / f"dataset_{ref.dataset_id:03d}_sample_{ref.sample:04d}.png")
+
+    print(format_table(evaluate.pattern_means(records)))
+    _stage(f"done in {time.perf_counter() - started:.1f} s: {len(records)} sample PNGs, losses.png, "
+           f"summary.png, summary.csv in {output_dir}")
+    return 0
+
+
+def _save(figure, path: Path) -> None:
+    from epid.plots import save_figure
+
+    save_figure(figure, path)
+
+
+def format_table(means: dict[str, dict[str, float]]) -> str:
+    """Per-pattern means as an aligned text table."""
+    columns = (
+        ("n", "count", "{:.0f}"), ("gamma %", "gamma_pass_percent", "{:.1f}"),
+        ("leaf band mm", "leaf_mae_band_mm", "{:.2f}"), ("leaf all mm", "leaf_mae_mm", "{:.2f}"),
+        ("jaw mm", "jaw_mae_mm", "{:.2f}"), ("MU err", "mu_abs_error", "{:.2f}"),
+        ("fwd MSE", "forward_mse", "{:.3g}"),
+    )
+    header = [("pattern", 12)] + [(title, max(len(title), 8)) for title, _, _ in columns]
+    lines = ["  ".join(f"{title:>{width}}" if k else f"{title:<{width}}" for k, (title, width) in enumerate(header))]
+    for pattern, row in means.items():
+        cells = [f"{pattern:<12}"] + [
+            f"{fmt.format(row[key]):>{width}}" for (_, key, fmt), (_, width) in zip(columns, header[1:])
+        ]
+        lines.append("  ".join(cells))
+    return "Mean per pattern:\n" + "\n".join(lines)
+
+
+if __name__ == "__main__":
+    run_main(main, PROGRAM)
