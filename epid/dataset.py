@@ -109,16 +109,6 @@ class Window:
     def __len__(self) -> int:
         return self.stop - self.start
 
-    @property
-    def first_frame(self) -> int:
-        """Frame of the first sample's prev control point, ``start + 1``."""
-        return self.start + 1
-
-    @property
-    def frame_indices(self) -> np.ndarray:
-        """Frames ``start + 1 .. stop + 1`` (``len(self) + 1`` of them), int64."""
-        return np.arange(self.start + 1, self.stop + 2, dtype=np.int64)
-
 
 def dataset_windows(
     dataset_id: int, n_control_points: int, split: str, batch_size: int
@@ -600,7 +590,7 @@ class EpidData:
     reads them from the frame cache when ``cache_dir`` is set.
 
     ``render(control_points, dataset_id, frame_indices, device) -> (F, 256, 256)``
-    replaces the frame engine; ``render_id`` then names it in the cache key.
+    replaces the frame engine; ``render_id`` then names it in the frame cache key.
     """
 
     def __init__(
@@ -625,8 +615,8 @@ class EpidData:
         self.noise_seed = noise_seed
         if render is None:
             render, render_id = EngineRender(self.kernel, noise_std, noise_seed), engine_digest()
-        elif render_id is None:
-            raise ValueError("a custom render needs a render_id for the cache key")
+        elif cache_dir and render_id is None:
+            raise ValueError("a custom render needs a render_id to key its frame cache")
         self.render = render
         self.cache = None
         if cache_dir:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import pickle
 from collections import Counter
 
 import numpy as np
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 from epid import dataset as ds
+from epid.config import load_config
 from epid.imaging import render_frames
 from epid.kernel import default_kernel
 from epid.sequences import NUM_LEAF_PAIRS, generate_control_points
@@ -223,6 +225,25 @@ def test_control_points_are_generated_for_used_datasets_only():
     assert data.control_point_bytes() == 3 * one
     with pytest.raises(KeyError):
         data.control_points_for(4)
+
+
+def test_data_from_config_uses_its_settings(tmp_path):
+    config = load_config(
+        {"EPID_CONTROL_POINTS": "12", "EPID_NOISE_STD": "0", "EPID_NOISE_SEED": "4", "EPID_CACHE_DIR": str(tmp_path)}
+    )
+    data = ds.EpidData.from_config(config, [9, 2])
+    assert data.dataset_ids == (9, 2) and data.n_control_points == 12
+    assert (data.noise_std, data.noise_seed, data.cache.directory) == (0.0, 4, tmp_path)
+    assert np.array_equal(data.kernel, default_kernel())
+
+
+def test_pickled_data_drops_its_caches_and_makes_the_same_batches(tmp_path):
+    data = counting_data([1, 2], cache_dir=tmp_path)
+    window = ds.Window(2, 3, 7)
+    batch = data.make_batch(window, "cpu")
+    copy = pickle.loads(pickle.dumps(data))
+    assert copy.control_point_bytes() == 0
+    assert_same_batch(batch, copy.make_batch(window, "cpu"))
 
 
 @pytest.mark.parametrize("dataset_id", [0, 100, 200])
