@@ -1,0 +1,183 @@
+"""Gamma index speed: epid.gamma on a batch of maps vs pymedphys.gamma map by map.
+
+Builds 64 EPID-like reference maps (256 x 256 at 1 mm: MLC-shaped apertures
+convolved with the broad EPID response kernel of design section 4) and evaluated
+maps that are shifted, scaled, blurred and noisy copies of them, then times at
+3 %/3 mm global gamma (10 % cutoff, max_gamma 2, interp_fraction 10):
+  - epid.gamma.gamma_index on the whole batch, on this CPU;
+  - pymedphys.gamma called once per map after its JIT warm-up, in a separate
+    process, on an evenly spread subset of the maps (every k-th), extrapolated to
+    the whole batch;
+  - on a GPU when one is available, maps per second.
+Both CPU timings are taken side by side in each repeat; medians are reported.
+
+    python bench/bench_gamma.py [--maps 64] [--pymedphys-maps 16] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import multiprocessing
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from scipy.ndimage import convolve1d, gaussian_filter, shift
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from epid.gamma import gamma_index, gamma_pass_rate  # noqa: E402
+
+CRITERIA = dict(dose_percent=3.0, distance_mm=3.0, lower_percent_cutoff=10.0, max_gamma=2.0)
+PERTURBATIONS = ("shift", "scale", "blur", "noise", "all")
+
+
+def epid_kernel_1d(half_width: int = 64) -> np.ndarray:
+    """Gaussian + Lorentzian line spread (sigma 2.183 mm, gamma 12.84 mm, w 0.7831)."""
+    x = np.arange(-half_width, half_width + 1, dtype=np.float64)
+    gauss = np.exp(-0.5 * (x / 2.183) ** 2)
+    lorentz = 1 / (1 + (x / 12.84) ** 2)
+    kernel = 0.7831 * gauss / gauss.sum() + (1 - 0.7831) * lorentz / lorentz.sum()
+    return kernel / kernel.sum()
+
+
+def epid_like_field(rng: np.random.Generator, size: int = 256) -> np.ndarray:
+    """MLC-shaped aperture (5 mm leaf pairs between two jaws), convolved, times MU."""
+    y = np.arange(size) - size / 2 + 0.5
+    half = size / 2
+    jaw_1 = rng.uniform(-0.8, 0.0) * half
+    jaw_2 = min(jaw_1 + rng.uniform(0.4, 1.8) * half, 0.9 * half)
+    centre = rng.uniform(-0.3, 0.3) * half
+    aperture = np.zeros((size, size))
+    for first_row in range(0, size, 5):
+        if jaw_1 <= y[first_row] < jaw_2:
+            leaf_a = centre - rng.uniform(0.05, 0.6) * half
+            leaf_b = centre + rng.uniform(0.05, 0.6) * half
+            aperture[first_row : first_row + 5, (y >= leaf_a) & (y < leaf_b)] = 1.0
+    kernel = epid_kernel_1d()
+    frame = convolve1d(convolve1d(aperture, kernel, axis=0, mode="constant"), kernel, axis=1, mode="constant")
+    return frame * rng.uniform(5.0, 40.0)
+
+
+def perturbed(reference: np.ndarray, rng: np.random.Generator, kind: str) -> np.ndarray:
+    """Shifted (<= 1.5 mm), scaled (+-3 %), blurred (sigma 0.5-1.5 mm) and/or noisy copy."""
+    evaluation = reference
+    if kind in ("shift", "all"):
+        evaluation = shift(evaluation, rng.uniform(-1.5, 1.5, 2), order=1)
+    if kind in ("scale", "all"):
+        evaluation = evaluation * rng.uniform(0.97, 1.03)
+    if kind in ("blur", "all"):
+        evaluation = gaussian_filter(evaluation, rng.uniform(0.5, 1.5))
+    if kind in ("noise", "all"):
+        evaluation = evaluation + rng.normal(0, rng.uniform(0.005, 0.01) * reference.max(), reference.shape)
+    return evaluation
+
+
+def make_maps(count: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    references = np.stack([epid_like_field(rng) for _ in range(count)])
+    evaluations = np.stack(
+        [perturbed(r, rng, PERTURBATIONS[i % len(PERTURBATIONS)]) for i, r in enumerate(references)]
+    )
+    return references, evaluations
+
+
+def time_pymedphys(references: np.ndarray, evaluations: np.ndarray) -> float:
+    """Seconds for pymedphys.gamma on each map in turn (JIT warmed up first)."""
+    import pymedphys
+
+    axes = tuple(np.arange(size, dtype=float) for size in references.shape[-2:])
+
+    def run(reference: np.ndarray, evaluation: np.ndarray) -> None:
+        pymedphys.gamma(
+            axes, reference, axes, evaluation, CRITERIA["dose_percent"], CRITERIA["distance_mm"],
+            lower_percent_dose_cutoff=CRITERIA["lower_percent_cutoff"],
+            max_gamma=CRITERIA["max_gamma"], interp_fraction=10,
+        )
+
+    run(references[0], evaluations[0])
+    start = time.perf_counter()
+    for reference, evaluation in zip(references, evaluations):
+        run(reference, evaluation)
+    return time.perf_counter() - start
+
+
+def time_torch(references: torch.Tensor, evaluations: torch.Tensor) -> float:
+    if references.is_cuda:
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    gamma_index(references, evaluations, **CRITERIA)
+    if references.is_cuda:
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--maps", type=int, default=64)
+    parser.add_argument("--pymedphys-maps", type=int, default=16, help="maps timed with pymedphys (0: skip)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch default)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    references, evaluations = make_maps(args.maps)
+    cpu_references = torch.as_tensor(references, dtype=torch.float32)
+    cpu_evaluations = torch.as_tensor(evaluations, dtype=torch.float32)
+    gamma = gamma_index(cpu_references, cpu_evaluations, **CRITERIA)
+    rates = gamma_pass_rate(gamma)
+    counted = (~torch.isnan(gamma)).float().mean().item()
+    print(f"{args.maps} maps of {references.shape[-2]}x{references.shape[-1]} at 1 mm, 3 %/3 mm global, "
+          f"10 % cutoff, max_gamma 2; {100 * counted:.0f} % of points above the cutoff; "
+          f"pass rate median {rates.median():.1f} % (min {rates.min():.1f} %)")
+    print(f"torch {torch.__version__}, CPU threads {torch.get_num_threads()}")
+
+    pymedphys_version = None
+    if args.pymedphys_maps:
+        try:
+            pymedphys_version = importlib.metadata.version("pymedphys")
+        except importlib.metadata.PackageNotFoundError:
+            print("pymedphys not installed: CPU comparison skipped")
+    every = max(1, args.maps // max(1, args.pymedphys_maps))
+    subset = slice(0, args.maps, every)
+    subset_count = len(range(args.maps)[subset])
+
+    # pymedphys runs in its own process: numba's OpenMP threads and torch's would
+    # otherwise share this one and slow each other down.
+    torch_times, pymedphys_times = [], []
+    with multiprocessing.get_context("spawn").Pool(1) as worker:
+        for _ in range(args.repeats):
+            torch_times.append(time_torch(cpu_references, cpu_evaluations))
+            if pymedphys_version:
+                subset_time = worker.apply(time_pymedphys, (references[subset], evaluations[subset]))
+                pymedphys_times.append(subset_time * args.maps / subset_count)
+    torch_time = statistics.median(torch_times)
+    print(f"epid.gamma, CPU, batch of {args.maps}: {torch_time:.3f} s "
+          f"({args.maps / torch_time:.1f} maps/s; repeats {', '.join(f'{t:.3f}' for t in torch_times)})")
+    if pymedphys_times:
+        pymedphys_time = statistics.median(pymedphys_times)
+        print(f"pymedphys.gamma {pymedphys_version}, {args.maps} calls: {pymedphys_time:.2f} s, "
+              f"extrapolated from {subset_count} of the {args.maps} maps (every {every}-th; "
+              f"repeats {', '.join(f'{t:.2f}' for t in pymedphys_times)})")
+        print(f"speedup (median over median): {pymedphys_time / torch_time:.1f}x")
+
+    if torch.cuda.is_available():
+        gpu = torch.device("cuda")
+        for batch in (args.maps, 4 * args.maps):
+            repeat = -(-batch // args.maps)
+            gpu_references = cpu_references.to(gpu).repeat(repeat, 1, 1)[:batch]
+            gpu_evaluations = cpu_evaluations.to(gpu).repeat(repeat, 1, 1)[:batch]
+            time_torch(gpu_references, gpu_evaluations)
+            gpu_time = statistics.median(time_torch(gpu_references, gpu_evaluations) for _ in range(max(3, args.repeats)))
+            print(f"epid.gamma, {torch.cuda.get_device_name(gpu)}, batch of {batch}: {gpu_time * 1e3:.1f} ms "
+                  f"({batch / gpu_time:.0f} maps/s)")
+    else:
+        print("no CUDA device: GPU timing skipped")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,441 @@
+"""Gamma index (Low et al. 1998) between a reference and an evaluated dose image.
+
+The search follows pymedphys' ``gamma_shell`` (version 0.41) point for point, so
+that results agree with the implementation physicists use. Around each reference
+point the evaluated image is sampled, with bilinear interpolation, on circles
+("shells") of increasing radius ``distance_mm / interp_fraction`` apart, each circle
+holding points at most that far apart along its circumference. A point's search
+stops once the distance term alone cannot lower its gamma any more, and at
+``distance_mm * max_gamma`` at most.
+
+Here all points of all images are searched together. The shells are walked in
+order of radius; the evaluated doses at the integer-pixel shifts around each point
+are gathered once into a (shift, point) matrix, one shell's interpolated samples
+are one matrix product of that shell's bilinear weights with a slice of it, and
+points whose search is over are dropped from the working set as the radius grows.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+_FAR = 1.0e15
+"""Evaluated dose (units of the dose criterion) standing for samples off the image."""
+
+_INTEGER_TOLERANCE = 1.0e-9
+"""Offsets closer than this (pixels) to a whole number of pixels are taken as whole."""
+
+_SAMPLES_BUDGET = {"cpu": 1 << 26, "cuda": 1 << 28}
+"""Largest (shift, point) sample matrix, in float32 elements, per device type."""
+
+_CHUNK_POINTS = {"cpu": 1 << 16, "cuda": 1 << 20}
+"""Reference points searched together, per device type."""
+
+
+def gamma_index(
+    reference,
+    evaluation,
+    *,
+    pixel_mm: float = 1.0,
+    dose_percent: float = 3.0,
+    distance_mm: float = 3.0,
+    lower_percent_cutoff: float = 10.0,
+    local: bool = False,
+    max_gamma: float = 2.0,
+    interp_fraction: float = 10,
+    global_normalisation=None,
+) -> torch.Tensor:
+    """Gamma index of ``evaluation`` against ``reference``, batched over leading dims.
+
+    Args:
+        reference: dose images (..., H, W), numpy array or torch tensor, on a square
+            grid of ``pixel_mm``; each of its points is the centre of a search.
+        evaluation: dose images broadcastable with ``reference``; interpolated and
+            searched around each reference point. Non-finite values make gamma NaN
+            at the points whose search reaches them.
+        pixel_mm: grid pitch (mm) along both axes.
+        dose_percent: dose criterion (%) of the global normalisation, or of the
+            reference dose at the point when ``local``.
+        distance_mm: distance-to-agreement criterion (mm).
+        lower_percent_cutoff: reference points below this percentage of the global
+            normalisation are not evaluated; they come out NaN.
+        local: local gamma (dose criterion relative to the reference dose at the
+            reference point) instead of global.
+        max_gamma: the search radius is ``distance_mm * max_gamma``; gamma values
+            above ``max_gamma`` are reported as ``max_gamma``. ``math.inf``: no cap,
+            each point is searched until its gamma is settled.
+        interp_fraction: the search step is ``distance_mm / interp_fraction`` (mm),
+            radially and along each circle.
+        global_normalisation: dose (units of the images) the percentages refer to,
+            a scalar or one value per image (shape of the leading dims). Default:
+            the maximum of each reference image.
+
+    Returns:
+        float32 tensor of the broadcast shape (..., H, W) on the inputs' device
+        (CPU for numpy inputs): gamma per reference point, NaN where not evaluated
+        (below the cutoff; for local gamma also where the reference dose is 0).
+
+    Matches ``pymedphys.gamma(axes, reference, axes, evaluation, dose_percent,
+    distance_mm, lower_percent_dose_cutoff=lower_percent_cutoff, interp_fraction=
+    interp_fraction, max_gamma=max_gamma, local_gamma=local)`` with ``axes = (row
+    coordinates, column coordinates)`` in mm: same search points, evaluated samples
+    off the image ignored, points kept where ``reference >= cutoff``.
+    """
+    _check_options(
+        pixel_mm, dose_percent, distance_mm, lower_percent_cutoff, max_gamma, interp_fraction
+    )
+    reference_t, evaluation_t, shape = _as_image_stacks(reference, evaluation)
+    images, height, width = reference_t.shape
+    normalisation = _normalisation(reference_t, global_normalisation, shape[:-2])
+    threshold = torch.where(normalisation > 0, lower_percent_cutoff / 100 * normalisation, math.inf)
+    counted = reference_t >= threshold[:, None, None]
+    if local and lower_percent_cutoff == 0:
+        counted &= reference_t != 0
+    image, row, column = torch.nonzero(counted).unbind(1)
+    flat_index = (image * height + row) * width + column
+    gamma = torch.full((images * height * width,), math.nan, device=reference_t.device)
+    if flat_index.numel():
+        reference_dose = reference_t.reshape(-1)[flat_index]
+        dose_criterion = dose_percent / 100 * normalisation
+        search = _ShellSearch(
+            evaluation_t / dose_criterion[:, None, None],
+            image,
+            row,
+            column,
+            reference_dose / dose_criterion[image],
+            _local_factor(normalisation[image], reference_dose) if local else None,
+        )
+        gamma_squared = search.run(
+            distance_mm=distance_mm,
+            interp_fraction=interp_fraction,
+            max_gamma=max_gamma,
+            pixel_mm=pixel_mm,
+        )
+        gamma[flat_index] = gamma_squared.sqrt_().clamp_(max=max_gamma)
+    return gamma.reshape(shape)
+
+
+def gamma_pass_rate(gamma) -> torch.Tensor:
+    """Percentage of evaluated points (not NaN) with gamma <= 1, over the last two dims.
+
+    Args:
+        gamma: (..., H, W) gamma values, NaN where not evaluated.
+
+    Returns:
+        float32 tensor of shape (...); NaN where no point was evaluated.
+    """
+    gamma = torch.as_tensor(gamma)
+    evaluated = ~torch.isnan(gamma)
+    count = evaluated.sum(dim=(-2, -1)).to(torch.float32)
+    passed = (gamma <= 1).sum(dim=(-2, -1)).to(torch.float32)
+    return torch.where(count > 0, 100 * passed / count, math.nan)
+
+
+def _check_options(
+    pixel_mm: float,
+    dose_percent: float,
+    distance_mm: float,
+    lower_percent_cutoff: float,
+    max_gamma: float,
+    interp_fraction: float,
+) -> None:
+    finite_positive = {
+        "pixel_mm": pixel_mm,
+        "dose_percent": dose_percent,
+        "distance_mm": distance_mm,
+        "interp_fraction": interp_fraction,
+    }
+    for name, value in finite_positive.items():
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"{name}={value!r}: expected a finite number > 0")
+    if not max_gamma > 0:
+        raise ValueError(f"max_gamma={max_gamma!r}: expected a number > 0 or math.inf")
+    if not (math.isfinite(lower_percent_cutoff) and lower_percent_cutoff >= 0):
+        raise ValueError(
+            f"lower_percent_cutoff={lower_percent_cutoff!r}: expected a finite number >= 0"
+        )
+
+
+def _as_tensor(values, device: torch.device | None) -> torch.Tensor:
+    if isinstance(values, torch.Tensor):
+        return values.to(device=device, dtype=torch.float32)
+    array = np.asarray(values, dtype=np.float32)
+    if not array.flags.writeable:
+        array = array.copy()
+    return torch.from_numpy(array).to(device)
+
+
+def _as_image_stacks(reference, evaluation) -> tuple[torch.Tensor, torch.Tensor, torch.Size]:
+    """Both inputs broadcast, as float32 (images, H, W) tensors on one device.
+
+    Also returns the broadcast shape (..., H, W).
+    """
+    device = next(
+        (t.device for t in (reference, evaluation) if isinstance(t, torch.Tensor)), None
+    )
+    reference_t, evaluation_t = torch.broadcast_tensors(
+        _as_tensor(reference, device), _as_tensor(evaluation, device)
+    )
+    if reference_t.ndim < 2:
+        raise ValueError(f"image shape {tuple(reference_t.shape)}: expected (..., H, W)")
+    shape = reference_t.shape
+    height, width = shape[-2:]
+    return (
+        reference_t.reshape(-1, height, width),
+        evaluation_t.reshape(-1, height, width),
+        shape,
+    )
+
+
+def _normalisation(
+    reference: torch.Tensor, global_normalisation, leading_shape: torch.Size
+) -> torch.Tensor:
+    """Global normalisation dose per image, shape (images,)."""
+    if global_normalisation is None:
+        return reference.amax(dim=(-2, -1))
+    normalisation = _as_tensor(global_normalisation, reference.device)
+    return normalisation.expand(leading_shape).reshape(-1)
+
+
+def _local_factor(normalisation: torch.Tensor, reference_dose: torch.Tensor) -> torch.Tensor:
+    """(normalisation / reference dose)^2 per point, kept finite in float32.
+
+    It converts squared dose differences in units of the global criterion to the
+    local one; a finite cap keeps exact agreement (0 x factor) at 0 where the
+    reference dose is tiny, and the gamma of other such points above any max_gamma.
+    """
+    return (normalisation / reference_dose).square_().clamp_(max=1e30)
+
+
+def _search_distances(
+    distance_mm: float, interp_fraction: float, max_gamma: float, stop_at_mm: float
+) -> list[tuple[float, float]]:
+    """Shell radii (mm) and the spacing (mm) of the points on each, in search order.
+
+    Reproduces pymedphys' ``gamma_loop`` float arithmetic exactly, including the
+    radius set to ``distance_mm`` when the running sum passes it. The list ends at
+    ``distance_mm * max_gamma``, or at the first radius >= ``stop_at_mm`` when no
+    point can still be searching beyond it.
+    """
+    max_test_distance = distance_mm * max_gamma
+    step = distance_mm / interp_fraction
+    forced = [distance_mm]
+    distance = 0.0
+    shells = []
+    while distance <= max_test_distance:
+        shells.append((distance, step))
+        if distance >= stop_at_mm:
+            break
+        step = max(distance / interp_fraction / max_gamma, distance_mm / interp_fraction)
+        distance += step
+        if forced and distance >= forced[0]:
+            distance = forced.pop(0)
+    return shells
+
+
+def _circle_offsets(distance_mm: float, step_mm: float) -> np.ndarray:
+    """Offsets (n, 2) in mm on one circle, as pymedphys' 2-D coordinate shell.
+
+    Column 0 is along the first image axis (rows), column 1 along the second.
+    """
+    count = np.ceil(2 * np.pi * distance_mm / step_mm).astype(int) + 1
+    theta = np.linspace(0, 2 * np.pi, count + 1)[:-1:]
+    return np.stack([distance_mm * np.cos(theta), distance_mm * np.sin(theta)], axis=1)
+
+
+def _bilinear_corners(offsets_px: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Integer corner shifts (n, 4, 2) and bilinear weights (n, 4) of pixel offsets."""
+    nearest = np.round(offsets_px)
+    offsets_px = np.where(np.abs(offsets_px - nearest) < _INTEGER_TOLERANCE, nearest, offsets_px)
+    base = np.floor(offsets_px)
+    fraction = offsets_px - base
+    corners = np.stack([base, base + [0, 1], base + [1, 0], base + [1, 1]], axis=1)
+    along_row, along_column = fraction[:, 0], fraction[:, 1]
+    weights = np.stack(
+        [
+            (1 - along_row) * (1 - along_column),
+            (1 - along_row) * along_column,
+            along_row * (1 - along_column),
+            along_row * along_column,
+        ],
+        axis=1,
+    )
+    return corners.astype(np.int64), weights
+
+
+@dataclass(frozen=True)
+class _Shell:
+    """One circle of search points.
+
+    ``weights`` (points on the circle, shift_stop - shift_start): bilinear weight of
+    the evaluated dose at each shift of the sorted shift list from ``shift_start``.
+    ``distance_term``: (radius / distance criterion) squared.
+    """
+
+    weights: torch.Tensor
+    shift_start: int
+    shift_stop: int
+    distance_term: float
+
+
+def _build_shells(
+    distances: list[tuple[float, float]], distance_mm: float, pixel_mm: float
+) -> tuple[list[tuple[np.ndarray, int, int, float]], np.ndarray]:
+    """Shells over one list of integer shifts, sorted by length.
+
+    With the shifts sorted by length, the corners that one circle needs form a
+    contiguous range of the list, so a shell's samples are one matrix product with
+    a slice of the (shift, point) sample matrix.
+
+    Returns (weights, shift_start, shift_stop, distance_term) per shell, and the
+    shifts (m, 2) as (row, column) pixel offsets.
+    """
+    per_shell = []
+    for distance, step in distances:
+        corners, weights = _bilinear_corners(_circle_offsets(distance, step) / pixel_mm)
+        used = weights != 0
+        per_shell.append((distance, corners[used], weights[used], np.nonzero(used)[0]))
+    shifts = np.unique(np.concatenate([corners for _, corners, _, _ in per_shell]), axis=0)
+    shifts = shifts[np.lexsort((shifts[:, 1], shifts[:, 0], np.hypot(*shifts.T)))]
+    span = int(np.abs(shifts).max())
+    position = np.zeros((2 * span + 1, 2 * span + 1), dtype=np.int64)
+    position[shifts[:, 0] + span, shifts[:, 1] + span] = np.arange(len(shifts))
+    shells = []
+    for distance, corners, weights, sample in per_shell:
+        column = position[corners[:, 0] + span, corners[:, 1] + span]
+        start, stop = int(column.min()), int(column.max()) + 1
+        matrix = np.zeros((int(sample.max()) + 1, stop - start))
+        np.add.at(matrix, (sample, column - start), weights)
+        shells.append((matrix, start, stop, (distance / distance_mm) ** 2))
+    return shells, shifts
+
+
+class _ShellSearch:
+    """Gamma search for a set of reference points of (images, H, W) image stacks.
+
+    Doses are in units of the global dose criterion. The working set of a chunk of
+    points holds, for each shift gathered so far and each point still searching,
+    the evaluated dose at point + shift minus the reference dose at the point.
+    """
+
+    def __init__(
+        self,
+        evaluation: torch.Tensor,
+        image: torch.Tensor,
+        row: torch.Tensor,
+        column: torch.Tensor,
+        reference_dose: torch.Tensor,
+        local_factor: torch.Tensor | None,
+    ) -> None:
+        """Points (image, row, column) with their reference dose, each (points,).
+
+        ``local_factor`` converts squared dose differences from the global to the
+        local criterion at each point; None for global gamma.
+        """
+        self.evaluation = evaluation
+        self.image, self.row, self.column = image, row, column
+        self.reference_dose = reference_dose
+        self.local_factor = local_factor
+        self.device = evaluation.device
+
+    def run(
+        self, *, distance_mm: float, interp_fraction: float, max_gamma: float, pixel_mm: float
+    ) -> torch.Tensor:
+        """Squared gamma (points,), uncapped."""
+        evaluation_at_point = self.evaluation[self.image, self.row, self.column]
+        gamma_at_point = (evaluation_at_point - self.reference_dose).square_()
+        if self.local_factor is not None:
+            gamma_at_point.mul_(self.local_factor)
+        gamma_at_point = torch.nan_to_num(gamma_at_point, nan=0.0, posinf=0.0)
+        largest = math.sqrt(min(gamma_at_point.max().item(), _FAR))
+        distances = _search_distances(
+            distance_mm, interp_fraction, max_gamma, stop_at_mm=distance_mm * largest
+        )
+        shells, shifts = _build_shells(distances, distance_mm, pixel_mm)
+        margin = int(np.abs(shifts).max())
+        padded = torch.nn.functional.pad(self.evaluation, (margin,) * 4, value=_FAR)
+        padded_height, padded_width = padded.shape[-2:]
+        self.padded = padded.reshape(-1)
+        self.padded_index = (
+            (self.image * padded_height + self.row + margin) * padded_width
+            + self.column
+            + margin
+        )
+        self.shift_offsets = torch.as_tensor(
+            shifts[:, 0] * padded_width + shifts[:, 1], device=self.device
+        )
+        self.shells = [
+            _Shell(torch.as_tensor(w, dtype=torch.float32, device=self.device), a, b, d)
+            for w, a, b, d in shells
+        ]
+        later_starts = [s.shift_start for s in self.shells[1:]] + [len(shifts)]
+        self.first_shift_after = np.minimum.accumulate(later_starts[::-1])[::-1].tolist()
+        chunk = max(
+            1024,
+            min(
+                _CHUNK_POINTS.get(self.device.type, _CHUNK_POINTS["cpu"]),
+                _SAMPLES_BUDGET.get(self.device.type, _SAMPLES_BUDGET["cpu"]) // len(shifts),
+            ),
+        )
+        points = self.padded_index.numel()
+        return torch.cat([self._run_chunk(slice(a, a + chunk)) for a in range(0, points, chunk)])
+
+    def _run_chunk(self, part: slice) -> torch.Tensor:
+        """Squared gamma of the points ``part``, walking the shells in order."""
+        padded_index = self.padded_index[part]
+        reference = self.reference_dose[part]
+        local_factor = None if self.local_factor is None else self.local_factor[part]
+        result = torch.empty(padded_index.numel(), device=self.device)
+        best = torch.full_like(result, math.inf)
+        position = torch.arange(padded_index.numel(), device=self.device)
+        samples = torch.empty((0, padded_index.numel()), device=self.device)
+        first_row = gathered = 0
+        for number, shell in enumerate(self.shells):
+            if shell.shift_stop > gathered:
+                samples = self._extend(samples, first_row, gathered, shell.shift_stop)
+                index = padded_index[None, :] + self.shift_offsets[gathered : shell.shift_stop, None]
+                rows = samples[gathered - first_row : shell.shift_stop - first_row]
+                torch.take(self.padded, index, out=rows).sub_(reference)
+                gathered = shell.shift_stop
+            window = samples[shell.shift_start - first_row : shell.shift_stop - first_row]
+            closest = torch.mm(shell.weights, window).square_().amin(dim=0)
+            if local_factor is not None:
+                closest.mul_(local_factor)
+            torch.minimum(best, closest.add_(shell.distance_term), out=best)
+            if number == len(self.shells) - 1:
+                break
+            searching = best > shell.distance_term
+            remaining = int(searching.sum())
+            if remaining * 2 > best.numel():
+                continue
+            result.index_copy_(0, position, best)
+            if remaining == 0:
+                return result
+            keep = torch.nonzero(searching).squeeze(1)
+            next_row = self.first_shift_after[number]
+            samples = samples[next_row - first_row : gathered - first_row].index_select(1, keep)
+            first_row = next_row
+            padded_index, reference, position, best = (
+                t.index_select(0, keep) for t in (padded_index, reference, position, best)
+            )
+            if local_factor is not None:
+                local_factor = local_factor.index_select(0, keep)
+        result.index_copy_(0, position, best)
+        return result
+
+    def _extend(
+        self, samples: torch.Tensor, first_row: int, gathered: int, needed: int
+    ) -> torch.Tensor:
+        """``samples`` with room for shifts up to ``needed`` (rows beyond are unset)."""
+        if needed - first_row <= samples.shape[0]:
+            return samples
+        capacity = min(
+            max(needed - first_row, 2 * samples.shape[0]), len(self.shift_offsets) - first_row
+        )
+        grown = torch.empty((capacity, samples.shape[1]), device=self.device)
+        grown[: gathered - first_row] = samples[: gathered - first_row]
+        return grown
