@@ -16,7 +16,7 @@ import matplotlib
 matplotlib.use("Agg")
 
 import numpy as np
-from matplotlib import colormaps
+from matplotlib import colormaps, ticker
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
@@ -268,7 +268,7 @@ def losses_figure(history: Mapping[str, object], best_epoch: int | None, title: 
     columns = 4
     rows = max(1, math.ceil(panels / columns))
     figure = Figure(figsize=(LOSSES_FIGSIZE[0], 3.3 * rows + 0.6), layout="constrained")
-    figure.suptitle(title, fontsize=13)
+    figure.suptitle(f"{title}\nlosses on a log scale; dotted line: best validation epoch", fontsize=13)
     axes_grid = figure.subplots(rows, columns, squeeze=False).ravel()
     for axes, term in zip(axes_grid, terms):
         _curve(axes, {"train": train.get(term), "val": val.get(term)}, log=True)
@@ -292,20 +292,39 @@ def _has_finite(values: Sequence[float] | None) -> bool:
 
 
 def _curve(axes: Axes, series: Mapping[str, Sequence[float] | None], log: bool) -> None:
-    positive = False
+    """Per-epoch series (epochs from 1) on one axes; log y when ``log`` and any value is positive."""
+    shown = []
     for name, values in series.items():
         if not values:
             continue
         y = np.asarray(values, dtype=float)
-        epochs = np.arange(1, len(y) + 1)
-        axes.plot(epochs, y, marker="o" if len(y) <= 20 else None, markersize=4, label=name)
-        positive |= bool((y[np.isfinite(y)] > 0).any())
-    if log and positive:
-        axes.set_yscale("log", nonpositive="mask")
+        axes.plot(np.arange(1, len(y) + 1), y, marker="o" if len(y) <= 20 else None, markersize=4, label=name)
+        shown.append(y)
+    epochs = max((len(y) for y in shown), default=1)
+    if epochs < 5:
+        axes.set_xlim(0.5, epochs + 0.5)
+    axes.xaxis.set_major_locator(ticker.MaxNLocator(integer=True, min_n_ticks=1))
+    values = np.concatenate(shown) if shown else np.array([])
+    positive = values[np.isfinite(values) & (values > 0)]
+    if log and positive.size:
+        _log_axis(axes, positive)
     axes.set_xlabel("epoch")
     axes.grid(alpha=0.3, which="both")
-    if axes.get_legend_handles_labels()[0]:
+    if shown:
         axes.legend(fontsize=8)
+
+
+def _log_axis(axes: Axes, positive: np.ndarray) -> None:
+    """Log y; within one decade the ticks are plain numbers (a log locator would label only
+    crowded minor ticks there)."""
+    axes.set_yscale("log", nonpositive="mask")
+    low, high = float(positive.min()), float(positive.max())
+    if low == high:
+        axes.set_ylim(low / 2, high * 2)
+    if high < 10 * low:
+        axes.yaxis.set_major_locator(ticker.MaxNLocator(5))
+        axes.yaxis.set_major_formatter(ticker.FuncFormatter(lambda value, _: f"{value:.3g}"))
+        axes.yaxis.set_minor_locator(ticker.NullLocator())
 
 
 def _mark_best(axes: Axes, best_epoch: int | None) -> None:
