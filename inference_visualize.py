@@ -19,11 +19,12 @@ Examples:
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import tempfile
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 from epid.cli import run_main
@@ -39,64 +40,58 @@ def parse_arguments(argv: Sequence[str] | None, config: Config) -> argparse.Name
     parser = argparse.ArgumentParser(
         prog=PROGRAM, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--checkpoint", default=config.checkpoint_path,
+    parser.add_argument("--checkpoint", default=config.checkpoint_path, metavar="PATH",
                         help="checkpoint to evaluate (default: EPID_CHECKPOINT_PATH = %(default)s)")
     selection = parser.add_mutually_exclusive_group()
     selection.add_argument("--dataset-range", default="", metavar="START:STOP[:STEP]",
                            help="dataset IDs as a Python-style range, e.g. 0:640:80")
     selection.add_argument("--dataset-ids", default="", metavar="ID,ID,...",
                            help="dataset IDs as a comma-separated list, e.g. 0,80,160")
-    parser.add_argument("--samples-per-dataset", type=_positive_int, default=2,
+    parser.add_argument("--samples-per-dataset", type=_positive_int, default=2, metavar="N",
                         help="samples drawn per dataset (default %(default)s)")
-    parser.add_argument("--max-total-samples", type=_non_negative_int, default=64,
+    parser.add_argument("--max-total-samples", type=_non_negative_int, default=64, metavar="N",
                         help="cap on all samples, spread evenly over the datasets; 0 = no cap (default %(default)s)")
     parser.add_argument("--split", choices=("val", "train", "all"), default="val",
                         help="part of each arc the samples come from (default %(default)s)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the sample choice (default %(default)s)")
-    parser.add_argument("--device", default=config.device,
+    parser.add_argument("--seed", type=int, default=0, metavar="N", help="seed of the sample choice (default %(default)s)")
+    parser.add_argument("--device", default=config.device, metavar="DEVICE",
                         help="auto, cpu, cuda or cuda:N (default: EPID_DEVICE = %(default)s)")
-    parser.add_argument("--batch-size", type=_positive_int, default=16,
+    parser.add_argument("--batch-size", type=_positive_int, default=16, metavar="N",
                         help="samples per model call (default %(default)s)")
-    parser.add_argument("--output-dir", default="inference_output",
+    parser.add_argument("--output-dir", default="inference_output", metavar="DIR",
                         help="folder for the PNGs and summary.csv (default %(default)s)")
     gamma = parser.add_argument_group("gamma criteria")
-    gamma.add_argument("--gamma-dose-percent", type=_positive_float, default=3.0,
+    gamma.add_argument("--gamma-dose-percent", type=_positive_float, default=3.0, metavar="PERCENT",
                        help="dose difference criterion, percent (default %(default)s)")
-    gamma.add_argument("--gamma-distance-mm", type=_positive_float, default=3.0,
+    gamma.add_argument("--gamma-distance-mm", type=_positive_float, default=3.0, metavar="MM",
                        help="distance to agreement criterion, mm (default %(default)s)")
-    gamma.add_argument("--gamma-cutoff-percent", type=_non_negative_float, default=10.0,
+    gamma.add_argument("--gamma-cutoff-percent", type=_non_negative_float, default=10.0, metavar="PERCENT",
                        help="lower dose cutoff, percent of the measured maximum (default %(default)s)")
     gamma.add_argument("--gamma-local", action="store_true",
                        help="local gamma (dose criterion relative to the local measured dose)")
     return parser.parse_args(argv)
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 1")
-    return value
+def _bounded(kind: type, minimum: float, inclusive: bool = True) -> Callable[[str], float]:
+    """An argparse type: a finite number of ``kind`` at least ``minimum`` (or above it)."""
+    expected = f"{'an integer' if kind is int else 'a number'} {'>=' if inclusive else '>'} {minimum:g}"
+
+    def parse(text: str) -> float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {expected}") from None
+        if not math.isfinite(value) or not (value >= minimum if inclusive else value > minimum):
+            raise argparse.ArgumentTypeError(f"{text!r} is not {expected}")
+        return value
+
+    return parse
 
 
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 0")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number > 0")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    value = float(text)
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number >= 0")
-    return value
+_positive_int = _bounded(int, 1)
+_non_negative_int = _bounded(int, 0)
+_positive_float = _bounded(float, 0, inclusive=False)
+_non_negative_float = _bounded(float, 0)
 
 
 def requested_dataset_ids(args: argparse.Namespace, config: Config) -> list[int] | None:
@@ -140,6 +135,8 @@ def resolve_device(name: str):
         raise InputError(f"--device {name!r}: expected auto, cpu, cuda or cuda:N") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise InputError(f"--device {name!r}: CUDA is not available on this machine")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise InputError(f"--device {name!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
     if device.type not in ("cpu", "cuda"):
         raise InputError(f"--device {name!r}: expected auto, cpu, cuda or cuda:N")
     return device
@@ -158,31 +155,36 @@ def _progress(items: Iterable, total: int, unit: str) -> Iterable:
     return tqdm(items, total=total, unit=unit, leave=False)
 
 
+def load_models(path: str, device) -> tuple[dict, tuple]:
+    """The checkpoint at ``path`` (weights only) and its (forward, inverse) models on ``device``."""
+    from epid.checkpoint import CheckpointError, build_models_from_checkpoint, load_checkpoint
+
+    checkpoint = load_checkpoint(path)
+    try:
+        models = build_models_from_checkpoint(checkpoint, device)
+    except CheckpointError as error:
+        raise InputError(f"checkpoint {path!r}: {error}") from None
+    return checkpoint, models
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     config = load_config()
     args = parse_arguments(argv, config)
     dataset_ids = requested_dataset_ids(args, config)
     output_dir = prepare_output_dir(args.output_dir)
-    checkpoint_path = args.checkpoint
-    if not os.path.isfile(checkpoint_path):
-        raise InputError(f"--checkpoint {checkpoint_path!r}: no such file (train first, or pass --checkpoint)")
+    if not os.path.isfile(args.checkpoint):
+        raise InputError(f"--checkpoint {args.checkpoint!r}: no such file (train first, or pass --checkpoint)")
+    device = resolve_device(args.device)
 
     from epid import evaluate, plots
-    from epid.checkpoint import CheckpointError, build_models_from_checkpoint, load_checkpoint
 
-    device = resolve_device(args.device)
     started = time.perf_counter()
-    _stage(f"loading checkpoint {checkpoint_path}")
-    checkpoint = load_checkpoint(checkpoint_path)
-    try:
-        models = build_models_from_checkpoint(checkpoint, device)
-    except CheckpointError as error:
-        raise InputError(f"checkpoint {checkpoint_path!r}: {error}") from None
-    trained = dict(checkpoint.get("config") or {})
-    settings = evaluate.resolve_synthesis(trained, config)
+    _stage(f"loading checkpoint {args.checkpoint}")
+    checkpoint, models = load_models(args.checkpoint, device)
+    settings = evaluate.resolve_synthesis(checkpoint.get("config") or {}, config)
     kernel = evaluate.load_synthesis_kernel(settings)
     if dataset_ids is None:
-        dataset_ids = sorted(checkpoint.get("dataset_ids") or trained.get("dataset_ids") or range(NUM_DATASETS))
+        dataset_ids = sorted(checkpoint.get("dataset_ids") or range(NUM_DATASETS))
     refs = evaluate.select_samples(
         dataset_ids, args.samples_per_dataset, args.seed, settings.control_points,
         max_total=args.max_total_samples or None, split=args.split,
@@ -191,14 +193,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         dose_percent=args.gamma_dose_percent, distance_mm=args.gamma_distance_mm,
         cutoff_percent=args.gamma_cutoff_percent, local=args.gamma_local,
     )
-    epoch = checkpoint.get("epoch")
-    _stage(f"  epoch {epoch}, best epoch {checkpoint.get('best_epoch')}; device {device}")
+    run_label = f"{Path(args.checkpoint).name}, epoch {checkpoint['epoch']}"
+    _stage(f"  {run_label}, best epoch {checkpoint.get('best_epoch')}; device {device}")
     _stage(f"  synthesis: {settings.describe()}")
 
-    used = sorted({ref.dataset_id for ref in refs})
-    _stage(f"synthesising {len(refs)} samples ({args.split} split) from {len(used)} datasets")
+    used = len({ref.dataset_id for ref in refs})
+    _stage(f"synthesising {len(refs)} samples ({args.split} split) from {used} datasets")
     samples = evaluate.synthesise_samples(
-        refs, settings, kernel, device, progress=lambda ids: _progress(ids, len(used), "dataset"),
+        refs, settings, kernel, device, progress=lambda ids: _progress(ids, used, "dataset")
     )
     _stage(f"predicting both directions (batches of {args.batch_size})")
     predictions = evaluate.predict(models, samples, device, args.batch_size)
@@ -206,28 +208,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     gamma = evaluate.gamma_maps(samples.epid_curr, predictions.epid, criteria, device, args.batch_size)
     records = evaluate.sample_metrics(samples, predictions, gamma)
 
-    _stage(f"writing figures and summary to {output_dir}")
+    _stage(f"writing {len(records)} sample figures, losses.png, summary.png and summary.csv to {output_dir}")
     evaluate.write_metrics_csv(output_dir / "summary.csv", records)
-    run_label = f"{Path(checkpoint_path).name}, epoch {epoch}"
-    _save(plots.losses_figure(checkpoint.get("history") or {}, checkpoint.get("best_epoch"),
-                              f"Training history: {run_label}"), output_dir / "losses.png")
-    _save(plots.summary_figure(records, f"{len(records)} samples from {len(used)} datasets; {run_label}; "
-                                        f"gamma {criteria.describe()}"), output_dir / "summary.png")
+    plots.save_figure(plots.losses_figure(checkpoint.get("history") or {}, checkpoint.get("best_epoch"),
+                                          f"Training history: {run_label}"), output_dir / "losses.png")
+    plots.save_figure(plots.summary_figure(records, f"{len(records)} samples from {used} datasets; {run_label}; "
+                                                    f"gamma {criteria.describe()}"), output_dir / "summary.png")
     for index in _progress(range(len(records)), len(records), "figure"):
         ref = refs[index]
         figure = plots.sample_figure(samples, predictions, gamma[index].numpy(), records[index], index, criteria)
-        _save(figure, output_dir / f"dataset_{ref.dataset_id:03d}_sample_{ref.sample:04d}.png")
+        plots.save_figure(figure, output_dir / f"dataset_{ref.dataset_id:03d}_sample_{ref.sample:04d}.png")
 
     print(format_table(evaluate.pattern_means(records)))
-    _stage(f"done in {time.perf_counter() - started:.1f} s: {len(records)} sample PNGs, losses.png, "
-           f"summary.png, summary.csv in {output_dir}")
+    _stage(f"done in {time.perf_counter() - started:.1f} s")
     return 0
-
-
-def _save(figure, path: Path) -> None:
-    from epid.plots import save_figure
-
-    save_figure(figure, path)
 
 
 def format_table(means: dict[str, dict[str, float]]) -> str:

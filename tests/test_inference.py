@@ -348,6 +348,17 @@ def test_unwritable_output_dir_is_named(checkpoint_path, tmp_path):
                        r"--output-dir .*file\.txt/out.*cannot write")
 
 
+def test_help_lists_the_arguments():
+    result = subprocess.run([sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True,
+                            env=clean_environment(), timeout=60)
+    assert result.returncode == 0
+    for option in ("--checkpoint", "--dataset-range", "--dataset-ids", "--samples-per-dataset",
+                   "--max-total-samples", "--seed", "--device", "--output-dir", "--gamma-dose-percent",
+                   "--gamma-distance-mm", "--gamma-cutoff-percent", "--gamma-local"):
+        assert option in result.stdout
+    assert "EPID_CHECKPOINT_PATH" in result.stdout and "EPID_CONTROL_POINTS" in result.stdout
+
+
 def test_bad_input_exits_2_with_one_line(tmp_path):
     command = [sys.executable, str(SCRIPT), "--checkpoint", str(tmp_path / "absent.pth"),
                "--output-dir", str(tmp_path / "out")]
