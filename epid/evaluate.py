@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from epid.config import Config
-from epid.dataset import Batch, Window, assemble_batch, num_samples, split_range
+from epid.dataset import Window, assemble_batch, num_samples, split_range
 from epid.errors import InputError
 from epid.gamma import gamma_index, gamma_pass_rate
 from epid.imaging import PIXEL_MM, render_frames
@@ -112,10 +112,6 @@ class SampleSet:
 
     def __len__(self) -> int:
         return len(self.refs)
-
-    def as_batch(self) -> Batch:
-        """The samples as one ``Batch`` (``dataset_id`` -1: they may come from several datasets)."""
-        return Batch(**{name: getattr(self, name) for name in BATCH_FIELDS})
 
 
 @dataclass
@@ -402,16 +398,3 @@ def write_metrics_csv(path: str | Path, records: Iterable[SampleMetrics]) -> Non
         for record in records:
             row = asdict(record)
             writer.writerow({key: f"{value:.6g}" if isinstance(value, float) else value for key, value in row.items()})
-
-
-def read_metrics_csv(path: str | Path) -> list[SampleMetrics]:
-    """Records written by ``write_metrics_csv``."""
-    with open(path, newline="") as handle:
-        rows = list(csv.DictReader(handle))
-    return [
-        SampleMetrics(
-            dataset_id=int(row["dataset_id"]), pattern=row["pattern"], sample=int(row["sample"]),
-            **{metric: float(row[metric]) for metric in METRIC_NAMES},
-        )
-        for row in rows
-    ]

@@ -1,7 +1,7 @@
 """Figures for judging predictions: one page per sample, training losses, metric summaries.
 
-Figures are built with ``matplotlib.figure.Figure`` and the Agg canvas, never pyplot, so
-nothing depends on a display or on global figure state. Image axes are physical: x and
+Figures are ``matplotlib.figure.Figure`` objects on their own Agg canvas, never pyplot, so
+nothing depends on a display, on the global backend or on global figure state. Image axes are physical: x and
 y in mm at the EPID plane, y up (row 0 of a frame is the most positive y).
 """
 
@@ -11,13 +11,11 @@ import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-
 import numpy as np
 from matplotlib import colormaps, ticker
 from matplotlib.axes import Axes
+from matplotlib.colors import ListedColormap
+from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
@@ -35,7 +33,8 @@ from epid.sequences import LEAF_WIDTH_MM, MLC_Y_MIN_MM, NUM_LEAF_PAIRS
 
 DPI = 100
 SAMPLE_FIGSIZE = (17.0, 14.0)
-LOSSES_FIGSIZE = (16.0, 10.0)
+LOSSES_WIDTH_IN = 16.0
+LOSSES_ROW_HEIGHT_IN = 3.3
 SUMMARY_FIGSIZE = (15.0, 9.0)
 HALF_FIELD_MM = GRID_SIZE * PIXEL_MM / 2
 LEAF_EDGES_MM = MLC_Y_MIN_MM + LEAF_WIDTH_MM * np.arange(NUM_LEAF_PAIRS + 1)
@@ -45,7 +44,7 @@ PREDICTED_STYLE = {"color": "tab:red", "linestyle": "--", "linewidth": 1.4}
 JAW_TARGET_STYLE = {"color": "tab:green", "linestyle": "-", "linewidth": 1.6}
 JAW_PREDICTED_STYLE = {"color": "tab:green", "linestyle": "--", "linewidth": 1.6}
 APERTURE_COLOUR = "0.85"
-BELOW_CUTOFF_COLOUR = "0.85"
+BELOW_CUTOFF_COLOUR = "white"
 PREV_WEIGHT_STYLE = {"color": "0.55", "linestyle": "-", "linewidth": 2.5}
 CURR_WEIGHT_STYLE = {"color": "tab:blue", "linestyle": "--", "linewidth": 1.5}
 PATTERN_COLOURS = {"regular": "tab:blue", "semiregular": "tab:orange", "irregular": "tab:purple"}
@@ -54,6 +53,13 @@ SUMMARY_METRICS = (
 )
 MLC_MARGIN_MM = 8.0
 IMAGE_EXTENT = (-HALF_FIELD_MM, HALF_FIELD_MM, -HALF_FIELD_MM, HALF_FIELD_MM)
+
+
+def new_figure(figsize: tuple[float, float]) -> Figure:
+    """An empty figure (inches) with constrained layout on an Agg canvas."""
+    figure = Figure(figsize=figsize, layout="constrained")
+    FigureCanvasAgg(figure)
+    return figure
 
 
 def save_figure(figure: Figure, path: str | Path) -> None:
@@ -130,13 +136,13 @@ def _cp_values(leaf_a: np.ndarray, leaf_b: np.ndarray, scalars: np.ndarray, half
     }
 
 
-def sample_figure(samples: SampleSet, predictions: Predictions, gamma: np.ndarray | None,
+def sample_figure(samples: SampleSet, predictions: Predictions, gamma: np.ndarray,
                   record: SampleMetrics, index: int, criteria: GammaCriteria) -> Figure:
     """One page for sample ``index``: measured and predicted curr frame on one colour scale,
     gamma map, difference, prev and curr MLC/jaw panels (target solid, predicted dashed),
     leaf weights, MU, and row and column profiles through the field centre.
 
-    ``gamma`` is this sample's (256, 256) gamma map (NaN below the cutoff).
+    ``gamma`` is this sample's (256, 256) gamma map (NaN below the cutoff or where not computed).
     """
     ref = samples.refs[index]
     measured = samples.epid_curr[index, 0].numpy()
@@ -148,7 +154,7 @@ def sample_figure(samples: SampleSet, predictions: Predictions, gamma: np.ndarra
     predicted_cps = [_cp_values(predictions.leaf_a[index].numpy(), predictions.leaf_b[index].numpy(),
                                 predicted_scalars, half) for half in (0, 1)]
 
-    figure = Figure(figsize=SAMPLE_FIGSIZE, layout="constrained")
+    figure = new_figure(SAMPLE_FIGSIZE)
     figure.suptitle(
         f"Dataset {ref.dataset_id} ({ref.pattern}), sample {ref.sample}: "
         f"prev CP {ref.sample + 1}, curr CP {ref.sample + 2}\n"
@@ -186,7 +192,7 @@ def sample_figure(samples: SampleSet, predictions: Predictions, gamma: np.ndarra
 
 
 def _image_row(figure: Figure, axes: Sequence[Axes], measured: np.ndarray, predicted: np.ndarray,
-               gamma: np.ndarray | None, record: SampleMetrics, criteria: GammaCriteria, row: int, column: int) -> None:
+               gamma: np.ndarray, record: SampleMetrics, criteria: GammaCriteria, row: int, column: int) -> None:
     """Measured and predicted frames (shared scale, one colour bar), gamma map, difference."""
     top = max(float(measured.max()), float(predicted.max()), 1e-12)
     for panel, image, title in ((axes[0], measured, "Measured (synthetic) EPID, curr"),
@@ -197,19 +203,25 @@ def _image_row(figure: Figure, axes: Sequence[Axes], measured: np.ndarray, predi
         _image_axes(panel, title)
     figure.colorbar(shown, ax=list(axes[:2]), shrink=0.85, label="signal (a.u.); dotted: profiles")
 
-    gamma_cmap = colormaps["coolwarm"].with_extremes(bad=BELOW_CUTOFF_COLOUR)
-    gamma_image = np.full_like(measured, np.nan) if gamma is None else gamma
-    shown = axes[2].imshow(gamma_image, extent=IMAGE_EXTENT, origin="upper", cmap=gamma_cmap,
+    shown = axes[2].imshow(gamma, extent=IMAGE_EXTENT, origin="upper", cmap=_gamma_colours(),
                            vmin=0, vmax=criteria.max_gamma)
     _image_axes(axes[2], f"Gamma {criteria.dose_percent:g} %/{criteria.distance_mm:g} mm: "
                          f"{record.gamma_pass_percent:.1f} % pass")
-    figure.colorbar(shown, ax=axes[2], shrink=0.85, label=f"gamma (grey: below {criteria.cutoff_percent:g} % cutoff)")
+    figure.colorbar(shown, ax=axes[2], shrink=0.85, label=f"gamma (white: below {criteria.cutoff_percent:g} % cutoff)")
 
     difference = predicted - measured
     limit = max(float(np.abs(difference).max()), 1e-12)
     shown = axes[3].imshow(difference, extent=IMAGE_EXTENT, origin="upper", cmap="RdBu_r", vmin=-limit, vmax=limit)
     _image_axes(axes[3], "Difference, predicted - measured")
     figure.colorbar(shown, ax=axes[3], shrink=0.85, label="signal (a.u.)")
+
+
+def _gamma_colours() -> ListedColormap:
+    """Blues for passing gamma (0 to 1, darker is better), reds for failing (1 to the cap),
+    with a sharp step at 1 so the pass/fail boundary reads at a glance."""
+    passing = colormaps["Blues"](np.linspace(0.9, 0.25, 128))
+    failing = colormaps["Reds"](np.linspace(0.35, 0.95, 128))
+    return ListedColormap(np.vstack([passing, failing]), name="gamma").with_extremes(bad=BELOW_CUTOFF_COLOUR)
 
 
 def _legend_handles() -> list[Line2D | Patch]:
@@ -267,7 +279,7 @@ def losses_figure(history: Mapping[str, object], best_epoch: int | None, title: 
     panels = len(terms) + len(extras)
     columns = 4
     rows = max(1, math.ceil(panels / columns))
-    figure = Figure(figsize=(LOSSES_FIGSIZE[0], 3.3 * rows + 0.6), layout="constrained")
+    figure = new_figure((LOSSES_WIDTH_IN, LOSSES_ROW_HEIGHT_IN * rows + 0.8))
     figure.suptitle(f"{title}\nlosses on a log scale; dotted line: best validation epoch", fontsize=13)
     axes_grid = figure.subplots(rows, columns, squeeze=False).ravel()
     for axes, term in zip(axes_grid, terms):
@@ -340,7 +352,7 @@ def _mark_best(axes: Axes, best_epoch: int | None) -> None:
 def summary_figure(records: Sequence[SampleMetrics], title: str) -> Figure:
     """Distribution of each metric by pattern: box plot with every sample drawn on top."""
     groups = by_pattern(records)
-    figure = Figure(figsize=SUMMARY_FIGSIZE, layout="constrained")
+    figure = new_figure(SUMMARY_FIGSIZE)
     figure.suptitle(title, fontsize=13)
     axes_grid = figure.subplots(2, 3).ravel()
     jitter = np.random.default_rng(0)
