@@ -1,5 +1,7 @@
 """Per-epoch metrics beside the checkpoint: ``metrics.csv`` (one row per epoch) and ``losses.png``.
 
+matplotlib (Agg backend) is imported on first plot, so ranks that never plot do not load it.
+
 The training history (kept in the checkpoint) is the source of truth; ``MetricsLog.restart``
 rewrites the CSV from it when a run resumes, so a crash between writing a checkpoint and
 appending its row never leaves the CSV out of step with the checkpoint.
@@ -14,13 +16,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.ticker import MaxNLocator  # noqa: E402
-
-from epid.losses import LOSS_TERMS  # noqa: E402
+from epid.losses import LOSS_TERMS
 
 CSV_NAME = "metrics.csv"
 PLOT_NAME = "losses.png"
@@ -111,6 +107,12 @@ class MetricsLog:
 
         ``best_epoch`` (1-based, 0 = none) is marked on every loss panel.
         """
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.ticker import MaxNLocator
+
         epochs = list(range(1, len(history["train"]["total"]) + 1))
         figure, axes = plt.subplots(3, 4, figsize=(16, 10.5), constrained_layout=True)
         for axis, term in zip(axes.flat, LOSS_TERMS):
@@ -141,6 +143,6 @@ class MetricsLog:
         os.replace(temporary, self.plot_path)
 
 
-def _log_if_positive(axis: plt.Axes, values: Sequence[float]) -> None:
+def _log_if_positive(axis: Any, values: Sequence[float]) -> None:
     if any(value > 0 for value in values if math.isfinite(value)):
         axis.set_yscale("log")

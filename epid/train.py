@@ -885,6 +885,8 @@ class Trainer:
             f"gamma pass {gamma} | {record['samples_per_s']:.1f} samples/s | lr {record['lr']:.3e} | "
             f"elapsed {_clock(record['elapsed_s'])}"
         )
+        if self.device.type == "cuda":
+            line += f" | peak GPU memory {torch.cuda.max_memory_allocated(self.device) / 2**30:.1f} GiB"
         if train.nonfinite_steps:
             line += f" | {train.nonfinite_steps} non-finite step(s) skipped"
         if self.new_best:
@@ -936,7 +938,7 @@ class Trainer:
             "config": config.to_dict(),
             "dataset_ids": list(config.dataset_ids),
             "world_size": self.context.world_size,
-            "torch_version": torch.__version__,
+            "torch_version": str(torch.__version__),
             "interrupted": state.interrupted,
         }
 

@@ -1,0 +1,148 @@
+"""End-to-end training throughput of ``generate_and_train.py`` against the model-only step rate.
+
+Sections (each runs the real entry script as a subprocess, two epochs of ``--steps`` optimizer
+steps; the second epoch is measured, the first pays for warm-up):
+
+* ``cpu``: 1 rank, default model, per-rank batch 8, every CPU thread. Reports the training
+  samples/s (frame synthesis, forward, backward, optimizer, per-step agreement included) and
+  the same step without the data path (one batch reused, same precision and threads, in this
+  process), and their ratio. Targets: >= 25 samples/s and >= 80 % of the model-only rate.
+* ``gloo``: 2 ranks x 1 thread (gloo, DistributedDataParallel) against 1 rank x 2 threads on
+  the same two datasets and the same global batch of 8.
+* ``gpu`` (skipped without CUDA): 1 rank, batch 128: samples/s, share of the step spent
+  waiting for data (target < 5 %) and peak GPU memory.
+
+    python bench/bench_train.py                    # every section that can run here
+    python bench/bench_train.py --sections cpu --steps 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from epid.config import load_config  # noqa: E402
+from epid.dataset import EpidData  # noqa: E402
+from epid.distributed import available_cpus  # noqa: E402
+from epid.losses import cross_training_loss  # noqa: E402
+from epid.models import build_models  # noqa: E402
+from epid.train import CrossModel, resolve_precision  # noqa: E402
+
+LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+TIMING = re.compile(r"^\[TIMING\]\[train\] epoch 2 steps \S+: data_wait (\S+) h2d (\S+) compute (\S+) iter (\S+)", re.M)
+PEAK = re.compile(r"peak GPU memory (\S+) GiB")
+
+
+def run_training(variables: dict[str, str], steps: int, workdir: Path) -> dict[str, float]:
+    """Two epochs of ``steps`` steps through generate_and_train.py; figures of the second epoch."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EPID_") and k not in LAUNCH_VARIABLES}
+    checkpoint = workdir / f"run_{time.monotonic_ns()}" / "epid.pth"
+    env.update(
+        EPID_EPOCHS="2", EPID_STEPS_PER_EPOCH=str(steps), EPID_GAMMA_SAMPLES="0", EPID_PROGRESS="0",
+        EPID_CHECKPOINT_PATH=str(checkpoint), PYTHONPATH=str(ROOT),
+    )
+    env.update(variables)
+    result = subprocess.run([sys.executable, str(ROOT / "generate_and_train.py")], env=env, cwd=ROOT,
+                            capture_output=True, text=True)
+    if result.returncode != 0:
+        raise SystemExit(f"training run failed ({variables}):\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+    rows = list(csv.DictReader(open(checkpoint.parent / "metrics.csv")))
+    figures = {"samples_per_s": float(rows[-1]["samples_per_s"])}
+    timing = TIMING.search(result.stdout)
+    if timing:
+        data_wait, h2d, compute, iteration = (float(v) for v in timing.groups())
+        figures.update(data_wait_ms=data_wait, h2d_ms=h2d, compute_ms=compute, iter_ms=iteration,
+                       data_wait_share=data_wait / iteration)
+    peak = PEAK.findall(result.stdout)
+    if peak:
+        figures["peak_gib"] = float(peak[-1])
+    return figures
+
+
+def model_only_rate(variables: dict[str, str], steps: int, warmup: int = 3) -> float:
+    """Samples/s of the training step on one reused real batch (no synthesis), in this process."""
+    config = load_config({"EPID_PROGRESS": "0", **variables})
+    device = torch.device("cuda" if config.device.startswith("cuda") or (config.device == "auto" and torch.cuda.is_available()) else "cpu")
+    torch.set_num_threads(config.threads or available_cpus())
+    data = EpidData.from_config(config, config.dataset_ids[:1])
+    batch = data.make_batch(data.windows("train", config.batch_size)[0], device)
+    torch.manual_seed(0)
+    model = CrossModel(*build_models(config.model_size)).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=1e-4, fused=True)
+    dtype = resolve_precision(config.precision, device)
+    times = []
+    for step in range(warmup + steps):
+        start = time.perf_counter()
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+            outputs = model(batch.leaf_a, batch.leaf_b, batch.scalars, batch.epid_prev, batch.epid_curr)
+        cross_training_loss(*outputs, batch)["total"].backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if step >= warmup:
+            times.append(time.perf_counter() - start)
+    return len(batch) / statistics.median(times)
+
+
+def cpu_section(steps: int, workdir: Path) -> None:
+    variables = {"EPID_DEVICE": "cpu", "EPID_BATCH_SIZE": "8", "EPID_DATASET_IDS": "0,80,160,240"}
+    end_to_end = run_training(variables, steps, workdir)
+    model_only = model_only_rate(variables, steps)
+    ratio = end_to_end["samples_per_s"] / model_only
+    print(f"[cpu] 1 rank x {available_cpus()} threads, full model, batch 8: "
+          f"{end_to_end['samples_per_s']:.1f} samples/s end to end (target >= 25), "
+          f"model-only {model_only:.1f} samples/s, ratio {100 * ratio:.0f} % (target >= 80 %)", flush=True)
+    if "iter_ms" in end_to_end:
+        print(f"[cpu]   per step: data_wait {end_to_end['data_wait_ms']:.1f} ms, compute {end_to_end['compute_ms']:.1f} ms, "
+              f"iter {end_to_end['iter_ms']:.1f} ms", flush=True)
+
+
+def gloo_section(steps: int, workdir: Path) -> None:
+    shared = {"EPID_DEVICE": "cpu", "EPID_DATASET_IDS": "0,80", "EPID_BACKEND": "gloo"}
+    two_ranks = run_training({**shared, "EPID_WORLD_SIZE": "2", "EPID_BATCH_SIZE": "4", "EPID_THREADS": "1"}, steps, workdir)
+    one_rank = run_training({**shared, "EPID_WORLD_SIZE": "1", "EPID_BATCH_SIZE": "8", "EPID_THREADS": "2"}, steps, workdir)
+    print(f"[gloo] global batch 8, full model: 2 ranks x 1 thread {two_ranks['samples_per_s']:.1f} samples/s, "
+          f"1 rank x 2 threads {one_rank['samples_per_s']:.1f} samples/s", flush=True)
+
+
+def gpu_section(steps: int, workdir: Path) -> None:
+    if not torch.cuda.is_available():
+        print("[gpu] skipped: CUDA is not available", flush=True)
+        return
+    figures = run_training({"EPID_DEVICE": "cuda", "EPID_BATCH_SIZE": "128", "EPID_DATASET_IDS": "0,80,160,240"},
+                           steps, workdir)
+    share = figures.get("data_wait_share", float("nan"))
+    print(f"[gpu] {torch.cuda.get_device_name(0)}, 1 rank, batch 128: {figures['samples_per_s']:.1f} samples/s, "
+          f"data_wait {100 * share:.1f} % of the step (target < 5 %), "
+          f"peak memory {figures.get('peak_gib', float('nan')):.1f} GiB", flush=True)
+
+
+SECTIONS = {"cpu": cpu_section, "gloo": gloo_section, "gpu": gpu_section}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sections", nargs="+", choices=list(SECTIONS), default=list(SECTIONS))
+    parser.add_argument("--steps", type=int, default=20, help="optimizer steps per measured epoch")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="bench_train_") as workdir:
+        for name in args.sections:
+            SECTIONS[name](args.steps, Path(workdir))
+
+
+if __name__ == "__main__":
+    main()

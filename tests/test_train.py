@@ -1,0 +1,357 @@
+"""Training engine: schedule, gamma subset, metrics files, and real multi-process runs.
+
+The end-to-end tests run ``generate_and_train.py`` as a subprocess (the real entry point) on
+a tiny configuration: 12 control points (8 training and 2 validation samples per dataset),
+three datasets over two ranks (uneven shards), the tiny model preset, gloo on the CPU.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import math
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from epid import train
+from epid.checkpoint import CheckpointError, best_path, load_checkpoint, save_checkpoint, strip_wrapper_prefixes
+from epid.config import load_config
+from epid.distributed import LaunchError, RankContext, StopSignal, free_port, resolve_backend, resolve_device
+from epid.errors import InputError
+from epid.losses import LOSS_TERMS
+from epid.metrics_log import COLUMNS, MetricsLog, append_epoch, empty_history
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "generate_and_train.py"
+LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+TINY = {
+    "EPID_CONTROL_POINTS": "12",
+    "EPID_DATASET_IDS": "0,80,160",
+    "EPID_MODEL_SIZE": "tiny",
+    "EPID_BATCH_SIZE": "4",
+    "EPID_GAMMA_SAMPLES": "3",
+    "EPID_THREADS": "1",
+    "EPID_DEVICE": "cpu",
+    "EPID_PROGRESS": "0",
+}
+RUN_TIMEOUT_S = 150
+
+
+def run_env(checkpoint: Path, **overrides: str) -> dict[str, str]:
+    """The test process environment without EPID_* / launcher variables, plus the tiny run."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EPID_") and k not in LAUNCH_VARIABLES}
+    env.update(TINY, EPID_CHECKPOINT_PATH=str(checkpoint), PYTHONPATH=str(ROOT))
+    env.update(overrides)
+    return env
+
+
+def run_script(env: dict[str, str], timeout: float = RUN_TIMEOUT_S) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCRIPT)], env=env, cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def start_script(env: dict[str, str], log: Path) -> subprocess.Popen:
+    handle = open(log, "w")
+    return subprocess.Popen([sys.executable, str(SCRIPT)], env=env, cwd=ROOT, stdout=handle,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def wait_for(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def rank_pids(text: str) -> dict[int, int]:
+    return {int(rank): int(pid) for rank, pid in re.findall(r"^rank (\d+)/\d+ .*?pid (\d+)", text, re.MULTILINE)}
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+# --------------------------------------------------------------------------- pure functions
+
+
+def test_learning_rate_follows_cosine_warm_restarts_per_epoch():
+    parameter = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.AdamW([parameter], lr=3e-4)
+    reference = torch.optim.lr_scheduler.CosineAnnealingWarmRestarts(optimizer, T_0=10, T_mult=2, eta_min=1e-6)
+    for epoch in range(75):
+        assert train.learning_rate(epoch, 3e-4) == pytest.approx(optimizer.param_groups[0]["lr"], rel=1e-12)
+        optimizer.step()
+        reference.step()
+    assert train.learning_rate(10, 3e-4) == pytest.approx(3e-4)  # first restart
+    assert train.learning_rate(30, 3e-4) == pytest.approx(3e-4)  # second restart (10 + 20)
+
+
+def test_learning_rate_warm_up_is_linear_then_cosine_starts_at_base():
+    rates = [train.learning_rate(e, 1e-3, warmup_epochs=3) for e in range(5)]
+    assert rates[:3] == pytest.approx([0.25e-3, 0.5e-3, 0.75e-3])
+    assert rates[3] == pytest.approx(1e-3)
+    assert rates[4] == pytest.approx(train.learning_rate(1, 1e-3))
+
+
+def test_gamma_subset_is_spread_fixed_and_inside_validation():
+    ids = list(range(0, 640))
+    chosen = train.gamma_subset(ids, 2050, 64)
+    assert len(chosen) == 64 and len(set(chosen)) == 64
+    assert [d for d, _ in chosen] == list(range(0, 640, 10))
+    assert all(1664 <= s < 2048 for _, s in chosen)
+    several = train.gamma_subset([3, 1, 2], 2050, 7)
+    assert sorted({d for d, _ in several}) == [1, 2, 3] and len(several) == 7
+    assert train.gamma_subset([5], 12, 10) == [(5, 8), (5, 9)]  # only 2 validation samples
+    assert train.gamma_subset(ids, 2050, 0) == []
+
+
+def test_placement_helpers():
+    assert resolve_device("cpu", 3) == torch.device("cpu")
+    assert resolve_device("cuda", 2) == torch.device("cuda", 2)
+    assert resolve_device("cuda:1", 2) == torch.device("cuda", 3)
+    assert resolve_backend("auto", torch.device("cpu")) == "gloo"
+    assert resolve_backend("auto", torch.device("cuda", 0)) == "nccl"
+    assert resolve_backend("gloo", torch.device("cuda", 0)) == "gloo"
+    port = free_port()
+    assert 1024 <= port < 65536
+
+
+def test_checkpoint_is_atomic_and_weights_only(tmp_path):
+    path = tmp_path / "run" / "epid.pth"
+    payload = {"format_version": 1, "epoch": 3, "forward_model": {"module.w": torch.ones(2)},
+               "inverse_model": {"_orig_mod.module.b": torch.zeros(1)}, "model_config": {"forward": {}, "inverse": {}},
+               "history": {"train": {"total": [1.0, 0.5]}}, "rng": {"python": [3, [1, 2], None]}}
+    save_checkpoint(path, payload)
+    assert sorted(p.name for p in path.parent.iterdir()) == ["epid.pth"]  # no temporary left behind
+    raw = torch.load(path, weights_only=True)
+    assert raw["epoch"] == 3 and raw["history"]["train"]["total"] == [1.0, 0.5]
+    loaded = load_checkpoint(path)
+    assert list(loaded["forward_model"]) == ["w"] and list(loaded["inverse_model"]) == ["b"]
+    assert best_path(path).name == "epid_best.pth"
+    path.write_bytes(path.read_bytes()[:100])
+    with pytest.raises(CheckpointError, match="epid.pth"):
+        load_checkpoint(path)
+
+
+def test_metrics_csv_rows_and_plot(tmp_path):
+    history = empty_history()
+    log = MetricsLog(tmp_path)
+    log.restart(history)
+    for epoch in range(3):
+        record = {
+            "train": {term: 1.0 / (epoch + 1) for term in LOSS_TERMS},
+            "val": {term: 2.0 / (epoch + 1) for term in LOSS_TERMS},
+            "gamma_pass": 90.0 + epoch, "lr": 1e-4, "samples_per_s": 10.0, "epoch_s": 1.0,
+            "elapsed_s": epoch + 1.0, "steps": 4, "nonfinite_steps": 0, "world_size": 2,
+        }
+        append_epoch(history, record)
+        log.append(history)
+    log.plot(history, best_epoch=3)
+    rows = list(csv.DictReader(open(log.csv_path)))
+    assert tuple(rows[0]) == COLUMNS
+    assert [float(r["val_total"]) for r in rows] == pytest.approx([2.0, 1.0, 2.0 / 3.0], rel=1e-5)
+    assert [int(r["epoch"]) for r in rows] == [1, 2, 3]
+    assert log.plot_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# --------------------------------------------------------------------------- real runs
+
+
+@pytest.fixture(scope="module")
+def two_rank_run(tmp_path_factory):
+    """A finished 2-rank spawn run of 2 epochs; (checkpoint path, completed process)."""
+    checkpoint = tmp_path_factory.mktemp("two_rank") / "epid.pth"
+    result = run_script(run_env(checkpoint, EPID_WORLD_SIZE="2", EPID_EPOCHS="2"))
+    assert result.returncode == 0, result.stdout + result.stderr
+    return checkpoint, result
+
+
+@pytest.mark.timeout(300)
+def test_two_rank_run_writes_checkpoint_metrics_and_equal_steps(two_rank_run):
+    checkpoint, result = two_rank_run
+    assert set(rank_pids(result.stdout)) == {0, 1}
+    raw = torch.load(checkpoint, weights_only=True)
+    assert raw["epoch"] == 2 and raw["world_size"] == 2 and raw["interrupted"] is None
+    assert not any(key.startswith("module.") for key in raw["forward_model"])
+    # rank 0 has datasets with 4 training windows, rank 1 has 2: both take 4 steps per epoch
+    assert raw["history"]["steps_per_rank"] == [[4, 4], [4, 4]]
+    for split in ("train", "val"):
+        for term in LOSS_TERMS:
+            assert len(raw["history"][split][term]) == 2
+            assert all(math.isfinite(v) for v in raw["history"][split][term])
+    assert all(0.0 <= g <= 100.0 for g in raw["history"]["gamma_pass"])
+    assert raw["history"]["lr"] == pytest.approx([train.learning_rate(0, 1e-4), train.learning_rate(1, 1e-4)])
+    assert raw["scheduler"]["last_epoch"] == 2
+    assert best_path(checkpoint).is_file()
+    rows = list(csv.DictReader(open(checkpoint.parent / "metrics.csv")))
+    assert [int(r["epoch"]) for r in rows] == [1, 2]
+    assert [float(r["train_total"]) for r in rows] == pytest.approx(raw["history"]["train"]["total"], rel=1e-5)
+    assert (checkpoint.parent / "losses.png").read_bytes()[:4] == b"\x89PNG"
+    assert len(re.findall(r"^epoch \d/2 \| train .* \| val .* \| gamma pass .* samples/s \| lr ", result.stdout, re.M)) == 2
+    assert len(re.findall(r"^\[TIMING\]\[train\] epoch \d steps 1-4/4: data_wait", result.stdout, re.M)) == 2
+    assert len(re.findall(r"^\[TIMING\]\[val\] epoch \d", result.stdout, re.M)) == 2
+
+
+@pytest.mark.timeout(200)
+def test_resume_from_module_prefixed_checkpoint_on_another_world_size(two_rank_run, tmp_path):
+    source, _ = two_rank_run
+    saved = torch.load(source, weights_only=True)
+    prefixed = dict(saved)
+    for key in ("forward_model", "inverse_model"):
+        prefixed[key] = {f"module.{name}": value for name, value in saved[key].items()}
+    checkpoint = tmp_path / "epid.pth"
+    save_checkpoint(checkpoint, prefixed)
+    result = run_script(run_env(checkpoint, EPID_RESUME="1", EPID_EPOCHS="3"))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "world size changes from 2 to 1" in result.stdout
+    resumed = torch.load(checkpoint, weights_only=True)
+    assert resumed["epoch"] == 3 and resumed["run_id"] == saved["run_id"] and resumed["world_size"] == 1
+    assert resumed["scheduler"]["last_epoch"] == 3
+    history = resumed["history"]
+    for split in ("train", "val"):
+        assert history[split]["total"][:2] == saved["history"][split]["total"]
+        assert len(history[split]["total"]) == 3
+    assert history["lr"] == pytest.approx([train.learning_rate(e, 1e-4) for e in range(3)])
+    assert history["steps_per_rank"][-1] == [6]  # one rank now owns all 3 datasets x 2 windows
+    assert re.search(r"^epoch 3/3 ", result.stdout, re.M) and not re.search(r"^epoch [12]/", result.stdout, re.M)
+    rows = list(csv.DictReader(open(tmp_path / "metrics.csv")))
+    assert [int(r["epoch"]) for r in rows] == [1, 2, 3]
+
+
+@pytest.mark.timeout(60)
+def test_restored_trainer_holds_the_saved_weights_optimizer_and_schedule(two_rank_run, tmp_path):
+    source, _ = two_rank_run
+    checkpoint = tmp_path / "epid.pth"
+    shutil.copy(source, checkpoint)
+    config = load_config(run_env(checkpoint, EPID_RESUME="1", EPID_EPOCHS="5", EPID_GAMMA_SAMPLES="0"))
+    context = RankContext(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"),
+                          backend="", threads=1)
+    trainer = train.Trainer(context, config, StopSignal())
+    saved = torch.load(checkpoint, weights_only=True)
+    for name, module in (("forward_model", trainer.model.forward_model), ("inverse_model", trainer.model.inverse_model)):
+        state = module.state_dict()
+        assert state.keys() == saved[name].keys()
+        assert all(torch.equal(state[key], saved[name][key]) for key in state)
+    optimizer_state = trainer.optimizer.state_dict()["state"]
+    assert all(torch.equal(optimizer_state[i]["exp_avg"], saved["optimizer"]["state"][i]["exp_avg"]) for i in optimizer_state)
+    assert trainer.scheduler.last_epoch == 2
+    assert trainer.optimizer.param_groups[0]["lr"] == pytest.approx(train.learning_rate(2, 1e-4))
+    assert trainer.state.epoch == 2 and trainer.state.history["lr"] == saved["history"]["lr"]
+
+
+@pytest.mark.timeout(360)
+def test_sigterm_stops_cleanly_a_killed_rank_fails_the_job_and_both_checkpoints_resume(tmp_path):
+    checkpoint = tmp_path / "epid.pth"
+    longer = {"EPID_CONTROL_POINTS": "34", "EPID_GAMMA_SAMPLES": "0", "EPID_EPOCHS": "1000"}
+
+    # SIGTERM to the launcher: every rank stops after its current step, rank 0 writes a checkpoint
+    log = tmp_path / "sigterm.log"
+    process = start_script(run_env(checkpoint, EPID_WORLD_SIZE="2", **longer), log)
+    try:
+        wait_for(lambda: re.search(r"^epoch 1/", log.read_text(), re.M), 150, "the first epoch")
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 0, log.read_text()
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    text = log.read_text()
+    assert re.search(r"^Stopped by SIGTERM", text, re.M) and "Traceback" not in text, text
+    stopped = load_checkpoint(checkpoint)
+    assert stopped["epoch"] >= 1
+    interrupted = stopped["interrupted"]
+    if interrupted is not None:  # stopped inside an epoch: the resumed run continues that epoch
+        assert interrupted["epoch"] == stopped["epoch"] + 1 and 0 < interrupted["batches_done"] <= 14
+
+    # resume on 2 ranks, then SIGKILL rank 0 once it has written another epoch: the job fails quickly
+    log = tmp_path / "kill.log"
+    process = start_script(run_env(checkpoint, EPID_WORLD_SIZE="2", EPID_RESUME="1", **longer), log)
+    next_epoch = stopped["epoch"] + 1
+    try:
+        wait_for(lambda: re.search(rf"^epoch {next_epoch}/", log.read_text(), re.M), 150, f"epoch {next_epoch}")
+        os.kill(rank_pids(log.read_text())[0], signal.SIGKILL)
+        killed_at = time.monotonic()
+        assert process.wait(timeout=90) != 0
+        assert time.monotonic() - killed_at < 90
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    text = log.read_text()
+    assert "training failed: rank" in text, text
+    if interrupted is not None:
+        assert f"Epoch {next_epoch} continues after batch {interrupted['batches_done']}/14" in text
+    killed = load_checkpoint(checkpoint)
+    assert killed["epoch"] >= next_epoch and killed["interrupted"] is None
+    assert killed["history"]["steps_per_rank"][next_epoch - 1] == [14, 14]  # 2 datasets x 7 windows on rank 0
+
+    # the checkpoint left by the killed job resumes in one process
+    result = run_script(run_env(checkpoint, EPID_RESUME="1", EPID_CONTROL_POINTS="34", EPID_GAMMA_SAMPLES="0",
+                                EPID_STEPS_PER_EPOCH="2", EPID_EPOCHS=str(killed["epoch"] + 1)))
+    assert result.returncode == 0, result.stdout + result.stderr
+    final = load_checkpoint(checkpoint)
+    assert final["epoch"] == killed["epoch"] + 1 and final["run_id"] == stopped["run_id"]
+    assert len(final["history"]["train"]["total"]) == final["epoch"]
+
+
+@pytest.mark.timeout(120)
+def test_non_finite_losses_stop_the_run_and_keep_the_last_good_checkpoint(two_rank_run, tmp_path):
+    source, _ = two_rank_run
+    checkpoint = tmp_path / "epid.pth"
+    shutil.copy(source, checkpoint)
+    before = sha256(checkpoint)
+    result = run_script(run_env(checkpoint, EPID_RESUME="1", EPID_EPOCHS="4", EPID_LR="1e30",
+                                EPID_MAX_NONFINITE_STEPS="2", EPID_GAMMA_SAMPLES="0"))
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "2 consecutive optimizer steps had a non-finite loss" in result.stderr
+    assert "checkpoint of epoch 2" in result.stderr
+    assert sha256(checkpoint) == before
+
+
+def _bad_kernel(tmp_path: Path) -> str:
+    path = tmp_path / "kernel.mat"
+    path.write_bytes(b"not a MATLAB file")
+    return str(path)
+
+
+@pytest.mark.parametrize("case", ["nccl on cpu", "bad kernel file", "other model size", "epochs already done", "cuda"])
+def test_launch_checks_reject_bad_input(case, two_rank_run, tmp_path):
+    source, _ = two_rank_run
+    checkpoint = tmp_path / "epid.pth"
+    shutil.copy(source, checkpoint)
+    if case == "cuda" and torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    overrides, error, message = {
+        "nccl on cpu": ({"EPID_BACKEND": "nccl", "EPID_WORLD_SIZE": "2"}, LaunchError, "nccl needs CUDA"),
+        "bad kernel file": ({"EPID_KERNEL": _bad_kernel(tmp_path)}, InputError, "kernel.mat"),
+        "other model size": ({"EPID_RESUME": "1", "EPID_MODEL_SIZE": "small"}, CheckpointError, "EPID_MODEL_SIZE"),
+        "epochs already done": ({"EPID_RESUME": "1", "EPID_EPOCHS": "2"}, CheckpointError, "EPID_EPOCHS above 2"),
+        "cuda": ({"EPID_DEVICE": "cuda"}, LaunchError, "CUDA is not available"),
+    }[case]
+    with pytest.raises(error, match=message):
+        train.check_inputs(load_config(run_env(checkpoint, **overrides)))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("case", ["more ranks than datasets", "bad kernel file"])
+def test_input_errors_exit_2_before_any_rank_starts(case, tmp_path):
+    checkpoint = tmp_path / "run" / "epid.pth"
+    overrides = {
+        "more ranks than datasets": {"EPID_WORLD_SIZE": "4"},
+        "bad kernel file": {"EPID_WORLD_SIZE": "2", "EPID_KERNEL": _bad_kernel(tmp_path)},
+    }[case]
+    result = run_script(run_env(checkpoint, **overrides), timeout=100)
+    assert result.returncode == 2, result.stdout + result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("generate_and_train.py: error: "), result.stderr
+    assert "rank 0/" not in result.stdout  # no rank was started
+    assert not checkpoint.parent.exists()
