@@ -10,6 +10,9 @@ maps that are shifted, scaled, blurred and noisy copies of them, then times at
     the whole batch;
   - on a GPU when one is available, maps per second.
 Both CPU timings are taken side by side in each repeat; medians are reported.
+OMP_WAIT_POLICY defaults to PASSIVE here (for both libraries): on a machine shared
+with other jobs, OpenMP threads that spin while waiting slow every parallel region
+down many times over.
 
     python bench/bench_gamma.py [--maps 64] [--pymedphys-maps 16] [--repeats 3]
 """
@@ -19,14 +22,17 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import multiprocessing
+import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
-import numpy as np
-import torch
-from scipy.ndimage import convolve1d, gaussian_filter, shift
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch/numba start OpenMP
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from scipy.ndimage import convolve1d, gaussian_filter, shift  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from epid.gamma import gamma_index, gamma_pass_rate  # noqa: E402
@@ -134,7 +140,8 @@ def main() -> None:
     print(f"{args.maps} maps of {references.shape[-2]}x{references.shape[-1]} at 1 mm, 3 %/3 mm global, "
           f"10 % cutoff, max_gamma 2; {100 * counted:.0f} % of points above the cutoff; "
           f"pass rate median {rates.median():.1f} % (min {rates.min():.1f} %)")
-    print(f"torch {torch.__version__}, CPU threads {torch.get_num_threads()}")
+    print(f"torch {torch.__version__}, CPU threads {torch.get_num_threads()}, "
+          f"OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}")
 
     pymedphys_version = None
     if args.pymedphys_maps:

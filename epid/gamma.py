@@ -17,6 +17,7 @@ points whose search is over are dropped from the working set as the radius grows
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -36,6 +37,7 @@ _CHUNK_POINTS = {"cpu": 1 << 16, "cuda": 1 << 20}
 """Reference points searched together, per device type."""
 
 
+@torch.no_grad()
 def gamma_index(
     reference,
     evaluation,
@@ -95,19 +97,15 @@ def gamma_index(
     counted = reference_t >= threshold[:, None, None]
     if local and lower_percent_cutoff == 0:
         counted &= reference_t != 0
-    image, row, column = torch.nonzero(counted).unbind(1)
-    flat_index = (image * height + row) * width + column
+    flat_index = torch.nonzero(counted.view(-1)).squeeze(1)
     gamma = torch.full((images * height * width,), math.nan, device=reference_t.device)
     if flat_index.numel():
-        reference_dose = reference_t.reshape(-1)[flat_index]
-        dose_criterion = dose_percent / 100 * normalisation
+        dose_criterion = (dose_percent / 100 * normalisation)[:, None, None]
         search = _ShellSearch(
-            evaluation_t / dose_criterion[:, None, None],
-            image,
-            row,
-            column,
-            reference_dose / dose_criterion[image],
-            _local_factor(normalisation[image], reference_dose) if local else None,
+            reference_t / dose_criterion,
+            evaluation_t / dose_criterion,
+            flat_index,
+            local_dose_percent=dose_percent if local else None,
         )
         gamma_squared = search.run(
             distance_mm=distance_mm,
@@ -115,12 +113,15 @@ def gamma_index(
             max_gamma=max_gamma,
             pixel_mm=pixel_mm,
         )
-        gamma[flat_index] = gamma_squared.sqrt_().clamp_(max=max_gamma)
+        gamma.index_copy_(0, flat_index, gamma_squared.sqrt_().clamp_(max=max_gamma))
     return gamma.reshape(shape)
 
 
 def gamma_pass_rate(gamma) -> torch.Tensor:
     """Percentage of evaluated points (not NaN) with gamma <= 1, over the last two dims.
+
+    (pymedphys' ``calculate_pass_rate`` counts gamma < 1; the two differ only for
+    points at exactly 1.)
 
     Args:
         gamma: (..., H, W) gamma values, NaN where not evaluated.
@@ -162,7 +163,7 @@ def _check_options(
 
 def _as_tensor(values, device: torch.device | None) -> torch.Tensor:
     if isinstance(values, torch.Tensor):
-        return values.to(device=device, dtype=torch.float32)
+        return values.detach().to(device=device, dtype=torch.float32)
     array = np.asarray(values, dtype=np.float32)
     if not array.flags.writeable:
         array = array.copy()
@@ -201,19 +202,9 @@ def _normalisation(
     return normalisation.expand(leading_shape).reshape(-1)
 
 
-def _local_factor(normalisation: torch.Tensor, reference_dose: torch.Tensor) -> torch.Tensor:
-    """(normalisation / reference dose)^2 per point, kept finite in float32.
-
-    It converts squared dose differences in units of the global criterion to the
-    local one; a finite cap keeps exact agreement (0 x factor) at 0 where the
-    reference dose is tiny, and the gamma of other such points above any max_gamma.
-    """
-    return (normalisation / reference_dose).square_().clamp_(max=1e30)
-
-
 def _search_distances(
     distance_mm: float, interp_fraction: float, max_gamma: float, stop_at_mm: float
-) -> list[tuple[float, float]]:
+) -> tuple[tuple[float, float], ...]:
     """Shell radii (mm) and the spacing (mm) of the points on each, in search order.
 
     Reproduces pymedphys' ``gamma_loop`` float arithmetic exactly, including the
@@ -234,7 +225,7 @@ def _search_distances(
         distance += step
         if forced and distance >= forced[0]:
             distance = forced.pop(0)
-    return shells
+    return tuple(shells)
 
 
 def _circle_offsets(distance_mm: float, step_mm: float) -> np.ndarray:
@@ -282,8 +273,9 @@ class _Shell:
     distance_term: float
 
 
+@functools.lru_cache(maxsize=16)
 def _build_shells(
-    distances: list[tuple[float, float]], distance_mm: float, pixel_mm: float
+    distances: tuple[tuple[float, float], ...], distance_mm: float, pixel_mm: float
 ) -> tuple[list[tuple[np.ndarray, int, int, float]], np.ndarray]:
     """Shells over one list of integer shifts, sorted by length.
 
@@ -315,91 +307,130 @@ def _build_shells(
 
 
 class _ShellSearch:
-    """Gamma search for a set of reference points of (images, H, W) image stacks.
+    """Gamma search around reference points of (images, H, W) image stacks.
 
-    Doses are in units of the global dose criterion. The working set of a chunk of
-    points holds, for each shift gathered so far and each point still searching,
-    the evaluated dose at point + shift minus the reference dose at the point.
+    Doses are in units of the global dose criterion. For a chunk of points, the
+    working set holds, for each integer shift gathered so far and each point still
+    searching, the evaluated dose at point + shift minus the reference dose at the
+    point.
     """
 
     def __init__(
         self,
+        reference: torch.Tensor,
         evaluation: torch.Tensor,
-        image: torch.Tensor,
-        row: torch.Tensor,
-        column: torch.Tensor,
-        reference_dose: torch.Tensor,
-        local_factor: torch.Tensor | None,
+        flat_index: torch.Tensor,
+        local_dose_percent: float | None,
     ) -> None:
-        """Points (image, row, column) with their reference dose, each (points,).
+        """Search around the points ``flat_index`` of the flattened image stacks.
 
-        ``local_factor`` converts squared dose differences from the global to the
-        local criterion at each point; None for global gamma.
+        For local gamma, ``local_dose_percent`` is the dose criterion in percent of
+        the reference dose at each point; None for global gamma.
         """
         self.evaluation = evaluation
-        self.image, self.row, self.column = image, row, column
-        self.reference_dose = reference_dose
-        self.local_factor = local_factor
+        self.flat_index = flat_index
+        self.reference_dose = reference.reshape(-1).index_select(0, flat_index)
+        self.local_factor = None
+        if local_dose_percent is not None:
+            # (global criterion / local criterion)^2 converts squared differences; the
+            # finite cap keeps exact agreement at 0 where the reference is tiny, and
+            # the other points there above any max_gamma.
+            local_factor = (100 / local_dose_percent) / self.reference_dose
+            self.local_factor = local_factor.square_().clamp_(max=1e30)
         self.device = evaluation.device
 
     def run(
         self, *, distance_mm: float, interp_fraction: float, max_gamma: float, pixel_mm: float
     ) -> torch.Tensor:
         """Squared gamma (points,), uncapped."""
-        evaluation_at_point = self.evaluation[self.image, self.row, self.column]
-        gamma_at_point = (evaluation_at_point - self.reference_dose).square_()
-        if self.local_factor is not None:
-            gamma_at_point.mul_(self.local_factor)
-        gamma_at_point = torch.nan_to_num(gamma_at_point, nan=0.0, posinf=0.0)
-        largest = math.sqrt(min(gamma_at_point.max().item(), _FAR))
-        distances = _search_distances(
-            distance_mm, interp_fraction, max_gamma, stop_at_mm=distance_mm * largest
-        )
-        shells, shifts = _build_shells(distances, distance_mm, pixel_mm)
-        margin = int(np.abs(shifts).max())
-        padded = torch.nn.functional.pad(self.evaluation, (margin,) * 4, value=_FAR)
-        padded_height, padded_width = padded.shape[-2:]
-        self.padded = padded.reshape(-1)
-        self.padded_index = (
-            (self.image * padded_height + self.row + margin) * padded_width
-            + self.column
-            + margin
-        )
-        self.shift_offsets = torch.as_tensor(
-            shifts[:, 0] * padded_width + shifts[:, 1], device=self.device
-        )
+        gamma_at_point = self._gamma_at_point()
+        largest = torch.nan_to_num(gamma_at_point, nan=0.0, posinf=0.0).max().item()
+        stop_at_mm = distance_mm * math.sqrt(min(largest, _FAR))
+        distances = _search_distances(distance_mm, interp_fraction, max_gamma, stop_at_mm)
+        if len(distances) == 1:
+            return gamma_at_point
+        shells, shifts = _build_shells(distances[1:], distance_mm, pixel_mm)
         self.shells = [
             _Shell(torch.as_tensor(w, dtype=torch.float32, device=self.device), a, b, d)
             for w, a, b, d in shells
         ]
-        later_starts = [s.shift_start for s in self.shells[1:]] + [len(shifts)]
+        later_starts = [shell.shift_start for shell in self.shells[1:]] + [len(shifts)]
         self.first_shift_after = np.minimum.accumulate(later_starts[::-1])[::-1].tolist()
+        self.shift_count = len(shifts)
+        searching = torch.nonzero(gamma_at_point > self.shells[0].distance_term).squeeze(1)
+        if searching.numel() == 0:
+            return gamma_at_point
+        padded_index = self._pad(shifts, self.flat_index.index_select(0, searching))
+        device_type = self.device.type if self.device.type in _CHUNK_POINTS else "cpu"
         chunk = max(
-            1024,
-            min(
-                _CHUNK_POINTS.get(self.device.type, _CHUNK_POINTS["cpu"]),
-                _SAMPLES_BUDGET.get(self.device.type, _SAMPLES_BUDGET["cpu"]) // len(shifts),
-            ),
+            1024, min(_CHUNK_POINTS[device_type], _SAMPLES_BUDGET[device_type] // len(shifts))
         )
-        points = self.padded_index.numel()
-        return torch.cat([self._run_chunk(slice(a, a + chunk)) for a in range(0, points, chunk)])
+        found = [
+            self._run_chunk(
+                padded_index[part],
+                self.reference_dose.index_select(0, searching[part]),
+                None if self.local_factor is None else self.local_factor.index_select(0, searching[part]),
+                gamma_at_point.index_select(0, searching[part]),
+            )
+            for part in (slice(a, a + chunk) for a in range(0, searching.numel(), chunk))
+        ]
+        return gamma_at_point.index_copy_(0, searching, torch.cat(found))
 
-    def _run_chunk(self, part: slice) -> torch.Tensor:
-        """Squared gamma of the points ``part``, walking the shells in order."""
-        padded_index = self.padded_index[part]
-        reference = self.reference_dose[part]
-        local_factor = None if self.local_factor is None else self.local_factor[part]
-        result = torch.empty(padded_index.numel(), device=self.device)
-        best = torch.full_like(result, math.inf)
-        position = torch.arange(padded_index.numel(), device=self.device)
-        samples = torch.empty((0, padded_index.numel()), device=self.device)
+    def _gamma_at_point(self) -> torch.Tensor:
+        """Squared gamma from the evaluated dose at the points themselves (radius 0)."""
+        evaluation_at_point = self.evaluation.reshape(-1).index_select(0, self.flat_index)
+        gamma_at_point = (evaluation_at_point - self.reference_dose).square_()
+        if self.local_factor is not None:
+            gamma_at_point.mul_(self.local_factor)
+        return gamma_at_point
+
+    def _pad(self, shifts: np.ndarray, flat_index: torch.Tensor) -> torch.Tensor:
+        """Pads the evaluated images to hold every shift around the points.
+
+        Each shift's samples are read through a view of the flattened padded images
+        that starts at that shift, with one index per point shared by all shifts;
+        returns that index for the points ``flat_index``.
+        """
+        images, height, width = self.evaluation.shape
+        margin = int(np.abs(shifts).max())
+        padded_height, padded_width = height + 2 * margin, width + 2 * margin
+        padded = torch.nn.functional.pad(self.evaluation, (margin,) * 4, value=_FAR)
+        self.padded = padded.reshape(-1)
+        image_row = torch.arange(images * height, device=self.device)
+        image, row = image_row // height, image_row % height
+        padded_row_start = (image * padded_height + row + margin) * padded_width + margin
+        row_offset = padded_row_start - image_row * width
+        padded_index = flat_index + row_offset.index_select(0, flat_index // width)
+        shift_offsets = shifts[:, 0] * padded_width + shifts[:, 1]
+        self.shift_offsets = (shift_offsets - shift_offsets.min()).tolist()
+        padded_index += int(shift_offsets.min())
+        return padded_index.int() if self.padded.numel() < 2**31 else padded_index
+
+    def _run_chunk(
+        self,
+        padded_index: torch.Tensor,
+        reference: torch.Tensor,
+        local_factor: torch.Tensor | None,
+        best: torch.Tensor,
+    ) -> torch.Tensor:
+        """Squared gamma of a chunk of points, walking the shells in order.
+
+        ``best`` (points,) is the squared gamma found so far, updated in place.
+        """
+        result = torch.empty_like(best)
+        position = torch.arange(best.numel(), device=self.device)
+        samples = torch.empty((self.shift_count, best.numel()), device=self.device)
         first_row = gathered = 0
         for number, shell in enumerate(self.shells):
             if shell.shift_stop > gathered:
-                samples = self._extend(samples, first_row, gathered, shell.shift_stop)
-                index = padded_index[None, :] + self.shift_offsets[gathered : shell.shift_stop, None]
-                rows = samples[gathered - first_row : shell.shift_stop - first_row]
-                torch.take(self.padded, index, out=rows).sub_(reference)
+                for shift in range(gathered, shell.shift_stop):
+                    torch.index_select(
+                        self.padded[self.shift_offsets[shift] :],
+                        0,
+                        padded_index,
+                        out=samples[shift - first_row],
+                    )
+                samples[gathered - first_row : shell.shift_stop - first_row].sub_(reference)
                 gathered = shell.shift_stop
             window = samples[shell.shift_start - first_row : shell.shift_stop - first_row]
             closest = torch.mm(shell.weights, window).square_().amin(dim=0)
@@ -408,17 +439,29 @@ class _ShellSearch:
             torch.minimum(best, closest.add_(shell.distance_term), out=best)
             if number == len(self.shells) - 1:
                 break
-            searching = best > shell.distance_term
+            # Samples on later shells are at least their distance term from the point.
+            following = self.shells[number + 1]
+            searching = best > following.distance_term
             remaining = int(searching.sum())
-            if remaining * 2 > best.numel():
+            # Drop settled points when copying the others costs less than carrying
+            # the settled ones through the next shell alone.
+            carried_rows = gathered - self.first_shift_after[number]
+            next_shell_work = len(following.weights) + max(following.shift_stop - gathered, 0)
+            if (best.numel() - remaining) * (next_shell_work + 4) <= remaining * (carried_rows + 4):
                 continue
             result.index_copy_(0, position, best)
             if remaining == 0:
                 return result
             keep = torch.nonzero(searching).squeeze(1)
             next_row = self.first_shift_after[number]
-            samples = samples[next_row - first_row : gathered - first_row].index_select(1, keep)
-            first_row = next_row
+            compacted = torch.empty((self.shift_count - next_row, remaining), device=self.device)
+            torch.index_select(
+                samples[next_row - first_row : gathered - first_row],
+                1,
+                keep,
+                out=compacted[: gathered - next_row],
+            )
+            samples, first_row = compacted, next_row
             padded_index, reference, position, best = (
                 t.index_select(0, keep) for t in (padded_index, reference, position, best)
             )
@@ -426,16 +469,3 @@ class _ShellSearch:
                 local_factor = local_factor.index_select(0, keep)
         result.index_copy_(0, position, best)
         return result
-
-    def _extend(
-        self, samples: torch.Tensor, first_row: int, gathered: int, needed: int
-    ) -> torch.Tensor:
-        """``samples`` with room for shifts up to ``needed`` (rows beyond are unset)."""
-        if needed - first_row <= samples.shape[0]:
-            return samples
-        capacity = min(
-            max(needed - first_row, 2 * samples.shape[0]), len(self.shift_offsets) - first_row
-        )
-        grown = torch.empty((capacity, samples.shape[1]), device=self.device)
-        grown[: gathered - first_row] = samples[: gathered - first_row]
-        return grown

@@ -162,6 +162,16 @@ def test_local_gamma_is_nan_where_the_reference_is_zero():
     assert tiny.any() and torch.all(gamma[tiny] == 2.0)
 
 
+def test_non_finite_evaluated_doses_give_nan_only_near_them():
+    reference = blurred_rectangle()
+    evaluation = reference.copy()
+    evaluation[32, 32] = math.nan
+    for max_gamma in (2.0, math.inf):
+        gamma = gamma_index(reference, evaluation, max_gamma=max_gamma).numpy()
+        assert np.isnan(gamma[32, 32])
+        assert np.all(gamma[18:24, 14:50] == 0)  # beyond the search radius of (32, 32)
+
+
 def test_batch_equals_per_image_calls():
     rng = np.random.default_rng(2)
     references = np.stack([epid_like_field(rng) for _ in range(6)]).reshape(2, 3, 64, 80)
