@@ -232,23 +232,53 @@ class _ArcWalk:
         jaw_1, jaw_2 = jaw_goals[0]
         leaf = self._place(_band_edge_tenths(jaw_1), _band_edge_tenths(jaw_2), leaf_goals[0])
         jaws[0], leaves[0] = (jaw_1, jaw_2), leaf
+        band = _band_edge_tenths(jaw_1), _band_edge_tenths(jaw_2)
         for cp in range(1, n):
             segment = segment_of_cp[cp]
-            band = _band_edge_tenths(jaw_1), _band_edge_tenths(jaw_2)
             speed = leaf_speeds[segment]
+            jaw_1, jaw_2, new_band = self._jaw_step(jaw_1, jaw_2, jaw_goals[segment], jaw_speeds[segment], jaw_jitter[cp])
+            if new_band == band and self._move_within_band(leaf, leaf_goals[segment], speed, leaf_jitter[cp], band, leaves[cp]):
+                leaf = leaves[cp]
+                jaws[cp] = jaw_1, jaw_2
+                continue
             move = np.minimum(np.maximum(leaf_goals[segment] - leaf, -speed), speed)
             target = leaf + move + leaf_jitter[cp]
-            new_jaw_1, new_jaw_2 = self._jaw_step(jaw_1, jaw_2, jaw_goals[segment], jaw_speeds[segment], jaw_jitter[cp])
-            new_band = _band_edge_tenths(new_jaw_1), _band_edge_tenths(new_jaw_2)
             new_leaf = None if new_band == band else self._follow(leaf, band, new_band, target)
             if new_leaf is None:
                 if new_band != band:
-                    new_jaw_1, new_jaw_2 = self._hold_band(jaw_1, jaw_2, new_jaw_1, new_jaw_2)
+                    jaw_1, jaw_2 = self._hold_band(jaws[cp - 1], jaw_1, jaw_2)
                     target = self._pull_edges_to_parked(leaf, target, band, speed)
                 new_leaf = self._follow(leaf, band, band, target)
-            jaw_1, jaw_2, leaf = new_jaw_1, new_jaw_2, new_leaf
+                new_band = band
+            band, leaf = new_band, new_leaf
             jaws[cp], leaves[cp] = (jaw_1, jaw_2), leaf
         return jaws, leaves
+
+    def _move_within_band(
+        self, previous: np.ndarray, goal: np.ndarray, speed: int, jitter: np.ndarray, band: tuple[int, int],
+        out: np.ndarray,
+    ) -> bool:
+        """The common case, the band unchanged: band leaves step toward ``goal`` within their
+        step and travel limits. Writes the leaves to ``out`` and returns True when the result
+        also meets the pattern; returns False (``out`` unspecified) when it needs fitting."""
+        lo, hi = band
+        before = previous[:, lo:hi]
+        step = before - goal[:, lo:hi]
+        np.minimum(step, speed, out=step)
+        np.maximum(step, -speed, out=step)
+        np.subtract(jitter[:, lo:hi], step, out=step)
+        np.minimum(step, self.leaf_step, out=step)
+        np.maximum(step, -self.leaf_step, out=step)
+        step += before
+        np.minimum(step, self.leaf_max, out=step)
+        np.maximum(step, self.leaf_min, out=step)
+        if not self._fits_pattern(step):
+            return False
+        out[...] = previous
+        out[:, lo:hi] = step
+        out[:, max(lo - EDGE_COPY_LEAVES, 0) : lo] = step[:, :1]
+        out[:, hi : hi + EDGE_COPY_LEAVES] = step[:, -1:]
+        return True
 
     def _jaw_goals(self, count: int) -> tuple[list[list[int]], list[int]]:
         """Per segment: goal [jaw_1, jaw_2] and speed (tenths per CP)."""
@@ -284,18 +314,22 @@ class _ArcWalk:
             return np.broadcast_to(shared, (self.n, 2, NUM_LEAF_PAIRS))
         return shared + np.rint(self.rng.normal(0.0, 10.0, size=(self.n, 2, NUM_LEAF_PAIRS))).astype(np.int64)
 
-    def _jaw_step(self, jaw_1: int, jaw_2: int, goal: list[int], speed: int, jitter: list[int]) -> tuple[int, int]:
-        """Jaws after one bounded step toward ``goal`` inside their ranges and minimum gap."""
-        steps = [min(max(min(max(g - j, -speed), speed) + e, -self.jaw_step), self.jaw_step)
-                 for g, j, e in zip(goal, (jaw_1, jaw_2), jitter)]
-        new_1 = min(max(jaw_1 + steps[0], self.jaw_1_min), self.jaw_1_max)
-        low_2 = max(new_1 + self.jaw_gap, jaw_2 - self.jaw_step)
-        new_2 = min(max(jaw_2 + steps[1], low_2), self.jaw_2_max, jaw_2 + self.jaw_step)
-        return new_1, new_2
+    def _jaw_step(
+        self, jaw_1: int, jaw_2: int, goal: list[int], speed: int, jitter: list[int]
+    ) -> tuple[int, int, tuple[int, int]]:
+        """Jaws after one bounded step toward ``goal`` inside their ranges and minimum gap, and their band."""
+        limit = self.jaw_step
+        step_1 = min(max(min(max(goal[0] - jaw_1, -speed), speed) + jitter[0], -limit), limit)
+        step_2 = min(max(min(max(goal[1] - jaw_2, -speed), speed) + jitter[1], -limit), limit)
+        new_1 = min(max(jaw_1 + step_1, self.jaw_1_min), self.jaw_1_max)
+        low_2 = max(new_1 + self.jaw_gap, jaw_2 - limit)
+        new_2 = min(max(jaw_2 + step_2, low_2), self.jaw_2_max, jaw_2 + limit)
+        return new_1, new_2, (_band_edge_tenths(new_1), _band_edge_tenths(new_2))
 
-    def _hold_band(self, jaw_1: int, jaw_2: int, proposed_1: int, proposed_2: int) -> tuple[int, int]:
-        """The proposed jaws clipped to keep the current band; each lies between old and proposed,
-        so the step, range and gap limits still hold."""
+    def _hold_band(self, jaws: np.ndarray, proposed_1: int, proposed_2: int) -> tuple[int, int]:
+        """The proposed jaws clipped to keep the band of ``jaws``; each lies between old and
+        proposed, so the step, range and gap limits still hold."""
+        jaw_1, jaw_2 = int(jaws[0]), int(jaws[1])
         lo, hi = _band_edge_tenths(jaw_1), _band_edge_tenths(jaw_2)
         high_1 = min(_MLC_Y_MIN + lo * _LEAF_WIDTH, jaw_2 - self.jaw_gap)
         new_1 = min(max(proposed_1, _MLC_Y_MIN + (lo - 1) * _LEAF_WIDTH + 1), high_1)
