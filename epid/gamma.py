@@ -306,13 +306,49 @@ def _build_shells(
     return shells, shifts
 
 
+@dataclass
+class _WorkingSet:
+    """The points of one chunk still searching.
+
+    ``samples`` holds, from shift ``first_row`` of the sorted shift list on, the
+    evaluated dose at point + shift minus the reference dose at the point, filled
+    up to shift ``gathered``. ``position`` is each point's index in the chunk and
+    ``best`` its squared gamma so far.
+    """
+
+    padded_index: torch.Tensor
+    reference: torch.Tensor
+    local_factor: torch.Tensor | None
+    position: torch.Tensor
+    best: torch.Tensor
+    samples: torch.Tensor
+    first_row: int = 0
+    gathered: int = 0
+
+    def rows(self, start: int, stop: int) -> torch.Tensor:
+        """Samples of the shifts ``start:stop``, (stop - start, points)."""
+        return self.samples[start - self.first_row : stop - self.first_row]
+
+    def keep(self, keep: torch.Tensor, first_row: int, shift_count: int) -> None:
+        """Keeps the points ``keep`` and the samples of shifts from ``first_row`` on."""
+        samples = torch.empty((shift_count - first_row, keep.numel()), device=keep.device)
+        torch.index_select(
+            self.rows(first_row, self.gathered), 1, keep, out=samples[: self.gathered - first_row]
+        )
+        self.samples, self.first_row = samples, first_row
+        self.padded_index, self.reference, self.position, self.best = (
+            t.index_select(0, keep) for t in (self.padded_index, self.reference, self.position, self.best)
+        )
+        if self.local_factor is not None:
+            self.local_factor = self.local_factor.index_select(0, keep)
+
+
 class _ShellSearch:
     """Gamma search around reference points of (images, H, W) image stacks.
 
-    Doses are in units of the global dose criterion. For a chunk of points, the
-    working set holds, for each integer shift gathered so far and each point still
-    searching, the evaluated dose at point + shift minus the reference dose at the
-    point.
+    Doses are in units of the global dose criterion. Points are searched in chunks;
+    for each, a working set gathers the evaluated doses at the integer shifts that
+    the shells need, shell by shell, and drops the points whose gamma is settled.
     """
 
     def __init__(
@@ -360,20 +396,26 @@ class _ShellSearch:
         searching = torch.nonzero(gamma_at_point > self.shells[0].distance_term).squeeze(1)
         if searching.numel() == 0:
             return gamma_at_point
-        padded_index = self._pad(shifts, self.flat_index.index_select(0, searching))
-        device_type = self.device.type if self.device.type in _CHUNK_POINTS else "cpu"
-        chunk = max(
-            1024, min(_CHUNK_POINTS[device_type], _SAMPLES_BUDGET[device_type] // len(shifts))
+        self.padded, padded_index, self.shift_offsets = self._pad(
+            shifts, self.flat_index.index_select(0, searching)
         )
-        found = [
-            self._run_chunk(
-                padded_index[part],
-                self.reference_dose.index_select(0, searching[part]),
-                None if self.local_factor is None else self.local_factor.index_select(0, searching[part]),
-                gamma_at_point.index_select(0, searching[part]),
+        device_type = self.device.type if self.device.type in _CHUNK_POINTS else "cpu"
+        chunk = max(1024, min(_CHUNK_POINTS[device_type], _SAMPLES_BUDGET[device_type] // len(shifts)))
+        found = []
+        for start in range(0, searching.numel(), chunk):
+            part = searching[start : start + chunk]
+            found.append(
+                self._run_chunk(
+                    _WorkingSet(
+                        padded_index[start : start + chunk],
+                        self.reference_dose.index_select(0, part),
+                        None if self.local_factor is None else self.local_factor.index_select(0, part),
+                        torch.arange(part.numel(), device=self.device),
+                        gamma_at_point.index_select(0, part),
+                        torch.empty((len(shifts), part.numel()), device=self.device),
+                    )
+                )
             )
-            for part in (slice(a, a + chunk) for a in range(0, searching.numel(), chunk))
-        ]
         return gamma_at_point.index_copy_(0, searching, torch.cat(found))
 
     def _gamma_at_point(self) -> torch.Tensor:
@@ -384,88 +426,71 @@ class _ShellSearch:
             gamma_at_point.mul_(self.local_factor)
         return gamma_at_point
 
-    def _pad(self, shifts: np.ndarray, flat_index: torch.Tensor) -> torch.Tensor:
-        """Pads the evaluated images to hold every shift around the points.
+    def _pad(
+        self, shifts: np.ndarray, flat_index: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """Flattened evaluated images padded to hold every shift around every point.
 
-        Each shift's samples are read through a view of the flattened padded images
-        that starts at that shift, with one index per point shared by all shifts;
-        returns that index for the points ``flat_index``.
+        Each shift's samples are read through a view of the padded images that
+        starts at that shift, with one index per point shared by all shifts.
+        Returns the padded images, that index for the points ``flat_index`` and
+        the start of each shift's view.
         """
         images, height, width = self.evaluation.shape
         margin = int(np.abs(shifts).max())
         padded_height, padded_width = height + 2 * margin, width + 2 * margin
-        padded = torch.nn.functional.pad(self.evaluation, (margin,) * 4, value=_FAR)
-        self.padded = padded.reshape(-1)
+        padded = torch.nn.functional.pad(self.evaluation, (margin,) * 4, value=_FAR).reshape(-1)
         image_row = torch.arange(images * height, device=self.device)
         image, row = image_row // height, image_row % height
         padded_row_start = (image * padded_height + row + margin) * padded_width + margin
         row_offset = padded_row_start - image_row * width
         padded_index = flat_index + row_offset.index_select(0, flat_index // width)
         shift_offsets = shifts[:, 0] * padded_width + shifts[:, 1]
-        self.shift_offsets = (shift_offsets - shift_offsets.min()).tolist()
         padded_index += int(shift_offsets.min())
-        return padded_index.int() if self.padded.numel() < 2**31 else padded_index
+        if padded.numel() < 2**31:
+            padded_index = padded_index.int()
+        return padded, padded_index, (shift_offsets - shift_offsets.min()).tolist()
 
-    def _run_chunk(
-        self,
-        padded_index: torch.Tensor,
-        reference: torch.Tensor,
-        local_factor: torch.Tensor | None,
-        best: torch.Tensor,
-    ) -> torch.Tensor:
-        """Squared gamma of a chunk of points, walking the shells in order.
-
-        ``best`` (points,) is the squared gamma found so far, updated in place.
-        """
-        result = torch.empty_like(best)
-        position = torch.arange(best.numel(), device=self.device)
-        samples = torch.empty((self.shift_count, best.numel()), device=self.device)
-        first_row = gathered = 0
+    def _run_chunk(self, points: _WorkingSet) -> torch.Tensor:
+        """Squared gamma of a chunk of points, walking the shells in order."""
+        result = torch.empty_like(points.best)
         for number, shell in enumerate(self.shells):
-            if shell.shift_stop > gathered:
-                for shift in range(gathered, shell.shift_stop):
-                    torch.index_select(
-                        self.padded[self.shift_offsets[shift] :],
-                        0,
-                        padded_index,
-                        out=samples[shift - first_row],
-                    )
-                samples[gathered - first_row : shell.shift_stop - first_row].sub_(reference)
-                gathered = shell.shift_stop
-            window = samples[shell.shift_start - first_row : shell.shift_stop - first_row]
+            self._gather(points, shell.shift_stop)
+            window = points.rows(shell.shift_start, shell.shift_stop)
             closest = torch.mm(shell.weights, window).square_().amin(dim=0)
-            if local_factor is not None:
-                closest.mul_(local_factor)
-            torch.minimum(best, closest.add_(shell.distance_term), out=best)
-            if number == len(self.shells) - 1:
-                break
-            # Samples on later shells are at least their distance term from the point.
-            following = self.shells[number + 1]
-            searching = best > following.distance_term
-            remaining = int(searching.sum())
-            # Drop settled points when copying the others costs less than carrying
-            # the settled ones through the next shell alone.
-            carried_rows = gathered - self.first_shift_after[number]
-            next_shell_work = len(following.weights) + max(following.shift_stop - gathered, 0)
-            if (best.numel() - remaining) * (next_shell_work + 4) <= remaining * (carried_rows + 4):
-                continue
-            result.index_copy_(0, position, best)
-            if remaining == 0:
+            if points.local_factor is not None:
+                closest.mul_(points.local_factor)
+            torch.minimum(points.best, closest.add_(shell.distance_term), out=points.best)
+            if number + 1 < len(self.shells) and self._drop_settled(points, number, result) == 0:
                 return result
-            keep = torch.nonzero(searching).squeeze(1)
-            next_row = self.first_shift_after[number]
-            compacted = torch.empty((self.shift_count - next_row, remaining), device=self.device)
-            torch.index_select(
-                samples[next_row - first_row : gathered - first_row],
-                1,
-                keep,
-                out=compacted[: gathered - next_row],
-            )
-            samples, first_row = compacted, next_row
-            padded_index, reference, position, best = (
-                t.index_select(0, keep) for t in (padded_index, reference, position, best)
-            )
-            if local_factor is not None:
-                local_factor = local_factor.index_select(0, keep)
-        result.index_copy_(0, position, best)
+        result.index_copy_(0, points.position, points.best)
         return result
+
+    def _gather(self, points: _WorkingSet, stop: int) -> None:
+        """Fills the samples of the working set up to shift ``stop``."""
+        if stop <= points.gathered:
+            return
+        rows = points.rows(points.gathered, stop)
+        for row, start in zip(rows, self.shift_offsets[points.gathered : stop]):
+            torch.index_select(self.padded[start:], 0, points.padded_index, out=row)
+        rows.sub_(points.reference)
+        points.gathered = stop
+
+    def _drop_settled(self, points: _WorkingSet, number: int, result: torch.Tensor) -> int:
+        """Drops the points that shells after ``number`` cannot improve, when worth it.
+
+        Points are dropped (their gamma written to ``result``) when copying the
+        others costs less than carrying them through the next shell alone.
+        Returns how many points are still searching.
+        """
+        following = self.shells[number + 1]
+        # Samples on later shells are at least their distance term from the point.
+        searching = points.best > following.distance_term
+        remaining = int(searching.sum())
+        settled = points.best.numel() - remaining
+        next_row = self.first_shift_after[number]
+        next_shell_work = len(following.weights) + max(following.shift_stop - points.gathered, 0)
+        if settled * (next_shell_work + 4) > remaining * (points.gathered - next_row + 4):
+            result.index_copy_(0, points.position, points.best)
+            points.keep(torch.nonzero(searching).squeeze(1), next_row, self.shift_count)
+        return remaining
