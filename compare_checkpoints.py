@@ -3,10 +3,11 @@
 Compares the stored training histories, the weights (against the first checkpoint), the
 training configs, and evaluates every checkpoint on the same validation samples (frames
 synthesised once). Prints tables and writes comparison.csv, comparison.json,
-histories.png and metrics.png to --output-dir. Paths may be glob patterns; they are
-expanded here, so quoting them works in bash and PowerShell alike.
+histories.png and metrics.png to --output-dir. Paths may be glob patterns (** for any
+depth, matches sorted by name); they are expanded here, so quoted patterns work in bash
+and PowerShell alike.
 
-  bash:        python compare_checkpoints.py runs/*/epid_checkpoint.pth --dataset-range 0:640:80
+  bash:        python compare_checkpoints.py 'runs/**/*.pth' --dataset-range 0:640:80
   PowerShell:  python .\\compare_checkpoints.py "runs\\*\\epid_checkpoint.pth" --no-eval
 
 Frame synthesis (control points, kernel, noise) follows EPID_CONTROL_POINTS, EPID_KERNEL,
@@ -40,17 +41,19 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoints", nargs="+", metavar="CHECKPOINT",
                         help="checkpoint files or glob patterns; the first is the reference of the weight diff")
-    parser.add_argument("--dataset-range", default="",
+    parser.add_argument("--dataset-range", default="", metavar="START:STOP[:STEP]",
                         help=f"evaluation dataset IDs as start:stop[:step] (default {DEFAULT_DATASET_RANGE})")
-    parser.add_argument("--dataset-ids", default="", help="evaluation dataset IDs as a list, e.g. 0,80,160")
-    parser.add_argument("--samples-per-dataset", type=_count(1), default=8,
+    parser.add_argument("--dataset-ids", default="", metavar="IDS",
+                        help="evaluation dataset IDs as a list, e.g. 0,80,160")
+    parser.add_argument("--samples-per-dataset", type=_count(1), default=8, metavar="N",
                         help="validation samples drawn per dataset (default 8)")
-    parser.add_argument("--seed", type=_count(0), default=0, help="seed of the sample choice (default 0)")
+    parser.add_argument("--seed", type=_count(0), default=0, metavar="N", help="seed of the sample choice (default 0)")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default auto)")
-    parser.add_argument("--output-dir", default="comparison_output", help="where files go (default comparison_output)")
-    parser.add_argument("--gamma-samples", type=_count(0), default=64,
+    parser.add_argument("--output-dir", default="comparison_output", metavar="DIR",
+                        help="where the tables and figures go (default comparison_output)")
+    parser.add_argument("--gamma-samples", type=_count(0), default=64, metavar="N",
                         help="samples, spread over the set, whose gamma pass rate is computed (0 = none; default 64)")
-    parser.add_argument("--tail", type=_count(1), default=10,
+    parser.add_argument("--tail", type=_count(1), default=10, metavar="N",
                         help="final epochs used for the tail mean and slope of the validation loss (default 10)")
     parser.add_argument("--log-y", action="store_true", help="log scale for the losses in histories.png")
     parser.add_argument("--no-eval", action="store_true", help="compare histories, configs and weights only")

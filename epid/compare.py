@@ -52,6 +52,7 @@ from epid.sharding import select_dataset_ids
 MODEL_STATES = {"forward": "forward_model", "inverse": "inverse_model"}
 UNCOMPARED_KEYS = ("optimizer", "scheduler", "scaler", "rng")  # dropped after loading: memory
 DEFAULT_DATASET_RANGE = "0:640:80"
+GLOB_CHARACTERS = re.compile(r"[*?[]")
 DEFAULT_GAMMA = evaluate.GammaCriteria()  # 3 %/3 mm global, 10 % cutoff, as in training
 TOTAL = "total"
 LOWER, HIGHER = "lower", "higher"
@@ -135,7 +136,7 @@ def expand_checkpoint_patterns(patterns: Sequence[str]) -> list[str]:
     """
     paths: list[str] = []
     for pattern in patterns:
-        matches = sorted(glob.glob(pattern, recursive=True)) if glob.has_magic(pattern) else []
+        matches = sorted(glob.glob(pattern, recursive=True)) if GLOB_CHARACTERS.search(pattern) else []
         paths.extend(matches or [pattern])
     unique = list(dict.fromkeys(paths))
     if not any(os.path.isfile(path) for path in unique):
@@ -235,7 +236,7 @@ def _slope(values: np.ndarray) -> float:
     return float(np.polyfit(epochs[keep], values[keep], 1)[0])
 
 
-def summarize_history(payload: Mapping[str, Any], common_epochs: int, tail: int) -> dict[str, float]:
+def summarize_history(payload: Mapping[str, Any], common_epochs: int, tail: int) -> dict[str, float | int]:
     """The HISTORY_COLUMNS of one checkpoint.
 
     ``common_epochs``: the epoch window every compared run has (means over epochs
@@ -246,11 +247,11 @@ def summarize_history(payload: Mapping[str, Any], common_epochs: int, tail: int)
     finite_val = np.where(np.isfinite(val), val, np.inf)
     best = int(np.argmin(finite_val)) if np.isfinite(finite_val).any() else None
     return {
-        "epochs": float(max(train.size, val.size)),
+        "epochs": max(train.size, val.size),
         "last_train_loss": _last(train),
         "last_val_loss": _last(val),
         "best_val_loss": float(val[best]) if best is not None else math.nan,
-        "best_epoch": float(best + 1) if best is not None else math.nan,
+        "best_epoch": best + 1 if best is not None else math.nan,
         "train_val_gap": _last(val) - _last(train),
         "mean_val_common": _nanmean(val[:common_epochs]) if common_epochs > 0 else math.nan,
         "mean_val_tail": _nanmean(val[-tail:]),
@@ -285,7 +286,8 @@ def config_fields(payload: Mapping[str, Any]) -> dict[str, Any]:
 
     The resolved config's keys as they are, ``model.forward.*`` / ``model.inverse.*``
     for the architecture, ``torch_version`` and ``format_version``, and the derived
-    ``global_batch`` (samples per optimizer step over all ranks) and ``effective_lr``.
+    ``global_batch`` (samples per optimizer step over all ranks) and ``effective_lr``
+    (left out when the stored config does not rebuild a ``Config`` of this code version).
     """
     config = dict(payload.get("config") or {})
     fields = _flatten("", config)
@@ -745,7 +747,8 @@ def csv_rows(report: Mapping[str, Any]) -> list[dict[str, Any]]:
     rows = []
     for checkpoint in report["checkpoints"]:
         name = checkpoint["name"]
-        row: dict[str, Any] = {key: checkpoint.get(key) for key in ("name", "path", "status", "reason", "epoch", "run_id")}
+        identity = ("name", "path", "status", "reason", "epoch", "run_id")
+        row: dict[str, Any] = {key: checkpoint.get(key) for key in identity}
         row.update(report["history"].get(name, {}))
         for group, metrics in evaluation.get(name, {}).items():
             suffix = "" if group == ALL_SAMPLES else f"_{group}"
@@ -852,7 +855,8 @@ def plot_metrics(summaries: Mapping[str, Mapping[str, Mapping[str, float]]], pat
         best = best_in_columns(heights, column.better)
         for i, name in enumerate(names):
             axis.bar(x - 0.4 + width * (i + 0.5), np.nan_to_num(heights[i], nan=0.0), width,
-                     color=styles[name]["color"], edgecolor=["black" if flag else "none" for flag in best[i]], linewidth=1.8)
+                     color=styles[name]["color"], linewidth=1.8,
+                     edgecolor=["black" if flag else "none" for flag in best[i]])
         axis.set_xticks(x, [f"{group}\n({count})" for group, count in zip(groups, counts)], fontsize=8)
         axis.set_title(f"{column.label} ({column.better} is better)", fontsize=9)
         axis.grid(True, axis="y", alpha=0.3)
@@ -899,8 +903,8 @@ def evaluation_dataset_ids(options: CompareOptions) -> list[int]:
     try:
         return select_dataset_ids(range_spec, options.dataset_ids)
     except ValueError as error:
-        given = " and ".join(f"{flag} {value!r}" for flag, value in
-                             (("--dataset-range", options.dataset_range), ("--dataset-ids", options.dataset_ids)) if value)
+        flags = (("--dataset-range", options.dataset_range), ("--dataset-ids", options.dataset_ids))
+        given = " and ".join(f"{flag} {value!r}" for flag, value in flags if value)
         raise InputError(f"{given}: {error}") from None
 
 
