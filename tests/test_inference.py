@@ -23,6 +23,7 @@ from epid.errors import InputError
 from epid.gamma import gamma_index
 from epid.imaging import render_frames
 from epid.kernel import default_kernel
+from epid.losses import LOSS_TERMS
 from epid.models import ForwardModel, InverseModel, build_models
 from epid.sequences import generate_control_points, pattern_for
 
@@ -30,7 +31,6 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "inference_visualize.py"
 N_CONTROL_POINTS = 12  # 10 samples per arc: 8 train, 2 validation
 DATASET_IDS = (0, 80, 200)  # regular, semiregular, irregular
-LOSS_TERMS = ("total", "forward", "leaf_a", "leaf_b", "scalars", "ordering", "consistency", "latent")
 SAMPLE_PNG_SIZE = (round(plots.SAMPLE_FIGSIZE[1] * plots.DPI), round(plots.SAMPLE_FIGSIZE[0] * plots.DPI))
 # Lenient criteria: an untrained model's pass rate lands strictly between 0 and 100 %, so the
 # comparison with the recomputed rate means something.
@@ -119,6 +119,23 @@ def test_capped_sample_choice_spreads_over_datasets_and_patterns():
     assert min(ref.dataset_id for ref in refs) == 0 and max(ref.dataset_id for ref in refs) == 639
     odd = evaluate.select_samples(range(10), 3, seed=0, n_control_points=2050, max_total=7)
     assert len(odd) == 7 and len({ref.dataset_id for ref in odd}) == 3
+
+
+def test_synthesised_samples_are_the_training_samples():
+    refs = [evaluate.SampleRef(80, 8, "semiregular"), evaluate.SampleRef(80, 9, "semiregular")]
+    settings = evaluate.SynthesisSettings(N_CONTROL_POINTS, "", 0.005, 3, {})
+    samples = evaluate.synthesise_samples(refs, settings, default_kernel())
+    cp = generate_control_points(80, N_CONTROL_POINTS)
+    frames = render_frames(cp, [9, 10, 11], default_kernel(), dataset_id=80, noise_std=0.005, noise_seed=3)
+    torch.testing.assert_close(samples.epid_prev[:, 0], frames[:2], rtol=0, atol=1e-6)
+    torch.testing.assert_close(samples.epid_curr[:, 0], frames[1:], rtol=0, atol=1e-6)
+    for row, sample in enumerate((8, 9)):
+        prev, curr = sample + 1, sample + 2
+        assert samples.leaf_a[row].tolist() == pytest.approx([*cp.leaf_a[prev], *cp.leaf_a[curr]])
+        assert samples.leaf_b[row].tolist() == pytest.approx([*cp.leaf_b[prev], *cp.leaf_b[curr]])
+        assert samples.leaf_weight_b[row].tolist() == [*cp.leaf_weight[prev], *cp.leaf_weight[curr]]
+        assert samples.scalars[row].tolist() == pytest.approx(
+            [cp.mu[curr], cp.jaw_1[prev], cp.jaw_1[curr], cp.jaw_2[prev], cp.jaw_2[curr]])
 
 
 # --------------------------------------------------------------------------- metrics
