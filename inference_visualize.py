@@ -215,7 +215,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     plots.save_figure(plots.summary_figure(records, f"{len(records)} samples from {used} datasets; {run_label}; "
                                                     f"gamma {criteria.describe()}"), output_dir / "summary.png")
     for index in _progress(range(len(records)), len(records), "figure"):
-        ref = refs[index]
+        ref = samples.refs[index]
         figure = plots.sample_figure(samples, predictions, gamma[index].numpy(), records[index], index, criteria)
         plots.save_figure(figure, output_dir / f"dataset_{ref.dataset_id:03d}_sample_{ref.sample:04d}.png")
 
