@@ -15,6 +15,7 @@ with other jobs, OpenMP threads that spin while waiting slow every parallel regi
 down many times over.
 
     python bench/bench_gamma.py [--maps 64] [--pymedphys-maps 16] [--repeats 3]
+                                [--severity 1] [--threads N]
 """
 
 from __future__ import annotations
@@ -30,14 +31,14 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch/numba start OpenMP
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-from scipy.ndimage import convolve1d, gaussian_filter, shift  # noqa: E402
+import numpy as np
+import torch
+from scipy.ndimage import convolve1d, gaussian_filter, shift
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from epid.gamma import gamma_index, gamma_pass_rate  # noqa: E402
+from epid.gamma import gamma_index, gamma_pass_rate
 
-CRITERIA = dict(dose_percent=3.0, distance_mm=3.0, lower_percent_cutoff=10.0, max_gamma=2.0)
+CRITERIA = {"dose_percent": 3.0, "distance_mm": 3.0, "lower_percent_cutoff": 10.0, "max_gamma": 2.0}
 PERTURBATIONS = ("shift", "scale", "blur", "noise", "all")
 
 
@@ -68,26 +69,30 @@ def epid_like_field(rng: np.random.Generator, size: int = 256) -> np.ndarray:
     return frame * rng.uniform(5.0, 40.0)
 
 
-def perturbed(reference: np.ndarray, rng: np.random.Generator, kind: str) -> np.ndarray:
-    """Shifted (<= 1.5 mm), scaled (+-3 %), blurred (sigma 0.5-1.5 mm) and/or noisy copy."""
+def perturbed(
+    reference: np.ndarray, rng: np.random.Generator, kind: str, severity: float = 1.0
+) -> np.ndarray:
+    """Shifted (<= 1.5 mm), scaled (+-3 %), blurred (sigma 0.5-1.5 mm) and/or noisy
+    (0.5-1 % of the maximum) copy; ``severity`` multiplies these amplitudes."""
     evaluation = reference
     if kind in ("shift", "all"):
-        evaluation = shift(evaluation, rng.uniform(-1.5, 1.5, 2), order=1)
+        evaluation = shift(evaluation, severity * rng.uniform(-1.5, 1.5, 2), order=1)
     if kind in ("scale", "all"):
-        evaluation = evaluation * rng.uniform(0.97, 1.03)
+        evaluation = evaluation * (1 + severity * rng.uniform(-0.03, 0.03))
     if kind in ("blur", "all"):
-        evaluation = gaussian_filter(evaluation, rng.uniform(0.5, 1.5))
+        evaluation = gaussian_filter(evaluation, severity * rng.uniform(0.5, 1.5))
     if kind in ("noise", "all"):
-        evaluation = evaluation + rng.normal(0, rng.uniform(0.005, 0.01) * reference.max(), reference.shape)
+        noise_std = severity * rng.uniform(0.005, 0.01) * reference.max()
+        evaluation = evaluation + rng.normal(0, noise_std, reference.shape)
     return evaluation
 
 
-def make_maps(count: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+def make_maps(count: int, severity: float = 1.0, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """``count`` reference maps and their perturbed copies, cycling through PERTURBATIONS."""
     rng = np.random.default_rng(seed)
     references = np.stack([epid_like_field(rng) for _ in range(count)])
-    evaluations = np.stack(
-        [perturbed(r, rng, PERTURBATIONS[i % len(PERTURBATIONS)]) for i, r in enumerate(references)]
-    )
+    kinds = [PERTURBATIONS[i % len(PERTURBATIONS)] for i in range(count)]
+    evaluations = np.stack([perturbed(r, rng, k, severity) for r, k in zip(references, kinds)])
     return references, evaluations
 
 
@@ -126,18 +131,21 @@ def main() -> None:
     parser.add_argument("--maps", type=int, default=64)
     parser.add_argument("--pymedphys-maps", type=int, default=16, help="maps timed with pymedphys (0: skip)")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--severity", type=float, default=1.0,
+                        help="multiplies the shift, scale, blur and noise amplitudes (2: a poorer prediction)")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch default)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    references, evaluations = make_maps(args.maps)
+    references, evaluations = make_maps(args.maps, args.severity)
     cpu_references = torch.as_tensor(references, dtype=torch.float32)
     cpu_evaluations = torch.as_tensor(evaluations, dtype=torch.float32)
     gamma = gamma_index(cpu_references, cpu_evaluations, **CRITERIA)
     rates = gamma_pass_rate(gamma)
     counted = (~torch.isnan(gamma)).float().mean().item()
-    print(f"{args.maps} maps of {references.shape[-2]}x{references.shape[-1]} at 1 mm, 3 %/3 mm global, "
+    print(f"{args.maps} maps of {references.shape[-2]}x{references.shape[-1]} at 1 mm "
+          f"(perturbation severity {args.severity:g}), 3 %/3 mm global, "
           f"10 % cutoff, max_gamma 2; {100 * counted:.0f} % of points above the cutoff; "
           f"pass rate median {rates.median():.1f} % (min {rates.min():.1f} %)")
     print(f"torch {torch.__version__}, CPU threads {torch.get_num_threads()}, "

@@ -302,7 +302,7 @@ def _build_shells(
         start, stop = int(column.min()), int(column.max()) + 1
         matrix = np.zeros((int(sample.max()) + 1, stop - start))
         np.add.at(matrix, (sample, column - start), weights)
-        shells.append((matrix, start, stop, (distance / distance_mm) ** 2))
+        shells.append((matrix.astype(np.float32), start, stop, (distance / distance_mm) ** 2))
     return shells, shifts
 
 
@@ -387,7 +387,7 @@ class _ShellSearch:
             return gamma_at_point
         shells, shifts = _build_shells(distances[1:], distance_mm, pixel_mm)
         self.shells = [
-            _Shell(torch.as_tensor(w, dtype=torch.float32, device=self.device), a, b, d)
+            _Shell(torch.as_tensor(w, device=self.device), a, b, d)
             for w, a, b, d in shells
         ]
         later_starts = [shell.shift_start for shell in self.shells[1:]] + [len(shifts)]

@@ -9,6 +9,7 @@ import pytest
 import torch
 from scipy.ndimage import gaussian_filter, maximum_filter, minimum_filter, shift
 
+import epid.gamma as gamma_module
 from epid.gamma import gamma_index, gamma_pass_rate
 
 
@@ -128,12 +129,12 @@ def test_points_below_the_cutoff_are_nan_and_not_counted():
 
 
 def test_max_gamma_caps_reported_values_and_inf_searches_uncapped():
-    reference = np.full((20, 24), 100.0)
-    evaluation = np.full((20, 24), 120.0)  # 20 % everywhere: gamma 20 / 3 at every point
-    assert torch.all(gamma_index(reference, evaluation) == 2.0)
-    assert torch.all(gamma_index(reference, evaluation, max_gamma=5.0) == 5.0)
-    uncapped = gamma_index(reference, evaluation, max_gamma=math.inf)
-    assert torch.allclose(uncapped, torch.tensor(20 / 3))
+    reference = np.full((12, 14), 100.0)
+    # A uniform dose difference D everywhere: gamma D / 3 at every point.
+    assert torch.all(gamma_index(reference, 1.2 * reference) == 2.0)
+    assert torch.all(gamma_index(reference, 1.2 * reference, max_gamma=3.0) == 3.0)
+    uncapped = gamma_index(reference, 1.1 * reference, max_gamma=math.inf)
+    assert torch.allclose(uncapped, torch.tensor(10 / 3))
     below_cap = gamma_index(reference, 1.02 * reference, max_gamma=1.0)
     assert torch.allclose(below_cap, torch.tensor(2 / 3))
 
@@ -172,7 +173,7 @@ def test_non_finite_evaluated_doses_give_nan_only_near_them():
         assert np.all(gamma[18:24, 14:50] == 0)  # beyond the search radius of (32, 32)
 
 
-def test_batch_equals_per_image_calls():
+def test_batch_equals_per_image_calls(monkeypatch):
     rng = np.random.default_rng(2)
     references = np.stack([epid_like_field(rng) for _ in range(6)]).reshape(2, 3, 64, 80)
     evaluations = shift(references, (0, 0, 0.6, -0.8), order=1) * 1.01
@@ -184,6 +185,11 @@ def test_batch_equals_per_image_calls():
                 single = gamma_index(references[i, j], evaluations[i, j], local=local)
                 assert torch.allclose(batch[i, j], single, atol=1e-6, equal_nan=True)
         assert gamma_pass_rate(batch).shape == (2, 3)
+        # Points searched in many small chunks give the same result.
+        monkeypatch.setattr(gamma_module, "_CHUNK_POINTS", {"cpu": 1024, "cuda": 1024})
+        chunked = gamma_index(references, evaluations, local=local)
+        monkeypatch.undo()
+        assert torch.allclose(chunked, batch, atol=1e-6, equal_nan=True)
 
 
 def test_inputs_broadcast_and_numpy_or_torch_give_the_same_result():
