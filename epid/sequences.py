@@ -184,17 +184,30 @@ def _band_edge_tenths(jaw: np.ndarray | int) -> np.ndarray | int:
 
 def _lower_envelope(values: np.ndarray, step: int) -> np.ndarray:
     """min_i (values_i + step |i - j|) along the last axis: the largest function <= values whose
-    neighbours differ by at most ``step``."""
+    neighbours differ by at most ``step``; its negative of -values is the smallest one >= values."""
     ramp = np.arange(values.shape[-1]) * step
     forward = np.minimum.accumulate(values - ramp, axis=-1) + ramp
     backward = np.minimum.accumulate((values + ramp)[..., ::-1], axis=-1)[..., ::-1] - ramp
     return np.minimum(forward, backward)
 
 
-def _upper_envelope(values: np.ndarray, step: int) -> np.ndarray:
-    """max_i (values_i - step |i - j|) along the last axis: the smallest function >= values whose
-    neighbours differ by at most ``step``."""
-    return -_lower_envelope(-values, step)
+def _bounds(lower: np.ndarray, upper: np.ndarray, step: int) -> tuple[np.ndarray, np.ndarray]:
+    """Tightest bounds on a chain with neighbours at most ``step`` apart inside [lower, upper]:
+    max_i (lower_i - step |i - j|) and min_i (upper_i + step |i - j|). The chain is feasible
+    exactly when they do not cross."""
+    tight = _lower_envelope(np.stack([-lower, upper]), step)
+    return -tight[0], tight[1]
+
+
+def _fit_chain(target: np.ndarray, lower: np.ndarray, upper: np.ndarray, step: int) -> np.ndarray:
+    """Values near ``target`` inside tight bounds (from ``_bounds``), neighbours at most ``step`` apart.
+
+    The floor-midpoint of the lower and upper envelopes of the clipped target: both
+    envelopes respect the step and stay inside tight bounds, and so does the midpoint.
+    """
+    clipped = np.minimum(np.maximum(target, lower), upper)
+    envelopes = _lower_envelope(np.stack([clipped, -clipped]), step)
+    return (envelopes[0] - envelopes[1]) // 2
 
 
 class _ArcWalk:
@@ -224,7 +237,6 @@ class _ArcWalk:
         segment_of_cp = (np.cumsum(starts) - 1).tolist()
         jaw_goals, jaw_speeds = self._jaw_goals(int(starts.sum()))
         leaf_goals, leaf_speeds = self._leaf_goals(int(starts.sum()))
-        jaw_jitter = np.rint(rng.normal(0.0, 5.0, size=(n, 2))).astype(np.int64).tolist()
         leaf_jitter = self._leaf_jitter()
 
         jaws = np.empty((n, 2), dtype=np.int64)
@@ -236,7 +248,7 @@ class _ArcWalk:
         for cp in range(1, n):
             segment = segment_of_cp[cp]
             speed = leaf_speeds[segment]
-            jaw_1, jaw_2, new_band = self._jaw_step(jaw_1, jaw_2, jaw_goals[segment], jaw_speeds[segment], jaw_jitter[cp])
+            jaw_1, jaw_2, new_band = self._jaw_step(jaw_1, jaw_2, jaw_goals[segment], jaw_speeds[segment])
             if new_band == band and self._move_within_band(leaf, leaf_goals[segment], speed, leaf_jitter[cp], band, leaves[cp]):
                 leaf = leaves[cp]
                 jaws[cp] = jaw_1, jaw_2
@@ -314,16 +326,13 @@ class _ArcWalk:
             return np.broadcast_to(shared, (self.n, 2, NUM_LEAF_PAIRS))
         return shared + np.rint(self.rng.normal(0.0, 10.0, size=(self.n, 2, NUM_LEAF_PAIRS))).astype(np.int64)
 
-    def _jaw_step(
-        self, jaw_1: int, jaw_2: int, goal: list[int], speed: int, jitter: list[int]
-    ) -> tuple[int, int, tuple[int, int]]:
-        """Jaws after one bounded step toward ``goal`` inside their ranges and minimum gap, and their band."""
+    def _jaw_step(self, jaw_1: int, jaw_2: int, goal: list[int], speed: int) -> tuple[int, int, tuple[int, int]]:
+        """Jaws after one step of at most ``speed`` toward ``goal`` inside their ranges and
+        minimum gap, and their band. Jaws that reach their goal stay there."""
         limit = self.jaw_step
-        step_1 = min(max(min(max(goal[0] - jaw_1, -speed), speed) + jitter[0], -limit), limit)
-        step_2 = min(max(min(max(goal[1] - jaw_2, -speed), speed) + jitter[1], -limit), limit)
-        new_1 = min(max(jaw_1 + step_1, self.jaw_1_min), self.jaw_1_max)
+        new_1 = min(max(jaw_1 + min(max(goal[0] - jaw_1, -speed), speed), self.jaw_1_min), self.jaw_1_max)
         low_2 = max(new_1 + self.jaw_gap, jaw_2 - limit)
-        new_2 = min(max(jaw_2 + step_2, low_2), self.jaw_2_max, jaw_2 + limit)
+        new_2 = min(max(jaw_2 + min(max(goal[1] - jaw_2, -speed), speed), low_2), self.jaw_2_max, jaw_2 + limit)
         return new_1, new_2, (_band_edge_tenths(new_1), _band_edge_tenths(new_2))
 
     def _hold_band(self, jaws: np.ndarray, proposed_1: int, proposed_2: int) -> tuple[int, int]:
@@ -395,26 +404,16 @@ class _ArcWalk:
         when its tightened bounds do not cross.
         """
         step, gap = self.neighbour_step, self.leaf_gap
-        lower_a = _upper_envelope(lower[0], step)
-        upper_b = _lower_envelope(upper[1], step)
-        upper_a = _lower_envelope(np.minimum(upper[0], upper_b - gap), step)
-        lower_b = _upper_envelope(np.maximum(lower[1], lower_a + gap), step)
+        lower_a, upper_b = _bounds(lower[0], upper[1], step)
+        upper_a = np.minimum(upper[0], upper_b - gap)
+        lower_b = np.maximum(lower[1], lower_a + gap)
+        lower_b, upper_a = _bounds(lower_b, upper_a, step)
         if (lower_a > upper_a).any() or (lower_b > upper_b).any():
             return None
-        leaf_a = self._fit_chain(target[0], lower_a, upper_a)
-        lower_b = _upper_envelope(np.maximum(lower_b, leaf_a + gap), step)
-        leaf_b = self._fit_chain(target[1], lower_b, upper_b)
+        leaf_a = _fit_chain(target[0], lower_a, upper_a, step)
+        lower_b = _bounds(np.maximum(lower_b, leaf_a + gap), upper_b, step)[0]
+        leaf_b = _fit_chain(target[1], lower_b, upper_b, step)
         return np.stack([leaf_a, leaf_b])
-
-    def _fit_chain(self, target: np.ndarray, lower: np.ndarray, upper: np.ndarray) -> np.ndarray:
-        """Values near ``target`` inside tightened bounds with neighbours at most one step apart.
-
-        The floor-midpoint of the lower and upper envelopes of the clipped target: both
-        envelopes respect the step and stay inside tightened bounds, and so does the midpoint.
-        """
-        clipped = np.minimum(np.maximum(target, lower), upper)
-        step = self.neighbour_step
-        return (_lower_envelope(clipped, step) + _upper_envelope(clipped, step)) // 2
 
     def _assemble(self, band: np.ndarray, lo: int, hi: int) -> np.ndarray:
         """All 52 leaves: band values, edge copies just outside the band, parked elsewhere."""
