@@ -33,14 +33,14 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts OpenMP
 
-import numpy as np  # noqa: E402
-import scipy.signal  # noqa: E402
-import torch  # noqa: E402
+import numpy as np
+import scipy.signal
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from epid.imaging import FrameRenderer, rasterize, render_frames, renderer_for  # noqa: E402
-from epid.kernel import default_kernel  # noqa: E402
-from epid.sequences import NUM_DATASETS, generate_control_points, pattern_for  # noqa: E402
+from epid.imaging import FrameRenderer, rasterize, render_frames, renderer_for
+from epid.kernel import default_kernel
+from epid.sequences import NUM_DATASETS, generate_control_points, pattern_for
 
 N_CONTROL_POINTS = 2050
 BATCH_SAMPLES = 128
@@ -64,7 +64,7 @@ def median_seconds(
 def bench_control_points(repeats: int) -> None:
     print("control points, one dataset of 2050 CPs (wall / CPU):")
     for dataset_id in (0, 100, 200, 500):
-        wall, cpu = median_seconds(lambda: generate_control_points(dataset_id, N_CONTROL_POINTS), repeats)
+        wall, cpu = median_seconds(lambda i=dataset_id: generate_control_points(i, N_CONTROL_POINTS), repeats)
         print(f"  id {dataset_id:3d} ({pattern_for(dataset_id):11s}) {wall * 1e3:6.0f} ms / {cpu * 1e3:4.0f} ms")
 
 
@@ -86,12 +86,18 @@ def bench_cpu_dataset(dataset_id: int, repeats: int) -> float:
     control_points = generate_control_points(dataset_id, N_CONTROL_POINTS)
     window = np.arange(1, BATCH_SAMPLES + 2) + 700
     batch = median_seconds(lambda: render_frames(control_points, window, kernel, dataset_id=dataset_id), repeats)
-    print(f"CPU, {torch.get_num_threads()} torch threads, dataset {dataset_id} ({pattern_for(dataset_id)}), wall / CPU:")
-    print(f"  full dataset, {len(frames)} frames, noise on:  {with_noise[0]:6.2f} s / {with_noise[1]:5.2f} s"
-          "  (target 10 s, stretch 3 s)")
+    print(
+        f"CPU, {torch.get_num_threads()} torch threads, dataset {dataset_id} ({pattern_for(dataset_id)}), wall / CPU:"
+    )
+    print(
+        f"  full dataset, {len(frames)} frames, noise on:  {with_noise[0]:6.2f} s / {with_noise[1]:5.2f} s"
+        "  (target 10 s, stretch 3 s)"
+    )
     print(f"  full dataset, noise off:                 {without_noise[0]:6.2f} s / {without_noise[1]:5.2f} s")
-    print(f"  one batch window ({len(window)} frames):         {batch[0]:6.2f} s / {batch[1]:5.2f} s"
-          f"  ({batch[0] / len(window) * 1e3:.1f} ms per frame)")
+    print(
+        f"  one batch window ({len(window)} frames):         {batch[0]:6.2f} s / {batch[1]:5.2f} s"
+        f"  ({batch[0] / len(window) * 1e3:.1f} ms per frame)"
+    )
     return with_noise[0] / len(frames)
 
 
@@ -119,11 +125,15 @@ def bench_legacy(dataset_id: int, count: int, ours_per_frame: float) -> None:
         agreement.append(np.abs(direct - fast).max() / np.abs(direct).max())
     per_frame = 7 * statistics.median(seconds)
     print(f"legacy direct 261 x 261 'same' convolution (scipy.signal.convolve2d), {count} frame(s):")
-    print(f"  {statistics.median(seconds):.2f} s per sub-frame -> {per_frame:.1f} s per frame of 7 sub-frames, "
-          f"{per_frame * (N_CONTROL_POINTS - 1) / 3600:.1f} h per dataset")
-    print(f"  ours: {ours_per_frame * 1e3:.2f} ms per frame (full pipeline, noise on); "
-          f"per-frame ratio {per_frame / ours_per_frame:,.0f}x; "
-          f"our convolution agrees to {max(agreement):.1e} of the maximum")
+    print(
+        f"  {statistics.median(seconds):.2f} s per sub-frame -> {per_frame:.1f} s per frame of 7 sub-frames, "
+        f"{per_frame * (N_CONTROL_POINTS - 1) / 3600:.1f} h per dataset"
+    )
+    print(
+        f"  ours: {ours_per_frame * 1e3:.2f} ms per frame (full pipeline, noise on); "
+        f"per-frame ratio {per_frame / ours_per_frame:,.0f}x; "
+        f"our convolution agrees to {max(agreement):.1e} of the maximum"
+    )
 
 
 def bench_cuda(dataset_id: int, repeats: int) -> None:
@@ -162,7 +172,8 @@ before = peak_rss_bytes()
 start = time.perf_counter()
 kept = [generate_control_points(i) for i in ids]
 seconds = time.perf_counter() - start
-print(json.dumps({"held": sum(cp.nbytes for cp in kept), "before": before, "peak": peak_rss_bytes(), "seconds": seconds}))
+held = sum(cp.nbytes for cp in kept)
+print(json.dumps({"held": held, "before": before, "peak": peak_rss_bytes(), "seconds": seconds}))
 """
 
 
@@ -172,12 +183,17 @@ def bench_memory(count: int) -> None:
     environment = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
     completed = subprocess.run(
         [sys.executable, "-c", _GENERATE_ALL, json.dumps(dataset_ids)],
-        capture_output=True, text=True, check=True, env=environment,
+        capture_output=True,
+        text=True,
+        check=True,
+        env=environment,
     )
     figures = json.loads(completed.stdout)
     mib = 1024 * 1024
     held, peak = figures["held"], figures["peak"]
-    print(f"control points of {len(dataset_ids)} dataset IDs, generated in {figures['seconds']:.0f} s in a fresh process:")
+    print(
+        f"control points of {len(dataset_ids)} dataset IDs, generated in {figures['seconds']:.0f} s in a fresh process:"
+    )
     print(f"  arrays held: {held:,} bytes ({held / mib:.0f} MiB, {held / len(dataset_ids) / mib:.2f} MiB per ID)")
     print(f"  peak RSS:    {peak:,} bytes ({peak / mib:.0f} MiB; {figures['before'] / mib:.0f} MiB after imports)")
     print("  (legacy: all frames in host RAM, 537 MB per dataset, 344 GB for 640; target 2 GB)")

@@ -8,13 +8,15 @@ to whole millimetres (openings never shrink). Positions within ``EDGE_TOLERANCE_
 whole millimetre count as that millimetre, so that float round-off in interpolated
 positions cannot flip a pixel.
 
-Frames are built without ever looping over leaves or frames in Python. Every pixel row
-lies in one leaf, so a row of an aperture is a box [column start, column stop). With a
-separable kernel term u v^T, the horizontal convolution of a box is a difference of two
-rows of a cumulative table of v (``G[stop] - G[start]``); the rows of one leaf mix the 7
-sub-apertures by their jaw coverage (a 5 x 7 weight matrix per leaf); the vertical
-convolution is one matrix product with the Toeplitz matrix of u. Kernels that are not
-close to a few separable terms are applied by FFT to the rasterised masks instead.
+Masks and convolutions involve no Python loop over leaves or frames (only the noise is
+drawn frame by frame, each frame from its own seed). Every pixel row lies in one leaf, so a
+row of an aperture is a box [column start, column stop). With a separable kernel term
+u v^T, the horizontal convolution of a box is the difference of two rows of a cumulative
+table of v (``T[stop] - T[start]``), so a row of a frame, which sums the boxes of the 7
+sub-apertures that its jaws let through, is one weighted bag of 14 table rows
+(``embedding_bag``); the vertical convolution is one matrix product with the Toeplitz
+matrix of u over the rows that any jaw opens. Kernels that are not close to a few
+separable terms are applied by FFT to the rasterised masks instead.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import hashlib
 import math
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import scipy.fft
@@ -219,7 +222,9 @@ class FrameRenderer:
         key = (kind, term, size)
         operator = self._operators.get(key)
         if operator is None:
-            operator = torch.from_numpy(np.ascontiguousarray(_build_operator(kind, self._vertical[term], self._horizontal[term], size)))
+            operator = torch.from_numpy(
+                np.ascontiguousarray(_build_operator(kind, self._vertical[term], self._horizontal[term], size))
+            )
             operator = operator.to(self.device, torch.float32)
             self._operators[key] = operator
         return operator
@@ -264,19 +269,23 @@ def renderer_for(kernel: np.ndarray | torch.Tensor, device: Device = None) -> Fr
     return renderer
 
 
+@dataclass(frozen=True)
 class _ApertureEdges:
-    """Integer aperture edges of B apertures with S sub-apertures each.
+    """Integer aperture edges of B apertures with S sub-apertures each (numpy or torch int64).
 
     col_start, col_stop: (B, S, 52) columns [start, stop) open in each leaf's rows, 0..256.
     row_start, row_stop: (B, S) rows [start, stop) of the leaf grid open between the jaws, 0..260.
-    open_rows: (first, stop) rows of the leaf grid open in any sub-aperture (Python ints).
+    open_rows: (first, stop) rows of the leaf grid open in any sub-aperture.
     """
 
-    def __init__(self, col_start, col_stop, row_start, row_stop, open_rows: tuple[int, int]) -> None:
-        self.col_start, self.col_stop, self.row_start, self.row_stop = col_start, col_stop, row_start, row_stop
-        self.open_rows = open_rows
+    col_start: np.ndarray | torch.Tensor
+    col_stop: np.ndarray | torch.Tensor
+    row_start: np.ndarray | torch.Tensor
+    row_stop: np.ndarray | torch.Tensor
+    open_rows: tuple[int, int]
 
     def to(self, device: torch.device) -> _ApertureEdges:
+        """The edges as tensors on ``device``."""
         values = (self.col_start, self.col_stop, self.row_start, self.row_stop)
         return _ApertureEdges(*(torch.as_tensor(v).to(device) for v in values), self.open_rows)
 

@@ -100,9 +100,7 @@ def _choose_variable(path: Path, contents: dict[str, object], variable: str | No
         found = ", ".join(f"{key} {_describe(value)}" for key, value in sorted(contents.items())) or "no variables"
         raise KernelError(f"kernel file {str(path)!r} holds no 2-D numeric array ({found}); expected one kernel matrix")
     listed = ", ".join(f"{key} {_describe(contents[key])}" for key in candidates)
-    raise KernelError(
-        f"kernel file {str(path)!r} holds several 2-D arrays ({listed}); name one as path.mat:variable"
-    )
+    raise KernelError(f"kernel file {str(path)!r} holds several 2-D arrays ({listed}); name one as path.mat:variable")
 
 
 def _validated(path: Path, name: str, value: object) -> np.ndarray:

@@ -17,8 +17,9 @@ projected onto the limits:
   back to their parked positions, with the pattern's neighbour limit and minimum opening;
 - when the proposed jaws change the band in a way the leaves cannot follow within their
   step limit (a leaf far from its parked position would have to park), the jaws stay inside
-  the leaves they cover for that CP. Keeping the band is always feasible, so generation
-  never fails.
+  the leaves they cover for that CP and the band leaves next to the edges head for their
+  parked positions, so that the jaws can move on later. Keeping the band is always
+  feasible, so generation never fails.
 """
 
 from __future__ import annotations
@@ -168,7 +169,7 @@ def _read_only_mm(tenths: np.ndarray) -> np.ndarray:
 
 
 def _tenths(mm: float) -> int:
-    return int(round(mm * _TENTHS))
+    return round(mm * _TENTHS)
 
 
 _LEAF_WIDTH = _tenths(LEAF_WIDTH_MM)
@@ -249,7 +250,9 @@ class _ArcWalk:
             segment = segment_of_cp[cp]
             speed = leaf_speeds[segment]
             jaw_1, jaw_2, new_band = self._jaw_step(jaw_1, jaw_2, jaw_goals[segment], jaw_speeds[segment])
-            if new_band == band and self._move_within_band(leaf, leaf_goals[segment], speed, leaf_jitter[cp], band, leaves[cp]):
+            if new_band == band and self._move_within_band(
+                leaf, leaf_goals[segment], speed, leaf_jitter[cp], band, leaves[cp]
+            ):
                 leaf = leaves[cp]
                 jaws[cp] = jaw_1, jaw_2
                 continue
@@ -267,7 +270,12 @@ class _ArcWalk:
         return jaws, leaves
 
     def _move_within_band(
-        self, previous: np.ndarray, goal: np.ndarray, speed: int, jitter: np.ndarray, band: tuple[int, int],
+        self,
+        previous: np.ndarray,
+        goal: np.ndarray,
+        speed: int,
+        jitter: np.ndarray,
+        band: tuple[int, int],
         out: np.ndarray,
     ) -> bool:
         """The common case, the band unchanged: band leaves step toward ``goal`` within their
@@ -313,7 +321,9 @@ class _ArcWalk:
         drift = self.neighbour_step // 4
         centre_profile = centre + np.cumsum(rng.integers(-drift, drift + 1, size=shape), axis=1)
         centre_profile -= centre_profile[:, NUM_LEAF_PAIRS // 2, None] - centre
-        width_profile = np.maximum(width + np.cumsum(rng.integers(-drift, drift + 1, size=shape), axis=1), self.leaf_gap)
+        width_profile = np.maximum(
+            width + np.cumsum(rng.integers(-drift, drift + 1, size=shape), axis=1), self.leaf_gap
+        )
         leaf_a = np.clip(centre_profile - width_profile // 2, self.leaf_min, self.leaf_max - self.leaf_gap)
         leaf_b = np.clip(leaf_a + width_profile, leaf_a + self.leaf_gap, self.leaf_max)
         speeds = rng.integers(20, self.leaf_step + 1, size=count)
@@ -346,7 +356,9 @@ class _ArcWalk:
         new_2 = min(max(proposed_2, low_2), _MLC_Y_MIN + hi * _LEAF_WIDTH)
         return new_1, new_2
 
-    def _pull_edges_to_parked(self, leaf: np.ndarray, target: np.ndarray, band: tuple[int, int], speed: int) -> np.ndarray:
+    def _pull_edges_to_parked(
+        self, leaf: np.ndarray, target: np.ndarray, band: tuple[int, int], speed: int
+    ) -> np.ndarray:
         """Target with the band leaves near both edges moving toward their parked positions,
         so that the jaws can move on at a later CP."""
         lo, hi = band

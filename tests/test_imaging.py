@@ -197,8 +197,10 @@ def reference_frame(cp: ControlPoints, frame: int, kernel: np.ndarray) -> np.nda
     """Sum of 7 interpolated sub-aperture masks, convolved by scipy, times MU / 7."""
     masks = np.zeros((256, 256))
     for t in np.arange(7) / 6:
-        at = [v[frame - 1].astype(np.float64) + t * (v[frame].astype(np.float64) - v[frame - 1]) for v in
-              (cp.leaf_a, cp.leaf_b, cp.jaw_1, cp.jaw_2)]
+        at = [
+            v[frame - 1].astype(np.float64) + t * (v[frame].astype(np.float64) - v[frame - 1])
+            for v in (cp.leaf_a, cp.leaf_b, cp.jaw_1, cp.jaw_2)
+        ]
         masks += rasterize(*at).numpy()
     return scipy.signal.fftconvolve(masks, kernel, mode="same") * cp.mu[frame] / 7
 
@@ -223,17 +225,23 @@ def test_frame_integral_is_mu_over_seven_times_the_sub_aperture_areas():
     leaf_a = np.tile(rng.uniform(-40, -5, size=(n, 1)), (1, 52)).astype(np.float32)
     leaf_b = (leaf_a + rng.uniform(10, 40, size=(n, 1))).astype(np.float32)
     cp = ControlPoints(
-        leaf_a=leaf_a, leaf_b=leaf_b,
-        jaw_1=rng.uniform(-60, -10, size=n).astype(np.float32), jaw_2=rng.uniform(10, 60, size=n).astype(np.float32),
-        mu=rng.uniform(1, 40, size=n).astype(np.float32), leaf_weight=np.ones((n, 52), np.float32),
-        dataset_id=0, pattern="regular",
+        leaf_a=leaf_a,
+        leaf_b=leaf_b,
+        jaw_1=rng.uniform(-60, -10, size=n).astype(np.float32),
+        jaw_2=rng.uniform(10, 60, size=n).astype(np.float32),
+        mu=rng.uniform(1, 40, size=n).astype(np.float32),
+        leaf_weight=np.ones((n, 52), np.float32),
+        dataset_id=0,
+        pattern="regular",
     )
     rendered = render_frames(cp, range(1, n), kernel, dataset_id=0, noise_std=0.0)
     for image, frame in zip(rendered, range(1, n)):
         areas = 0.0
         for t in np.arange(7) / 6:
-            at = [v[frame - 1].astype(np.float64) + t * (v[frame].astype(np.float64) - v[frame - 1]) for v in
-                  (cp.leaf_a, cp.leaf_b, cp.jaw_1, cp.jaw_2)]
+            at = [
+                v[frame - 1].astype(np.float64) + t * (v[frame].astype(np.float64) - v[frame - 1])
+                for v in (cp.leaf_a, cp.leaf_b, cp.jaw_1, cp.jaw_2)
+            ]
             areas += reference_area(*at)
         expected = cp.mu[frame] / 7 * areas * kernel.sum()
         assert image.double().sum().item() == pytest.approx(expected, rel=1e-5)
@@ -303,8 +311,10 @@ def test_kernel_forms_and_renderer_reuse(control_points):
     expected = render_frames(control_points, [8], kernel, dataset_id=200)
     torch.testing.assert_close(render_frames(control_points, [8], renderer, dataset_id=200), expected)
     torch.testing.assert_close(
-        render_frames(control_points, [8], torch.from_numpy(kernel).float(), dataset_id=200), expected,
-        rtol=1e-5, atol=1e-6,
+        render_frames(control_points, [8], torch.from_numpy(kernel).float(), dataset_id=200),
+        expected,
+        rtol=1e-5,
+        atol=1e-6,
     )
     fft = FrameRenderer(np.random.default_rng(0).random((5, 5)))
     assert fft.method == "fft"

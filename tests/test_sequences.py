@@ -23,9 +23,18 @@ JAW_1_MAX = {"regular": 1100, "semiregular": 1200, "irregular": 1200}
 @pytest.mark.parametrize(
     ("dataset_id", "pattern"),
     [
-        (0, "regular"), (79, "regular"), (80, "semiregular"), (159, "semiregular"),
-        (160, "irregular"), (319, "irregular"), (320, "regular"), (399, "regular"),
-        (400, "semiregular"), (479, "semiregular"), (480, "irregular"), (639, "irregular"),
+        (0, "regular"),
+        (79, "regular"),
+        (80, "semiregular"),
+        (159, "semiregular"),
+        (160, "irregular"),
+        (319, "irregular"),
+        (320, "regular"),
+        (399, "regular"),
+        (400, "semiregular"),
+        (479, "semiregular"),
+        (480, "irregular"),
+        (639, "irregular"),
     ],
 )
 def test_pattern_boundaries(dataset_id, pattern):
@@ -63,8 +72,14 @@ def test_short_arcs_keep_the_limits():
 
 def test_arrays_are_read_only_float32():
     cp = generate_control_points(5, 20)
-    for name, shape in (("leaf_a", (20, 52)), ("leaf_b", (20, 52)), ("jaw_1", (20,)), ("jaw_2", (20,)),
-                        ("mu", (20,)), ("leaf_weight", (20, 52))):
+    for name, shape in (
+        ("leaf_a", (20, 52)),
+        ("leaf_b", (20, 52)),
+        ("jaw_1", (20,)),
+        ("jaw_2", (20,)),
+        ("mu", (20,)),
+        ("leaf_weight", (20, 52)),
+    ):
         values = getattr(cp, name)
         assert values.shape == shape and values.dtype == np.float32
         with pytest.raises(ValueError):
@@ -159,5 +174,5 @@ def test_semiregular_fields_vary_between_leaves_and_irregular_more():
         return np.abs(np.diff(tenths(cp.leaf_a), axis=1))[inside]
 
     semiregular, irregular = neighbour_steps(100), neighbour_steps(500)
-    assert 0 < semiregular.mean() and semiregular.max() <= 100
+    assert semiregular.mean() > 0 and semiregular.max() <= 100
     assert irregular.mean() > 2 * semiregular.mean() and irregular.max() > 100
