@@ -21,6 +21,7 @@ down many times over.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.metadata
 import multiprocessing
 import os
@@ -164,7 +165,8 @@ def main() -> None:
     # pymedphys runs in its own process: numba's OpenMP threads and torch's would
     # otherwise share this one and slow each other down.
     torch_times, pymedphys_times = [], []
-    with multiprocessing.get_context("spawn").Pool(1) as worker:
+    pool = multiprocessing.get_context("spawn").Pool(1) if pymedphys_version else contextlib.nullcontext()
+    with pool as worker:
         for _ in range(args.repeats):
             torch_times.append(time_torch(cpu_references, cpu_evaluations))
             if pymedphys_version:
