@@ -37,6 +37,7 @@ import random
 import sys
 import time
 import uuid
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -235,9 +236,9 @@ class CrossModel(nn.Module):
 
 
 def _to_cpu(value: Any) -> Any:
-    """Tensors of a nested container copied to the CPU (checkpoints load on any machine)."""
+    """Tensors of a nested container as contiguous CPU copies (checkpoints load on any machine)."""
     if isinstance(value, Tensor):
-        return value.detach().cpu()
+        return value.detach().cpu().contiguous()
     if isinstance(value, dict):
         return {key: _to_cpu(item) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
@@ -449,17 +450,21 @@ class Trainer:
         else:
             forward_model, inverse_model = build_models_from_checkpoint(checkpoint)
         self.model = CrossModel(forward_model, inverse_model).to(self.device).train()
+        if self.device.type == "cpu":
+            # the models keep CPU feature maps in channels_last; weights in the same format give
+            # gradients whose strides match DDP's bucket views (no per-step copy or warning)
+            self.model.to(memory_format=torch.channels_last)
         self.compiled = torch.compile(self.model) if config.compile else self.model
         self.ddp: DistributedDataParallel | None = None
         self.step_model: nn.Module = self.compiled
         if self.context.distributed:
             device_ids = [self.device.index] if self.device.type == "cuda" else None
-            self.ddp = DistributedDataParallel(self.compiled, device_ids=device_ids)
+            self.ddp = DistributedDataParallel(self.compiled, device_ids=device_ids, gradient_as_bucket_view=True)
             self.step_model = self.ddp
         self.base_lr = config.effective_lr
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=self.base_lr, weight_decay=config.weight_decay,
-            fused=self.device.type == "cuda",
+            fused=True,
         )
         base_lr, warmup = self.base_lr, config.warmup_epochs
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -501,6 +506,7 @@ class Trainer:
 
     def _restore(self, checkpoint: dict[str, Any]) -> None:
         self.optimizer.load_state_dict(checkpoint["optimizer"])
+        self._match_optimizer_layout()
         self.scheduler.load_state_dict(checkpoint["scheduler"])
         self.scheduler.base_lrs = [self.base_lr for _ in self.optimizer.param_groups]
         for group in self.optimizer.param_groups:
@@ -520,6 +526,15 @@ class Trainer:
             best_epoch=int(checkpoint.get("best_epoch", 0)),
             interrupted=checkpoint.get("interrupted"),
         )
+
+    def _match_optimizer_layout(self) -> None:
+        """Give loaded moment tensors their parameter's memory format (checkpoints store them contiguous)."""
+        for group in self.optimizer.param_groups:
+            for parameter in group["params"]:
+                state = self.optimizer.state.get(parameter, {})
+                for key, value in state.items():
+                    if isinstance(value, Tensor) and value.shape == parameter.shape:
+                        state[key] = torch.empty_like(parameter, dtype=value.dtype).copy_(value)
 
     # ----------------------------------------------------------------- run
 
@@ -862,7 +877,10 @@ class Trainer:
         }
         metrics_log.append_epoch(history, record)
         history.setdefault("steps_per_rank", []).append(totals.steps_per_rank)
-        self.scheduler.step()
+        with warnings.catch_warnings():
+            # with fp16 the gradient scaler may skip every step of an epoch, which torch reports here
+            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()`")
+            self.scheduler.step()
         self.state.epoch = epoch
         if not self.is_main:
             return
