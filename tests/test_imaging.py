@@ -264,13 +264,19 @@ def test_a_frame_is_identical_in_any_batch(control_points):
     def render(frames):
         return render_frames(control_points, frames, kernel, dataset_id=200, noise_std=0.005, noise_seed=7)
 
+    def assert_same_frame(first, second):
+        # the noise (std >= 0.005 / sqrt(7) here) must match exactly; the convolution may
+        # differ by float32 round-off when a batch spans more rows of the leaf grid
+        torch.testing.assert_close(first, second, rtol=0, atol=1e-6 * float(second.abs().max()))
+
     alone = render([20])[0]
-    torch.testing.assert_close(render([19, 20])[1], alone, rtol=0, atol=0)
-    torch.testing.assert_close(render([20, 21])[0], alone, rtol=0, atol=0)
+    assert_same_frame(render([19, 20])[1], alone)
+    assert_same_frame(render([20, 21])[0], alone)
     long_run = render(np.arange(1, 80))
-    torch.testing.assert_close(long_run[19], alone, rtol=0, atol=0)
-    for frame in (33, 34, 65):  # either side of the chunk boundaries
-        torch.testing.assert_close(long_run[frame - 1], render([frame])[0], rtol=0, atol=0)
+    assert_same_frame(long_run[19], alone)
+    chunk = imaging.CHUNK_FRAMES["cpu"]
+    for frame in (chunk, chunk + 1, 79):  # either side of a chunk boundary, and the last frame
+        assert_same_frame(long_run[frame - 1], render([frame])[0])
 
 
 def test_noise_depends_on_seed_dataset_and_frame(control_points):
@@ -329,7 +335,3 @@ def test_frame_indices_outside_1_to_n_minus_1_are_rejected(control_points, frame
 
 def test_an_empty_frame_list_gives_an_empty_batch(control_points):
     assert render_frames(control_points, [], default_kernel(), dataset_id=200).shape == (0, 256, 256)
-
-
-def test_chunk_sizes_bound_work_on_every_device_type():
-    assert imaging.CHUNK_FRAMES["cpu"] >= 1 and imaging.CHUNK_FRAMES["cuda"] >= 1
