@@ -396,7 +396,7 @@ def _separable_terms(kernel: np.ndarray) -> tuple[list[np.ndarray], list[np.ndar
     """Vertical and horizontal factors of the fewest SVD terms within ``SEPARABLE_TOLERANCE``
     (L1 norm of the remainder relative to the kernel's); empty lists when more than
     ``MAX_SEPARABLE_RANK`` would be needed."""
-    left, singular, right = np.linalg.svd(kernel, full_matrices=False)
+    left, singular, right = (v.numpy() for v in _single_threaded_svd(torch.from_numpy(kernel)))
     scale = np.abs(kernel).sum()
     approximation = np.zeros_like(kernel)
     for rank in range(1, min(MAX_SEPARABLE_RANK, len(singular)) + 1):
@@ -406,6 +406,17 @@ def _separable_terms(kernel: np.ndarray) -> tuple[list[np.ndarray], list[np.ndar
             root = np.sqrt(singular[:rank])
             return list((left[:, :rank] * root).T), list(right[:rank] * root[:, None])
     return [], []
+
+
+def _single_threaded_svd(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """SVD of a small matrix on one thread: with several LAPACK threads on a busy machine it
+    takes seconds instead of milliseconds (the threads wait on each other)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return torch.linalg.svd(matrix, full_matrices=False)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _kernel_array(kernel: np.ndarray | torch.Tensor) -> np.ndarray:
