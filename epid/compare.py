@@ -1009,9 +1009,9 @@ class Comparison:
 def compare(options: CompareOptions) -> int:
     """Run the comparison, print the tables, write the files; 1 if any checkpoint failed, else 0."""
     paths = expand_checkpoint_patterns(options.checkpoints)
-    output_dir = prepare_output_dir(options.output_dir)
     device = resolve_device(options.device) if options.evaluate else torch.device("cpu")
     dataset_ids = evaluation_dataset_ids(options) if options.evaluate else []
+    output_dir = prepare_output_dir(options.output_dir)
 
     checkpoints, failures = load_checkpoints(paths, device, keep_models=options.evaluate)
     comparison = Comparison(paths, checkpoints, failures, options.tail)

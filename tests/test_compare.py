@@ -375,4 +375,4 @@ def test_bad_arguments_exit_2_with_one_line(tmp_path, monkeypatch, capsys, argum
     assert exit_info.value.code == 2
     errors = capsys.readouterr().err.strip().splitlines()
     assert message in errors[-1] and errors[-1].startswith("compare_checkpoints.py: error:")
-    assert not (tmp_path / "comparison_output" / "comparison.json").exists()
+    assert not (tmp_path / "comparison_output").exists()
