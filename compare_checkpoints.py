@@ -19,7 +19,6 @@ are still compared), 2 bad arguments.
 from __future__ import annotations
 
 import argparse
-import os
 
 from epid.cli import run_main
 
@@ -69,8 +68,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    # OpenMP threads that spin while they wait make evaluation several times slower on a CPU
-    # shared with other jobs (measured 126 s against 32 s for 4 checkpoints x 64 samples);
-    # sleeping costs little on an idle one. Set before torch loads; the caller's value wins.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     run_main(main, "compare_checkpoints.py")

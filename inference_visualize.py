@@ -22,12 +22,11 @@ import argparse
 import math
 import os
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
-from epid.cli import run_main
+from epid.cli import prepare_output_dir, resolve_device, run_main
 from epid.config import Config, load_config
 from epid.errors import InputError
 from epid.sharding import NUM_DATASETS, select_dataset_ids
@@ -111,35 +110,8 @@ def requested_dataset_ids(args: argparse.Namespace, config: Config) -> list[int]
     return None
 
 
-def prepare_output_dir(path: str) -> Path:
-    """Create ``path`` if needed and check that a file can be written there."""
-    directory = Path(path)
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=directory):
-            pass
-    except OSError as error:
-        raise InputError(f"--output-dir {path!r}: cannot write there ({error.strerror or error})") from None
-    return directory
 
 
-def resolve_device(name: str):
-    """A torch.device for ``name`` (auto picks CUDA when available); unknown or absent devices are InputErrors."""
-    import torch
-
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise InputError(f"--device {name!r}: expected auto, cpu, cuda or cuda:N") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise InputError(f"--device {name!r}: CUDA is not available on this machine")
-    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
-        raise InputError(f"--device {name!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
-    if device.type not in ("cpu", "cuda"):
-        raise InputError(f"--device {name!r}: expected auto, cpu, cuda or cuda:N")
-    return device
 
 
 def _stage(message: str) -> None:

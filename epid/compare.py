@@ -45,6 +45,7 @@ from torch import Tensor
 
 from epid import evaluate
 from epid.checkpoint import CheckpointError, build_models_from_checkpoint, load_checkpoint
+from epid.cli import prepare_output_dir, resolve_device
 from epid.config import Config, load_config
 from epid.errors import InputError
 from epid.sharding import select_dataset_ids
@@ -155,32 +156,8 @@ def display_names(paths: Sequence[str]) -> list[str]:
         depth += 1
 
 
-def prepare_output_dir(path: str) -> Path:
-    """Create ``path`` and check it is writable; InputError otherwise."""
-    directory = Path(path)
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        probe = directory / ".write_test"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as error:
-        raise InputError(f"--output-dir {path!r} is not a writable directory ({error.strerror or error})") from None
-    return directory
 
 
-def resolve_device(spec: str) -> torch.device:
-    """``auto`` (CUDA when available, else CPU), ``cpu``, ``cuda`` or ``cuda:N``; InputError otherwise."""
-    if spec == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(spec)
-    except RuntimeError:
-        raise InputError(f"--device {spec!r} is not a device; expected auto, cpu, cuda or cuda:N") from None
-    if device.type not in ("cpu", "cuda"):
-        raise InputError(f"--device {spec!r}: expected auto, cpu, cuda or cuda:N")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise InputError(f"--device {spec!r} but CUDA is not available here")
-    return device
 
 
 def load_checkpoints(

@@ -1,18 +1,16 @@
 """EPID_* parsing: defaults, accepted spellings, and one clear error per bad value."""
 
 import math
-import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from epid.config import VARIABLES, Config, ConfigError, load_config
 from epid.errors import InputError
+from tests.support import ROOT, clean_environment
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_defaults_are_the_legacy_run():
@@ -175,11 +173,9 @@ def test_combinations_are_checked(tmp_path):
 
 
 def run_script(env_update, *args):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("EPID_")}
-    env.update(env_update)
     return subprocess.run(
         [sys.executable, str(ROOT / "generate_and_train.py"), *args],
-        env=env, capture_output=True, text=True, timeout=120, cwd=ROOT,
+        env=clean_environment(**env_update), capture_output=True, text=True, timeout=120, cwd=ROOT,
     )
 
 

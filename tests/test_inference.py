@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import csv
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -26,8 +25,8 @@ from epid.kernel import default_kernel
 from epid.losses import LOSS_TERMS
 from epid.models import ForwardModel, InverseModel, build_models
 from epid.sequences import generate_control_points, pattern_for
+from tests.support import ROOT, clean_environment
 
-ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "inference_visualize.py"
 N_CONTROL_POINTS = 12  # 10 samples per arc: 8 train, 2 validation
 DATASET_IDS = (0, 80, 200)  # regular, semiregular, irregular
@@ -37,17 +36,6 @@ SAMPLE_PNG_SIZE = (round(plots.SAMPLE_FIGSIZE[1] * plots.DPI), round(plots.SAMPL
 GAMMA_ARGS = ("--gamma-dose-percent", "60", "--gamma-distance-mm", "4", "--gamma-cutoff-percent", "20")
 
 
-def clean_environment() -> dict[str, str]:
-    """This process's environment without EPID_* variables, single-threaded (the machine is shared)."""
-    environ = {key: value for key, value in os.environ.items() if not key.startswith("EPID_")}
-    environ.update(MPLBACKEND="Agg", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    return environ
-
-
-@pytest.fixture(autouse=True)
-def no_epid_variables(monkeypatch):
-    for key in [key for key in os.environ if key.startswith("EPID_")]:
-        monkeypatch.delenv(key)
 
 
 def history(epochs: int) -> dict:
