@@ -6,7 +6,8 @@ steps; the second epoch is measured, the first pays for warm-up):
 * ``cpu``: 1 rank, default model, per-rank batch 8, every CPU thread. Reports the training
   samples/s (frame synthesis, forward, backward, optimizer, per-step agreement included) and
   the same step without the data path (one batch reused, same precision and threads, in this
-  process), and their ratio. Targets: >= 25 samples/s and >= 80 % of the model-only rate.
+  process), and their ratio, medians of ``--repeats`` alternated runs. Targets: >= 25
+  samples/s and >= 80 % of the model-only rate.
 * ``gloo``: 2 ranks x 1 thread (gloo, DistributedDataParallel) against 1 rank x 2 threads on
   the same two datasets and the same global batch of 8.
 * ``gpu`` (skipped without CUDA): 1 rank, batch 128: samples/s, share of the step spent
@@ -98,10 +99,14 @@ def model_only_rate(variables: dict[str, str], steps: int, warmup: int = 3) -> f
     return len(batch) / statistics.median(times)
 
 
-def cpu_section(steps: int, workdir: Path) -> None:
+def cpu_section(steps: int, workdir: Path, repeats: int) -> None:
     variables = {"EPID_DEVICE": "cpu", "EPID_BATCH_SIZE": "8", "EPID_DATASET_IDS": "0,80,160,240"}
-    end_to_end = run_training(variables, steps, workdir)
-    model_only = model_only_rate(variables, steps)
+    runs, model_rates = [], []
+    for _ in range(repeats):  # alternated, so that load from other processes affects both alike
+        runs.append(run_training(variables, steps, workdir))
+        model_rates.append(model_only_rate(variables, steps))
+    end_to_end = sorted(runs, key=lambda figures: figures["samples_per_s"])[len(runs) // 2]
+    model_only = statistics.median(model_rates)
     ratio = end_to_end["samples_per_s"] / model_only
     print(f"[cpu] 1 rank x {available_cpus()} threads, full model, batch 8: "
           f"{end_to_end['samples_per_s']:.1f} samples/s end to end (target >= 25), "
@@ -111,15 +116,19 @@ def cpu_section(steps: int, workdir: Path) -> None:
               f"iter {end_to_end['iter_ms']:.1f} ms", flush=True)
 
 
-def gloo_section(steps: int, workdir: Path) -> None:
+def gloo_section(steps: int, workdir: Path, repeats: int) -> None:
     shared = {"EPID_DEVICE": "cpu", "EPID_DATASET_IDS": "0,80", "EPID_BACKEND": "gloo"}
-    two_ranks = run_training({**shared, "EPID_WORLD_SIZE": "2", "EPID_BATCH_SIZE": "4", "EPID_THREADS": "1"}, steps, workdir)
-    one_rank = run_training({**shared, "EPID_WORLD_SIZE": "1", "EPID_BATCH_SIZE": "8", "EPID_THREADS": "2"}, steps, workdir)
-    print(f"[gloo] global batch 8, full model: 2 ranks x 1 thread {two_ranks['samples_per_s']:.1f} samples/s, "
-          f"1 rank x 2 threads {one_rank['samples_per_s']:.1f} samples/s", flush=True)
+    two_ranks, one_rank = [], []
+    for _ in range(repeats):
+        two_ranks.append(run_training({**shared, "EPID_WORLD_SIZE": "2", "EPID_BATCH_SIZE": "4", "EPID_THREADS": "1"},
+                                      steps, workdir)["samples_per_s"])
+        one_rank.append(run_training({**shared, "EPID_WORLD_SIZE": "1", "EPID_BATCH_SIZE": "8", "EPID_THREADS": "2"},
+                                     steps, workdir)["samples_per_s"])
+    print(f"[gloo] global batch 8, full model: 2 ranks x 1 thread {statistics.median(two_ranks):.1f} samples/s, "
+          f"1 rank x 2 threads {statistics.median(one_rank):.1f} samples/s (medians of {repeats})", flush=True)
 
 
-def gpu_section(steps: int, workdir: Path) -> None:
+def gpu_section(steps: int, workdir: Path, repeats: int) -> None:
     if not torch.cuda.is_available():
         print("[gpu] skipped: CUDA is not available", flush=True)
         return
@@ -138,10 +147,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sections", nargs="+", choices=list(SECTIONS), default=list(SECTIONS))
     parser.add_argument("--steps", type=int, default=20, help="optimizer steps per measured epoch")
+    parser.add_argument("--repeats", type=int, default=3, help="alternated repetitions of the CPU measurements (medians)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench_train_") as workdir:
         for name in args.sections:
-            SECTIONS[name](args.steps, Path(workdir))
+            SECTIONS[name](args.steps, Path(workdir), args.repeats)
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ import math
 import os
 import random
 import sys
+import tempfile
 import time
 import uuid
 import warnings
@@ -94,6 +95,7 @@ def check_inputs(config: Config) -> list[str]:
     distributed.check_launch(config)
     check_kernel(config)
     resolve_precision(config.precision, distributed.resolve_device(config.device, 0))
+    check_checkpoint_folder(config)
     if not config.resume:
         return []
     return resume_notes(config, load_checkpoint(config.checkpoint_path))
@@ -111,6 +113,20 @@ def check_kernel(config: Config) -> None:
         raise
     except (ValueError, OSError, KeyError) as error:
         raise InputError(f"EPID_KERNEL={config.kernel!r}: {error}") from None
+
+
+def check_checkpoint_folder(config: Config) -> None:
+    """Create the checkpoint's folder and make sure files can be written there (before any epoch runs)."""
+    folder = Path(config.checkpoint_path).parent
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as error:
+        raise InputError(
+            f"EPID_CHECKPOINT_PATH={config.checkpoint_path!r}: cannot write in {str(folder)!r} ({error.strerror or error}); "
+            "expected a path in a writable folder"
+        ) from None
 
 
 def resume_notes(config: Config, checkpoint: dict[str, Any]) -> list[str]:
@@ -557,8 +573,12 @@ class Trainer:
             totals = self._reduce(train, val_sums, val_samples, gamma)
             stop_early = self._decide_early_stop(epoch, totals)
             self._finish_epoch(epoch, train, totals, time.perf_counter() - epoch_started)
-            if totals.stop_requested or stop_early:
-                self._print_stop(epoch, totals.stop_requested)
+            if totals.stop_requested:
+                self._print_stop(epoch, by_signal=True)
+                distributed.barrier()
+                return 0
+            if stop_early:
+                self._print_stop(epoch, by_signal=False)
                 break
         distributed.barrier()
         if self.is_main:

@@ -205,6 +205,20 @@ def test_two_rank_run_writes_checkpoint_metrics_and_equal_steps(two_rank_run):
     assert len(re.findall(r"^\[TIMING\]\[val\] epoch \d", result.stdout, re.M)) == 2
 
 
+def test_torchrun_launch_joins_its_group_without_spawning(tmp_path):
+    checkpoint = tmp_path / "epid.pth"
+    env = run_env(checkpoint, EPID_EPOCHS="1", EPID_STEPS_PER_EPOCH="1", EPID_GAMMA_SAMPLES="0")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(SCRIPT)]
+    result = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    assert result.returncode == 0, result.stdout + result.stderr
+    output = result.stdout + result.stderr
+    assert len(rank_pids(output)) == 2 and output.count("backend gloo") == 2
+    assert re.search(r"launch\s+= torchrun \(WORLD_SIZE=2\)", output)
+    saved = load_checkpoint(checkpoint)
+    assert saved["world_size"] == 2 and saved["config"]["launched_by_torchrun"] is True
+    assert saved["history"]["steps_per_rank"] == [[1, 1]]
+
+
 def test_resume_from_module_prefixed_checkpoint_on_another_world_size(two_rank_run, tmp_path):
     source, _ = two_rank_run
     saved = torch.load(source, weights_only=True)
@@ -343,19 +357,24 @@ def _bad_kernel(tmp_path: Path) -> str:
     return str(path)
 
 
-@pytest.mark.parametrize("case", ["nccl on cpu", "bad kernel file", "other model size", "epochs already done", "cuda"])
+@pytest.mark.parametrize(
+    "case", ["nccl on cpu", "bad kernel file", "other model size", "epochs already done", "cuda", "unwritable folder"]
+)
 def test_launch_checks_reject_bad_input(case, two_rank_run, tmp_path):
     source, _ = two_rank_run
     checkpoint = tmp_path / "epid.pth"
     shutil.copy(source, checkpoint)
     if case == "cuda" and torch.cuda.is_available():
         pytest.skip("CUDA is available here")
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
     overrides, error, message = {
         "nccl on cpu": ({"EPID_BACKEND": "nccl", "EPID_WORLD_SIZE": "2"}, LaunchError, "nccl needs CUDA"),
         "bad kernel file": ({"EPID_KERNEL": _bad_kernel(tmp_path)}, InputError, "kernel.mat"),
         "other model size": ({"EPID_RESUME": "1", "EPID_MODEL_SIZE": "small"}, CheckpointError, "EPID_MODEL_SIZE"),
         "epochs already done": ({"EPID_RESUME": "1", "EPID_EPOCHS": "2"}, CheckpointError, "EPID_EPOCHS above 2"),
         "cuda": ({"EPID_DEVICE": "cuda"}, LaunchError, "CUDA is not available"),
+        "unwritable folder": ({"EPID_CHECKPOINT_PATH": str(blocker / "epid.pth")}, InputError, "cannot write in"),
     }[case]
     with pytest.raises(error, match=message):
         train.check_inputs(load_config(run_env(checkpoint, **overrides)))
