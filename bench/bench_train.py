@@ -35,15 +35,15 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from epid.config import load_config  # noqa: E402
-from epid.dataset import EpidData  # noqa: E402
-from epid.distributed import available_cpus  # noqa: E402
-from epid.losses import cross_training_loss  # noqa: E402
-from epid.models import build_models  # noqa: E402
-from epid.train import CrossModel, resolve_precision  # noqa: E402
+from epid.config import load_config
+from epid.dataset import EpidData
+from epid.distributed import available_cpus
+from epid.losses import cross_training_loss
+from epid.models import build_models
+from epid.train import CrossModel, resolve_precision
 
 LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-TIMING = re.compile(r"^\[TIMING\]\[train\] epoch 2 steps \S+: data_wait (\S+) h2d (\S+) compute (\S+) iter (\S+)", re.M)
+TIMING = re.compile(r"^\[TIMING\]\[train\] epoch 2 steps \S+: data_wait (\S+) h2d (\S+) compute (\S+) iter (\S+)", re.MULTILINE)
 PEAK = re.compile(r"peak GPU memory (\S+) GiB")
 
 
@@ -57,10 +57,11 @@ def run_training(variables: dict[str, str], steps: int, workdir: Path) -> dict[s
     )
     env.update(variables)
     result = subprocess.run([sys.executable, str(ROOT / "generate_and_train.py")], env=env, cwd=ROOT,
-                            capture_output=True, text=True)
+                            capture_output=True, text=True, check=False)
     if result.returncode != 0:
         raise SystemExit(f"training run failed ({variables}):\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
-    rows = list(csv.DictReader(open(checkpoint.parent / "metrics.csv")))
+    with open(checkpoint.parent / "metrics.csv", newline="") as handle:
+        rows = list(csv.DictReader(handle))
     figures = {"samples_per_s": float(rows[-1]["samples_per_s"])}
     timing = TIMING.search(result.stdout)
     if timing:

@@ -27,6 +27,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import FrameType
+from typing import Self
 
 import torch
 import torch.distributed as dist
@@ -248,7 +249,7 @@ class _ForwardTermination:
         self.forwarded = False
         self.previous: dict[int, object] = {}
 
-    def __enter__(self) -> _ForwardTermination:
+    def __enter__(self) -> Self:
         for signum in (signal.SIGINT, signal.SIGTERM):
             self.previous[signum] = signal.signal(signum, self._forward)
         return self
@@ -282,7 +283,7 @@ class StopSignal:
         self.received: int | None = None
         self.previous: dict[int, object] = {}
 
-    def install(self) -> StopSignal:
+    def install(self) -> Self:
         for signum in (signal.SIGINT, signal.SIGTERM):
             self.previous[signum] = signal.signal(signum, self._handle)
         return self

@@ -1,7 +1,7 @@
 """Cross-training of the forward and inverse models: ``launch`` and the per-rank training loop.
 
-``launch(config)`` checks everything a rank would trip over (device, kernel file, the
-checkpoint to resume) in the launching process, so bad input exits with status 2 before any
+``launch(config)`` checks everything a rank would trip over (device, kernel file, checkpoint
+folder, the checkpoint to resume) in the launching process, so bad input exits with status 2 before any
 rank starts, then runs ``run_rank`` on every rank (``epid.distributed``).
 
 One epoch on one rank:
@@ -60,7 +60,14 @@ from epid.checkpoint import (
     save_checkpoint,
 )
 from epid.config import Config, describe, rank_report
-from epid.dataset import BatchLoader, EpidData, Window, epoch_windows, split_range, steps_per_epoch
+from epid.dataset import (
+    BatchLoader,
+    EpidData,
+    Window,
+    epoch_windows,
+    split_range,
+    steps_per_epoch,
+)
 from epid.distributed import RankContext, StopSignal
 from epid.errors import InputError
 from epid.losses import LOSS_TERMS, cross_training_loss

@@ -23,9 +23,16 @@ import pytest
 import torch
 
 from epid import train
-from epid.checkpoint import CheckpointError, best_path, load_checkpoint, save_checkpoint, strip_wrapper_prefixes
+from epid.checkpoint import CheckpointError, best_path, load_checkpoint, save_checkpoint
 from epid.config import load_config
-from epid.distributed import LaunchError, RankContext, StopSignal, free_port, resolve_backend, resolve_device
+from epid.distributed import (
+    LaunchError,
+    RankContext,
+    StopSignal,
+    free_port,
+    resolve_backend,
+    resolve_device,
+)
 from epid.errors import InputError
 from epid.losses import LOSS_TERMS
 from epid.metrics_log import COLUMNS, MetricsLog, append_epoch, empty_history
@@ -59,13 +66,18 @@ def run_env(checkpoint: Path, **overrides: str) -> dict[str, str]:
 
 def run_script(env: dict[str, str], timeout: float = RUN_TIMEOUT_S) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(SCRIPT)], env=env, cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout)
+                          timeout=timeout, check=False)
 
 
 def start_script(env: dict[str, str], log: Path) -> subprocess.Popen:
-    handle = open(log, "w")
-    return subprocess.Popen([sys.executable, str(SCRIPT)], env=env, cwd=ROOT, stdout=handle,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    with open(log, "w") as handle:
+        return subprocess.Popen([sys.executable, str(SCRIPT)], env=env, cwd=ROOT, stdout=handle,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def read_rows(path: Path) -> list[dict[str, str]]:
+    with open(path, newline="") as handle:
+        return list(csv.DictReader(handle))
 
 
 def wait_for(predicate, timeout: float, what: str) -> None:
@@ -108,7 +120,7 @@ def test_learning_rate_warm_up_is_linear_then_cosine_starts_at_base():
 
 
 def test_gamma_subset_is_spread_fixed_and_inside_validation():
-    ids = list(range(0, 640))
+    ids = list(range(640))
     chosen = train.gamma_subset(ids, 2050, 64)
     assert len(chosen) == 64 and len(set(chosen)) == 64
     assert [d for d, _ in chosen] == list(range(0, 640, 10))
@@ -161,7 +173,7 @@ def test_metrics_csv_rows_and_plot(tmp_path):
         append_epoch(history, record)
         log.append(history)
     log.plot(history, best_epoch=3)
-    rows = list(csv.DictReader(open(log.csv_path)))
+    rows = read_rows(log.csv_path)
     assert tuple(rows[0]) == COLUMNS
     assert [float(r["val_total"]) for r in rows] == pytest.approx([2.0, 1.0, 2.0 / 3.0], rel=1e-5)
     assert [int(r["epoch"]) for r in rows] == [1, 2, 3]
@@ -196,20 +208,21 @@ def test_two_rank_run_writes_checkpoint_metrics_and_equal_steps(two_rank_run):
     assert raw["history"]["lr"] == pytest.approx([train.learning_rate(0, 1e-4), train.learning_rate(1, 1e-4)])
     assert raw["scheduler"]["last_epoch"] == 2
     assert best_path(checkpoint).is_file()
-    rows = list(csv.DictReader(open(checkpoint.parent / "metrics.csv")))
+    rows = read_rows(checkpoint.parent / "metrics.csv")
     assert [int(r["epoch"]) for r in rows] == [1, 2]
     assert [float(r["train_total"]) for r in rows] == pytest.approx(raw["history"]["train"]["total"], rel=1e-5)
     assert (checkpoint.parent / "losses.png").read_bytes()[:4] == b"\x89PNG"
-    assert len(re.findall(r"^epoch \d/2 \| train .* \| val .* \| gamma pass .* samples/s \| lr ", result.stdout, re.M)) == 2
-    assert len(re.findall(r"^\[TIMING\]\[train\] epoch \d steps 1-4/4: data_wait", result.stdout, re.M)) == 2
-    assert len(re.findall(r"^\[TIMING\]\[val\] epoch \d", result.stdout, re.M)) == 2
+    assert len(re.findall(r"^epoch \d/2 \| train .* \| val .* \| gamma pass .* samples/s \| lr ", result.stdout, re.MULTILINE)) == 2
+    assert len(re.findall(r"^\[TIMING\]\[train\] epoch \d steps 1-4/4: data_wait", result.stdout, re.MULTILINE)) == 2
+    assert len(re.findall(r"^\[TIMING\]\[val\] epoch \d", result.stdout, re.MULTILINE)) == 2
 
 
 def test_torchrun_launch_joins_its_group_without_spawning(tmp_path):
     checkpoint = tmp_path / "epid.pth"
     env = run_env(checkpoint, EPID_EPOCHS="1", EPID_STEPS_PER_EPOCH="1", EPID_GAMMA_SAMPLES="0")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(SCRIPT)]
-    result = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    result = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
+                            check=False)
     assert result.returncode == 0, result.stdout + result.stderr
     output = result.stdout + result.stderr
     assert len(rank_pids(output)) == 2 and output.count("backend gloo") == 2
@@ -239,8 +252,8 @@ def test_resume_from_module_prefixed_checkpoint_on_another_world_size(two_rank_r
         assert len(history[split]["total"]) == 3
     assert history["lr"] == pytest.approx([train.learning_rate(e, 1e-4) for e in range(3)])
     assert history["steps_per_rank"][-1] == [6]  # one rank now owns all 3 datasets x 2 windows
-    assert re.search(r"^epoch 3/3 ", result.stdout, re.M) and not re.search(r"^epoch [12]/", result.stdout, re.M)
-    rows = list(csv.DictReader(open(tmp_path / "metrics.csv")))
+    assert re.search(r"^epoch 3/3 ", result.stdout, re.MULTILINE) and not re.search(r"^epoch [12]/", result.stdout, re.MULTILINE)
+    rows = read_rows(tmp_path / "metrics.csv")
     assert [int(r["epoch"]) for r in rows] == [1, 2, 3]
 
 
@@ -273,14 +286,14 @@ def test_sigterm_stops_cleanly_a_killed_rank_fails_the_job_and_both_checkpoints_
     log = tmp_path / "sigterm.log"
     process = start_script(run_env(checkpoint, EPID_WORLD_SIZE="2", **longer), log)
     try:
-        wait_for(lambda: re.search(r"^epoch 1/", log.read_text(), re.M), 150, "the first epoch")
+        wait_for(lambda: re.search(r"^epoch 1/", log.read_text(), re.MULTILINE), 150, "the first epoch")
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=60) == 0, log.read_text()
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
     text = log.read_text()
-    assert re.search(r"^Stopped by SIGTERM", text, re.M) and "Traceback" not in text, text
+    assert re.search(r"^Stopped by SIGTERM", text, re.MULTILINE) and "Traceback" not in text, text
     stopped = load_checkpoint(checkpoint)
     assert stopped["epoch"] >= 1
     interrupted = stopped["interrupted"]
@@ -292,7 +305,7 @@ def test_sigterm_stops_cleanly_a_killed_rank_fails_the_job_and_both_checkpoints_
     process = start_script(run_env(checkpoint, EPID_WORLD_SIZE="2", EPID_RESUME="1", **longer), log)
     next_epoch = stopped["epoch"] + 1
     try:
-        wait_for(lambda: re.search(rf"^epoch {next_epoch}/", log.read_text(), re.M), 150, f"epoch {next_epoch}")
+        wait_for(lambda: re.search(rf"^epoch {next_epoch}/", log.read_text(), re.MULTILINE), 150, f"epoch {next_epoch}")
         os.kill(rank_pids(log.read_text())[0], signal.SIGKILL)
         killed_at = time.monotonic()
         assert process.wait(timeout=90) != 0
