@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 
 from epid.config import load_config
 from epid.dataset import EpidData
-from epid.distributed import available_cpus
+from epid.distributed import available_cpus, tune_host_allocator
 from epid.losses import cross_training_loss
 from epid.models import build_models
 from epid.train import CrossModel, resolve_precision
@@ -76,6 +76,7 @@ def run_training(variables: dict[str, str], steps: int, workdir: Path) -> dict[s
 
 def model_only_rate(variables: dict[str, str], steps: int, warmup: int = 3) -> float:
     """Samples/s of the training step on one reused real batch (no synthesis), in this process."""
+    tune_host_allocator()  # as in every training rank
     config = load_config({"EPID_PROGRESS": "0", **variables})
     device = torch.device("cuda" if config.device.startswith("cuda") or (config.device == "auto" and torch.cuda.is_available()) else "cpu")
     torch.set_num_threads(config.threads or available_cpus())

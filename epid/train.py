@@ -92,8 +92,10 @@ def launch(config: Config) -> int:
     1: a rank failed or the run stopped on non-finite losses. Raises InputError (exit 2)
     before any rank starts when the device, kernel or checkpoint to resume cannot work.
     """
-    for note in check_inputs(config):
-        print(note, flush=True)
+    notes = check_inputs(config)
+    if os.environ.get("RANK", "0") == "0":  # under torchrun every rank runs this; rank 0 reports
+        for note in notes:
+            print(note, flush=True)
     return distributed.launch(run_rank, config)
 
 

@@ -32,6 +32,7 @@ from epid.distributed import (
     free_port,
     resolve_backend,
     resolve_device,
+    tune_host_allocator,
 )
 from epid.errors import InputError
 from epid.losses import LOSS_TERMS
@@ -138,6 +139,8 @@ def test_placement_helpers():
     assert resolve_backend("auto", torch.device("cpu")) == "gloo"
     assert resolve_backend("auto", torch.device("cuda", 0)) == "nccl"
     assert resolve_backend("gloo", torch.device("cuda", 0)) == "gloo"
+    if sys.platform.startswith("linux") and os.confstr("CS_GNU_LIBC_VERSION"):
+        assert tune_host_allocator()
     port = free_port()
     assert 1024 <= port < 65536
 
