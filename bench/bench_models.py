@@ -1,0 +1,246 @@
+"""Training-step throughput of the forward and inverse models on this machine.
+
+For each batch size and variant (precision, memory format, torch.compile) it times a full
+cross-training step (both models forward, cross-training loss, backward, AdamW step) and prints
+the median step time, samples/s, FLOPs per sample (torch.utils.flop_counter.FlopCounterMode,
+forward + backward), the achieved FLOP rate and its fraction of the machine's measured matmul
+peak in the same precision. Variants are timed round-robin, one step each per round, so that
+load from other processes on a shared machine affects all of them alike.
+
+    python bench/bench_models.py                      # fp32 and bf16, batch 8 and 32
+    python bench/bench_models.py --variants fp32 bf16 bf16+cl bf16+cl+compile --profile
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from epid.losses import cross_training_loss  # noqa: E402
+from epid.models import GRID_SIZE, NUM_LEAF_PAIRS, build_models  # noqa: E402
+
+PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class SyntheticBatch:
+    """Random targets in the sample layout (mm, MU), shaped like ``epid.dataset.Batch``."""
+
+    leaf_a: torch.Tensor
+    leaf_b: torch.Tensor
+    scalars: torch.Tensor
+    leaf_weight_a: torch.Tensor
+    leaf_weight_b: torch.Tensor
+    epid_prev: torch.Tensor
+    epid_curr: torch.Tensor
+
+
+def synthetic_batch(batch_size: int, device: torch.device, seed: int = 0) -> SyntheticBatch:
+    """Plausible random control points and frames: bank A <= bank B, MU in [1, 40]."""
+    gen = torch.Generator().manual_seed(seed)
+    leaves = 2 * NUM_LEAF_PAIRS
+    leaf_a = torch.rand(batch_size, leaves, generator=gen) * -60.0
+    leaf_b = leaf_a + 10.0 + torch.rand(batch_size, leaves, generator=gen) * 50.0
+    mu = 1.0 + 39.0 * torch.rand(batch_size, 1, generator=gen)
+    jaw_1 = -100.0 + 40.0 * torch.rand(batch_size, 2, generator=gen)
+    jaw_2 = jaw_1 + 20.0 + 80.0 * torch.rand(batch_size, 2, generator=gen)
+    weights = torch.where(torch.rand(batch_size, leaves, generator=gen) < 0.5, 1.0, 0.5)
+    frames = torch.rand(batch_size + 1, 1, GRID_SIZE, GRID_SIZE, generator=gen) * mu.mean()
+    batch = SyntheticBatch(
+        leaf_a=leaf_a,
+        leaf_b=leaf_b,
+        scalars=torch.cat([mu, jaw_1[:, :1], jaw_1[:, 1:], jaw_2[:, :1], jaw_2[:, 1:]], dim=1),
+        leaf_weight_a=weights,
+        leaf_weight_b=weights.flip(1),
+        epid_prev=frames[:-1],
+        epid_curr=frames[1:],
+    )
+    return SyntheticBatch(**{k: v.to(device) for k, v in vars(batch).items()})
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One way of running the step: autocast dtype (None = fp32), channels_last, torch.compile."""
+
+    name: str
+    autocast_dtype: torch.dtype | None
+    channels_last: bool
+    compile: bool
+
+    @classmethod
+    def parse(cls, name: str) -> "Variant":
+        parts = name.split("+")
+        if parts[0] not in PRECISIONS or not set(parts[1:]) <= {"cl", "compile"}:
+            raise SystemExit(f"variant {name!r}: expected PRECISION[+cl][+compile], PRECISION in {list(PRECISIONS)}")
+        return cls(name, PRECISIONS[parts[0]], "cl" in parts, "compile" in parts)
+
+
+class TrainingStep:
+    """Both models, AdamW (fused) and the cross-training loss, run as one callable step."""
+
+    def __init__(self, variant: Variant, size: str, device: torch.device, seed: int = 0) -> None:
+        torch.manual_seed(seed)
+        self.variant = variant
+        self.device = device
+        forward_model, inverse_model = (m.to(device) for m in build_models(size))
+        if variant.channels_last:
+            forward_model = forward_model.to(memory_format=torch.channels_last)
+            inverse_model = inverse_model.to(memory_format=torch.channels_last)
+        params = [*forward_model.parameters(), *inverse_model.parameters()]
+        self.optimizer = torch.optim.AdamW(params, lr=1e-4, weight_decay=1e-4, fused=True)
+        self.forward_model = torch.compile(forward_model) if variant.compile else forward_model
+        self.inverse_model = torch.compile(inverse_model) if variant.compile else inverse_model
+
+    def loss(self, batch: SyntheticBatch) -> torch.Tensor:
+        dtype = self.variant.autocast_dtype
+        with torch.autocast(self.device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
+            forward_out = self.forward_model(batch.leaf_a, batch.leaf_b, batch.scalars)
+            inverse_out = self.inverse_model(batch.epid_prev, batch.epid_curr)
+            return cross_training_loss(forward_out, inverse_out, batch)["total"]
+
+    def __call__(self, batch: SyntheticBatch) -> None:
+        self.loss(batch).backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def matmul_peak_flops(dtype: torch.dtype, device: torch.device, repeats: int = 10) -> float:
+    """Best FLOP/s of square matmuls (n = 1024, 2048, 4096) in ``dtype``: the measured peak."""
+    best = 0.0
+    for n in (1024, 2048, 4096):
+        a = torch.randn(n, n, device=device, dtype=dtype)
+        b = torch.randn(n, n, device=device, dtype=dtype)
+        a @ b
+        for _ in range(repeats):
+            synchronize(device)
+            start = time.perf_counter()
+            a @ b
+            synchronize(device)
+            best = max(best, 2.0 * n**3 / (time.perf_counter() - start))
+    return best
+
+
+def flops_per_sample(size: str, batch_size: int, device: torch.device) -> float:
+    """Forward + backward FLOPs of one fp32 cross-training step, per sample (optimizer excluded)."""
+    step = TrainingStep(Variant.parse("fp32"), size, device)
+    batch = synthetic_batch(batch_size, device)
+    counter = FlopCounterMode(display=False)
+    with counter:
+        step.loss(batch).backward()
+    return counter.get_total_flops() / batch_size
+
+
+def time_variants(
+    variants: list[Variant], size: str, batch_size: int, device: torch.device, steps: int, warmup: int
+) -> dict[str, list[tuple[float, float]]]:
+    """(wall, process CPU) seconds of each step per variant, timed round-robin after warmup.
+
+    The process CPU time counts the work of all threads; on a machine shared with other jobs it
+    stays meaningful when the wall time does not (run with OMP_WAIT_POLICY=PASSIVE so that
+    waiting threads do not spin).
+    """
+    batch = synthetic_batch(batch_size, device)
+    runners = {v.name: TrainingStep(v, size, device) for v in variants}
+    for runner in runners.values():
+        for _ in range(warmup + (2 if runner.variant.compile else 0)):
+            runner(batch)
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name in runners}
+    for _ in range(steps):
+        for name, runner in runners.items():
+            synchronize(device)
+            start, start_cpu = time.perf_counter(), time.process_time()
+            runner(batch)
+            synchronize(device)
+            times[name].append((time.perf_counter() - start, time.process_time() - start_cpu))
+    return times
+
+
+def profile_variant(
+    variant: Variant, size: str, batch_size: int, device: torch.device, rows: int, shapes: bool = False
+) -> None:
+    """Print the operators that take the most time in two steps of ``variant``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    runner = TrainingStep(variant, size, device)
+    batch = synthetic_batch(batch_size, device)
+    for _ in range(3):
+        runner(batch)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities, record_shapes=shapes) as prof:
+        for _ in range(2):
+            runner(batch)
+    sort_key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    print(f"\nprofile: {variant.name}, batch {batch_size} (two steps)")
+    print(prof.key_averages(group_by_input_shape=shapes).table(sort_by=sort_key, row_limit=rows))
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[8, 32])
+    parser.add_argument(
+        "--variants", nargs="+", default=["fp32", "fp32+cl", "bf16", "bf16+cl"],
+        help="PRECISION[+cl][+compile], PRECISION in fp32|bf16|fp16 (cl = channels_last)",
+    )
+    parser.add_argument("--size", default="full", help="model size preset (epid.models.MODEL_SIZES)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
+    parser.add_argument("--steps", type=int, default=7, help="timed steps per variant")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per variant")
+    parser.add_argument("--profile", action="store_true", help="print a torch.profiler table per variant")
+    parser.add_argument("--profile-shapes", action="store_true", help="group the profile by input shapes")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    variants = [Variant.parse(name) for name in args.variants]
+    peaks = {
+        dtype: matmul_peak_flops(dtype or torch.float32, device)
+        for dtype in {v.autocast_dtype for v in variants}
+    }
+    print(f"torch {torch.__version__}, device {device}, threads {torch.get_num_threads()}, model size {args.size}")
+    for dtype, peak in peaks.items():
+        print(f"measured matmul peak {str(dtype or torch.float32):>15}: {peak / 1e12:6.3f} TFLOP/s")
+    header = (
+        f"{'variant':<22}{'batch':>6}{'step ms':>10}{'samples/s':>11}{'GFLOP/sample':>14}"
+        f"{'TFLOP/s':>9}{'% peak':>8}{'cpu ms':>9}"
+    )
+    rows = []
+    for batch_size in args.batch_sizes:
+        flops = flops_per_sample(args.size, batch_size, device)
+        times = time_variants(variants, args.size, batch_size, device, args.steps, args.warmup)
+        for variant in variants:
+            step_s = statistics.median(wall for wall, _ in times[variant.name])
+            cpu_s = statistics.median(cpu for _, cpu in times[variant.name])
+            rate = flops * batch_size / step_s
+            rows.append(
+                f"{variant.name:<22}{batch_size:>6}{step_s * 1e3:>10.1f}{batch_size / step_s:>11.1f}"
+                f"{flops / 1e9:>14.2f}{rate / 1e12:>9.3f}{100 * rate / peaks[variant.autocast_dtype]:>8.1f}"
+                f"{cpu_s * 1e3:>9.1f}"
+            )
+        if args.profile:
+            for variant in variants:
+                profile_variant(variant, args.size, batch_size, device, rows=25, shapes=args.profile_shapes)
+    print(header)
+    print("\n".join(rows))
+
+
+if __name__ == "__main__":
+    main()

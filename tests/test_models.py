@@ -1,0 +1,377 @@
+"""Forward and inverse models: shapes, layout, parameter counts, initialisation, gradients,
+precision and memory-format variants, and a small overfitting run."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from epid.losses import cross_training_loss
+from epid.models import MODEL_SIZES, ForwardModel, InverseModel, build_models
+
+GRID = 256
+
+
+def control_points(batch: int, seed: int = 0) -> SimpleNamespace:
+    """Random plausible control points (mm, MU) in the sample layout."""
+    gen = torch.Generator().manual_seed(seed)
+    leaf_a = -60.0 * torch.rand(batch, 104, generator=gen)
+    leaf_b = leaf_a + 10.0 + 50.0 * torch.rand(batch, 104, generator=gen)
+    mu = 1.0 + 39.0 * torch.rand(batch, 1, generator=gen)
+    jaw_1 = -100.0 + 40.0 * torch.rand(batch, 2, generator=gen)
+    jaw_2 = jaw_1 + 20.0 + 80.0 * torch.rand(batch, 2, generator=gen)
+    scalars = torch.cat([mu, jaw_1[:, :1], jaw_1[:, 1:], jaw_2[:, :1], jaw_2[:, 1:]], dim=1)
+    return SimpleNamespace(leaf_a=leaf_a, leaf_b=leaf_b, scalars=scalars)
+
+
+def aperture_frames(leaf_a: torch.Tensor, leaf_b: torch.Tensor, scalars: torch.Tensor) -> torch.Tensor:
+    """MU x open-field mask of the curr control point (B, 1, 256, 256): a simple structured target.
+
+    Pixel centres at -127.5 .. 127.5 mm; leaf j covers y in [-130 + 5j, -125 + 5j).
+    """
+    centres = torch.arange(GRID) - GRID / 2 + 0.5
+    leaf_index = ((centres + 130.0) // 5).long()
+    a = leaf_a[:, 52:][:, leaf_index]
+    b = leaf_b[:, 52:][:, leaf_index]
+    x = centres.view(1, 1, -1)
+    y = centres.view(1, -1, 1)
+    open_leaf = (a.unsqueeze(2) <= x) & (x < b.unsqueeze(2))
+    open_jaw = (scalars[:, 2, None, None] <= y) & (y < scalars[:, 4, None, None])
+    return (scalars[:, 0, None, None] * (open_leaf & open_jaw)).unsqueeze(1).float()
+
+
+def training_batch(batch: int, seed: int = 0) -> SimpleNamespace:
+    cps = control_points(batch + 1, seed)
+    frames = aperture_frames(cps.leaf_a, cps.leaf_b, cps.scalars)
+    weights = torch.where(torch.rand(batch, 104, generator=torch.Generator().manual_seed(seed)) < 0.5, 1.0, 0.5)
+    return SimpleNamespace(
+        leaf_a=cps.leaf_a[1:],
+        leaf_b=cps.leaf_b[1:],
+        scalars=cps.scalars[1:],
+        leaf_weight_a=weights,
+        leaf_weight_b=weights.flip(0),
+        epid_prev=frames[:-1],
+        epid_curr=frames[1:],
+    )
+
+
+# --------------------------------------------------------------------------- parameter counts
+
+
+def conv(c_in: int, c_out: int, k: int) -> int:
+    return c_in * c_out * k * k + c_out
+
+
+def residual_block(c_in: int, c_out: int) -> int:
+    shortcut = conv(c_in, c_out, 1) if c_in != c_out else 0
+    return conv(c_in, c_out, 3) + conv(c_out, c_out, 3) + 2 * 2 * c_out + shortcut
+
+
+def transposed_conv2x2(c_in: int, c_out: int) -> int:
+    return c_in * c_out * 4 + c_out
+
+
+def linear(n_in: int, n_out: int) -> int:
+    return n_in * n_out + n_out
+
+
+def encoder_layer(d: int, ff: int) -> int:
+    return 2 * 2 * d + 4 * linear(d, d) + linear(d, ff) + linear(ff, d)
+
+
+def decoder_layer(d: int, ff: int) -> int:
+    return 3 * 2 * d + 8 * linear(d, d) + linear(d, ff) + linear(ff, d)
+
+
+def unet_tower(widths=(1, 32, 64, 128)) -> int:
+    return sum(residual_block(a, b) for a, b in zip(widths[:-1], widths[1:]))
+
+
+def unet_decoder() -> int:
+    stages = [(256, 128), (128, 64), (64, 32)]
+    return sum(transposed_conv2x2(c, w) + residual_block(2 * w, w) for c, w in stages)
+
+
+def expected_forward_parameters() -> int:
+    tokens = 128 + linear(1, 128) + 2 * linear(2, 128) + 108 * 128
+    transformer = 3 * encoder_layer(128, 256) + 2 * 128 + linear(128, 64 * 64)
+    unet = unet_tower() + residual_block(128, 256) + unet_decoder()
+    upsample = transposed_conv2x2(32, 16) + transposed_conv2x2(16, 8) + conv(8, 1, 3)
+    return tokens + transformer + unet + upsample
+
+
+def expected_inverse_parameters() -> int:
+    towers = 2 * unet_tower()
+    fusion = conv(64, 32, 1) + conv(128, 64, 1) + conv(256, 128, 1) + conv(256, 128, 1)
+    unet = towers + fusion + residual_block(128, 256) + unet_decoder() + conv(32, 1, 3)
+    memory = 3 * conv(1, 128, 4) + (256 + 64 + 16) * 128 + 3 * 128 + 2 * encoder_layer(128, 256) + 2 * 128
+    queries = (52 + 2 + 1 + 2) * 128 + 2 * decoder_layer(128, 256) + 2 * 128
+    heads = linear(128, 2) + linear(128, 1) + linear(128, 2)
+    return unet + memory + queries + heads
+
+
+def count(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def test_default_parameter_counts_match_the_specification():
+    forward_model, inverse_model = build_models("full")
+    assert count(forward_model) == expected_forward_parameters() == 2_958_273
+    assert count(inverse_model) == expected_inverse_parameters() == 3_109_702
+    assert abs(count(forward_model) / 2.96e6 - 1) < 0.02
+    assert abs(count(inverse_model) / 3.11e6 - 1) < 0.02
+    assert forward_model.config == ForwardModel().config
+    assert inverse_model.config == InverseModel().config
+
+
+@pytest.mark.parametrize("size", sorted(MODEL_SIZES))
+def test_config_rebuilds_the_same_architecture_after_a_json_round_trip(size):
+    for model in build_models(size):
+        config = json.loads(json.dumps(model.config))
+        rebuilt = type(model)(**config)
+        assert rebuilt.config == model.config
+        rebuilt.load_state_dict(model.state_dict())
+        assert [p.shape for p in rebuilt.parameters()] == [p.shape for p in model.parameters()]
+
+
+def test_unknown_size_is_rejected():
+    with pytest.raises(ValueError, match="unknown model size"):
+        build_models("huge")
+
+
+def test_initialisation_follows_the_specification():
+    torch.manual_seed(0)
+    forward_model, inverse_model = build_models("full")
+    conv3 = forward_model.encoder.blocks[2].conv2.weight  # 128 x 128 x 3 x 3
+    assert conv3.std().item() == pytest.approx(math.sqrt(2.0 / (128 * 9)), rel=0.03)
+    to_latent = forward_model.to_latent.weight  # 4096 x 128, Xavier uniform
+    bound = math.sqrt(6.0 / (128 + 4096))
+    assert to_latent.abs().max().item() <= bound
+    assert to_latent.std().item() == pytest.approx(bound / math.sqrt(3.0), rel=0.03)
+    assert forward_model.positions.std().item() == pytest.approx(0.02, rel=0.05)
+    for model in (forward_model, inverse_model):
+        for name, module in model.named_modules():
+            bias = getattr(module, "bias", None)
+            if isinstance(module, (torch.nn.Conv2d, torch.nn.ConvTranspose2d, torch.nn.Linear)):
+                assert bias is None or torch.count_nonzero(bias) == 0, name
+            if isinstance(module, (torch.nn.GroupNorm, torch.nn.LayerNorm)):
+                assert torch.all(module.weight == 1) and torch.count_nonzero(bias) == 0, name
+
+
+# --------------------------------------------------------------------------- shapes and layout
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_output_shapes_for_every_accepted_frame_shape(batch):
+    torch.manual_seed(0)
+    forward_model, inverse_model = build_models("tiny")
+    cps = control_points(batch)
+    epid, latent = forward_model(cps.leaf_a, cps.leaf_b, cps.scalars)
+    assert epid.shape == (batch, 1, GRID, GRID) and latent.shape == (batch, 1, 64, 64)
+    frames = torch.rand(batch, 1, GRID, GRID)
+    reference = inverse_model(frames, frames.flip(-1))
+    assert [t.shape for t in reference] == [(batch, 104), (batch, 104), (batch, 5), (batch, 1, 64, 64)]
+    for shape in [(batch, GRID, GRID), (batch, 1, 1, GRID, GRID)]:
+        outputs = inverse_model(frames.reshape(shape), frames.flip(-1).reshape(shape))
+        for got, want in zip(outputs, reference):
+            torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize(
+    "leaf_shape, scalar_shape", [((2, 1, 104), (2, 5)), ((2, 104), (2, 1, 5)), ((2, 52), (2, 5))]
+)
+def test_forward_model_rejects_other_parameter_shapes(leaf_shape, scalar_shape):
+    forward_model, _ = build_models("tiny")
+    with pytest.raises(ValueError, match="must have shape"):
+        forward_model(torch.zeros(leaf_shape), torch.zeros(leaf_shape), torch.ones(scalar_shape))
+
+
+@pytest.mark.parametrize("shape", [(2, 2, GRID, GRID), (2, 1, 128, 128), (2, 1, 2, GRID, GRID), (GRID, GRID)])
+def test_inverse_model_rejects_other_frame_shapes(shape):
+    _, inverse_model = build_models("tiny")
+    with pytest.raises(ValueError, match="epid_prev must have shape"):
+        inverse_model(torch.zeros(shape), torch.zeros(shape))
+
+
+def test_inverse_outputs_follow_the_sample_layout_in_mm_and_mu():
+    _, inverse_model = build_models("tiny")
+    with torch.no_grad():
+        for head, bias in [
+            (inverse_model.leaf_head, [0.1, 0.2]),
+            (inverse_model.mu_head, [0.5]),
+            (inverse_model.jaw_head, [-0.3, 0.4]),
+        ]:
+            head.weight.zero_()
+            head.bias.copy_(torch.tensor(bias))
+        inverse_model.leaf_head.weight[0, 0] = 1.0  # prev of each leaf reads a query feature
+    frames = torch.rand(2, 1, GRID, GRID)
+    leaf_a, leaf_b, scalars, _ = inverse_model(frames, frames)
+    # curr half: bias 0.2 x 130 mm for every leaf of both banks
+    torch.testing.assert_close(leaf_a[:, 52:], torch.full((2, 52), 26.0))
+    torch.testing.assert_close(leaf_b[:, 52:], torch.full((2, 52), 26.0))
+    # prev half of bank A and bank B differ through the bank embedding of the queries
+    assert not torch.allclose(leaf_a[:, :52], leaf_b[:, :52])
+    expected_scalars = torch.tensor([[20.0, -39.0, 52.0, -39.0, 52.0]]).expand(2, 5)
+    torch.testing.assert_close(scalars, expected_scalars)
+
+
+def test_forward_tokens_pair_prev_and_curr_of_each_leaf_and_jaw():
+    forward_model, _ = build_models("tiny")
+    with torch.no_grad():
+        forward_model.positions.zero_()
+        forward_model.cls_token.zero_()
+        for embedding in (forward_model.mu_embedding, forward_model.jaw_embedding, forward_model.leaf_embedding):
+            embedding.weight.zero_()
+            embedding.weight[: embedding.in_features].copy_(torch.eye(embedding.in_features))
+    cps = control_points(2)
+    tokens = forward_model.tokens(cps.leaf_a, cps.leaf_b, cps.scalars)
+    assert tokens.shape == (2, 108, 16)
+    torch.testing.assert_close(tokens[:, 1, 0], cps.scalars[:, 0] / 40.0)
+    torch.testing.assert_close(tokens[:, 2, :2], cps.scalars[:, 1:3] / 130.0)
+    torch.testing.assert_close(tokens[:, 3, :2], cps.scalars[:, 3:5] / 130.0)
+    for j in (0, 17, 51):
+        torch.testing.assert_close(tokens[:, 4 + j, :2], cps.leaf_a[:, [j, 52 + j]] / 130.0)
+        torch.testing.assert_close(tokens[:, 56 + j, :2], cps.leaf_b[:, [j, 52 + j]] / 130.0)
+
+
+def test_forward_frame_is_the_per_mu_image_times_mu():
+    forward_model, _ = build_models("tiny")
+    captured = {}
+    forward_model.head.register_forward_hook(lambda module, args, out: captured.update(head=out))
+    cps = control_points(3)
+    epid, _ = forward_model(cps.leaf_a, cps.leaf_b, cps.scalars)
+    expected = torch.relu(captured["head"]) * cps.scalars[:, 0].view(3, 1, 1, 1)
+    torch.testing.assert_close(epid, expected)
+    assert epid.min() >= 0
+
+
+# --------------------------------------------------------------------------- gradients and training
+
+
+def test_every_parameter_of_the_default_models_gets_a_finite_nonzero_gradient():
+    torch.manual_seed(0)
+    forward_model, inverse_model = build_models("full")
+    batch = training_batch(2)
+    forward_out = forward_model(batch.leaf_a, batch.leaf_b, batch.scalars)
+    inverse_out = inverse_model(batch.epid_prev, batch.epid_curr)
+    cross_training_loss(forward_out, inverse_out, batch)["total"].backward()
+    for prefix, model in (("forward", forward_model), ("inverse", inverse_model)):
+        for name, parameter in model.named_parameters():
+            assert parameter.grad is not None, f"{prefix}.{name} has no gradient"
+            assert torch.isfinite(parameter.grad).all(), f"{prefix}.{name}"
+            assert parameter.grad.abs().max() > 0, f"{prefix}.{name} has a zero gradient"
+
+
+def test_a_tiny_variant_overfits_one_batch():
+    torch.manual_seed(0)
+    forward_model, inverse_model = build_models("tiny")
+    batch = training_batch(4)
+    params = [*forward_model.parameters(), *inverse_model.parameters()]
+    optimizer = torch.optim.AdamW(params, lr=3e-3, weight_decay=0.0)
+    start = time.perf_counter()
+    history = []
+    for _ in range(300):
+        loss = cross_training_loss(
+            forward_model(batch.leaf_a, batch.leaf_b, batch.scalars),
+            inverse_model(batch.epid_prev, batch.epid_curr),
+            batch,
+        )["total"]
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        history.append(loss.item())
+        if history[-1] < history[0] / 10:
+            break
+    assert history[-1] < history[0] / 10, (history[0], history[-1], len(history))
+    assert time.perf_counter() - start < 60
+
+
+# --------------------------------------------------------------------------- precision, memory format, compile
+
+
+def run_pair(forward_model, inverse_model, batch):
+    return (
+        *forward_model(batch.leaf_a, batch.leaf_b, batch.scalars),
+        *inverse_model(batch.epid_prev, batch.epid_curr),
+    )
+
+
+def test_bf16_autocast_agrees_with_fp32():
+    torch.manual_seed(0)
+    forward_model, inverse_model = build_models("small")
+    batch = training_batch(2)
+    with torch.no_grad():
+        reference = run_pair(forward_model, inverse_model, batch)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            low = run_pair(forward_model, inverse_model, batch)
+    for name, want, got in zip(["epid", "latent_f", "leaf_a", "leaf_b", "scalars", "latent_i"], reference, low):
+        assert got.shape == want.shape
+        error = (got.float() - want).abs().max() / want.abs().max()
+        assert error < 0.1, (name, error.item())
+
+
+def test_channels_last_models_and_inputs_give_the_same_result():
+    torch.manual_seed(0)
+    forward_model, inverse_model = build_models("tiny")
+    batch = training_batch(2)
+    reference = run_pair(forward_model, inverse_model, batch)
+    forward_model.to(memory_format=torch.channels_last)
+    inverse_model.to(memory_format=torch.channels_last)
+    for name in ("epid_prev", "epid_curr"):
+        setattr(batch, name, getattr(batch, name).contiguous(memory_format=torch.channels_last))
+    outputs = run_pair(forward_model, inverse_model, batch)
+    for want, got in zip(reference, outputs):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    cross_training_loss(outputs[:2], outputs[2:], batch)["total"].backward()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="fp16 autocast needs CUDA")
+def test_fp16_autocast_on_cuda_agrees_with_fp32():
+    torch.manual_seed(0)
+    forward_model, inverse_model = (m.cuda() for m in build_models("small"))
+    batch = SimpleNamespace(**{k: v.cuda() for k, v in vars(training_batch(2)).items()})
+    with torch.no_grad():
+        reference = run_pair(forward_model, inverse_model, batch)
+        with torch.autocast("cuda", dtype=torch.float16):
+            low = run_pair(forward_model, inverse_model, batch)
+    for want, got in zip(reference, low):
+        assert (got.float() - want).abs().max() / want.abs().max() < 0.05
+
+
+def compiled_pair_matches_eager(backend: str) -> None:
+    torch.manual_seed(0)
+    forward_model, inverse_model = build_models("tiny")
+    batch = training_batch(2)
+    reference = run_pair(forward_model, inverse_model, batch)
+    compiled = run_pair(
+        torch.compile(forward_model, backend=backend, fullgraph=True),
+        torch.compile(inverse_model, backend=backend, fullgraph=True),
+        batch,
+    )
+    for want, got in zip(reference, compiled):
+        torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
+    loss = torch.compile(cross_training_loss, backend=backend, fullgraph=True)
+    loss(compiled[:2], compiled[2:], batch)["total"].backward()
+    assert all(p.grad is not None for p in forward_model.parameters())
+    assert all(p.grad is not None for p in inverse_model.parameters())
+
+
+def test_models_and_loss_compile_as_single_graphs():
+    """fullgraph=True: no graph breaks, so no host synchronisation either."""
+    compiled_pair_matches_eager("aot_eager")
+
+
+@pytest.mark.skipif(
+    os.environ.get("EPID_TEST_INDUCTOR") != "1",
+    reason="inductor builds C++ kernels for several minutes on a 2-core CPU; set EPID_TEST_INDUCTOR=1",
+)
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None, reason="no C++ compiler")
+def test_inductor_compiled_models_match_eager():
+    compiled_pair_matches_eager("inductor")
