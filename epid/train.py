@@ -785,7 +785,6 @@ class Trainer:
         sums = torch.zeros(NUM_TERMS, device=self.device)
         samples = torch.zeros((), device=self.device)
         marks = []
-        started = time.perf_counter()
         batches = iter(self.loader.batches(self.val_windows))
         with torch.no_grad():
             for _ in range(len(self.val_windows)):
@@ -803,27 +802,29 @@ class Trainer:
                 sums += torch.stack([losses[term] for term in LOSS_TERMS]) * len(batch)
                 samples += len(batch)
                 marks.append((before, fetched, copied, clock.mark()))
+            end = clock.mark()
             if clock.cuda:
                 torch.cuda.synchronize(self.device)
-            loop_ms = (time.perf_counter() - started) * 1000.0
             gamma_started = time.perf_counter()
             gamma = self._gamma_sums()
             if clock.cuda:
                 torch.cuda.synchronize(self.device)
-        self._print_val_timing(epoch, clock, marks, loop_ms)
+        self._print_val_timing(epoch, clock, marks, end)
         if self.is_main and self.gamma_items and self.config.timing_max > 0:
             print(f"[TIMING][gamma] epoch {epoch}: {(time.perf_counter() - gamma_started) * 1000.0:.1f} ms for "
                   f"{len(self.gamma_items)} sample(s) on rank 0", flush=True)
         self.model.train()
         return sums, samples, gamma
 
-    def _print_val_timing(self, epoch: int, clock: PhaseClock, marks: list, loop_ms: float) -> None:
+    def _print_val_timing(self, epoch: int, clock: PhaseClock, marks: list, end: Any) -> None:
+        """Timing lines of the validation batches; a batch's iteration runs to the next batch's start."""
         if not (self.is_main and marks):
             return
         timing = TimingReport("val", epoch, len(marks), "batch", self.config, True)
-        per_batch = loop_ms / len(marks)
-        for done, (before, fetched, copied, finished) in enumerate(marks, start=1):
-            timing.record(done, clock.ms(before, fetched), clock.ms(fetched, copied), clock.ms(copied, finished), per_batch)
+        starts = [before for before, _, _, _ in marks[1:]] + [end]
+        for done, ((before, fetched, copied, finished), following) in enumerate(zip(marks, starts), start=1):
+            timing.record(done, clock.ms(before, fetched), clock.ms(fetched, copied), clock.ms(copied, finished),
+                          clock.ms(before, following))
 
     def _gamma_sums(self) -> tuple[Tensor, Tensor]:
         """Sum and count of the forward model's gamma pass rates (%) on this rank's gamma samples."""
