@@ -188,9 +188,11 @@ def test_metrics_csv_rows_and_plot(tmp_path):
 
 @pytest.fixture(scope="module")
 def two_rank_run(tmp_path_factory):
-    """A finished 2-rank spawn run of 2 epochs; (checkpoint path, completed process)."""
+    """A finished 2-rank spawn run of 2 epochs, 2 batches per optimizer step, shuffled batch order;
+    (checkpoint path, completed process)."""
     checkpoint = tmp_path_factory.mktemp("two_rank") / "epid.pth"
-    result = run_script(run_env(checkpoint, EPID_WORLD_SIZE="2", EPID_EPOCHS="2"))
+    result = run_script(run_env(checkpoint, EPID_WORLD_SIZE="2", EPID_EPOCHS="2", EPID_GRAD_ACCUM="2",
+                                EPID_BATCH_ORDER="shuffled"))
     assert result.returncode == 0, result.stdout + result.stderr
     return checkpoint, result
 
@@ -201,8 +203,8 @@ def test_two_rank_run_writes_checkpoint_metrics_and_equal_steps(two_rank_run):
     raw = torch.load(checkpoint, weights_only=True)
     assert raw["epoch"] == 2 and raw["world_size"] == 2 and raw["interrupted"] is None
     assert not any(key.startswith("module.") for key in raw["forward_model"])
-    # rank 0 has datasets with 4 training windows, rank 1 has 2: both take 4 steps per epoch
-    assert raw["history"]["steps_per_rank"] == [[4, 4], [4, 4]]
+    # rank 0 has datasets with 4 training windows, rank 1 has 2: both take 4 batches = 2 steps per epoch
+    assert raw["history"]["steps_per_rank"] == [[2, 2], [2, 2]]
     for split in ("train", "val"):
         for term in LOSS_TERMS:
             assert len(raw["history"][split][term]) == 2
@@ -216,7 +218,7 @@ def test_two_rank_run_writes_checkpoint_metrics_and_equal_steps(two_rank_run):
     assert [float(r["train_total"]) for r in rows] == pytest.approx(raw["history"]["train"]["total"], rel=1e-5)
     assert (checkpoint.parent / "losses.png").read_bytes()[:4] == b"\x89PNG"
     assert len(re.findall(r"^epoch \d/2 \| train .* \| val .* \| gamma pass .* samples/s \| lr ", result.stdout, re.MULTILINE)) == 2
-    assert len(re.findall(r"^\[TIMING\]\[train\] epoch \d steps 1-4/4: data_wait", result.stdout, re.MULTILINE)) == 2
+    assert len(re.findall(r"^\[TIMING\]\[train\] epoch \d steps 1-2/2: data_wait", result.stdout, re.MULTILINE)) == 2
     assert len(re.findall(r"^\[TIMING\]\[val\] epoch \d", result.stdout, re.MULTILINE)) == 2
 
 
@@ -243,9 +245,9 @@ def test_resume_from_module_prefixed_checkpoint_on_another_world_size(two_rank_r
         prefixed[key] = {f"module.{name}": value for name, value in saved[key].items()}
     checkpoint = tmp_path / "epid.pth"
     save_checkpoint(checkpoint, prefixed)
-    result = run_script(run_env(checkpoint, EPID_RESUME="1", EPID_EPOCHS="3"))
+    result = run_script(run_env(checkpoint, EPID_RESUME="1", EPID_EPOCHS="3", EPID_NUM_WORKERS="1"))
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "world size changes from 2 to 1" in result.stdout
+    assert "world size changes from 2 to 1" in result.stdout and "grad_accum changes from 2 to 1" in result.stdout
     resumed = torch.load(checkpoint, weights_only=True)
     assert resumed["epoch"] == 3 and resumed["run_id"] == saved["run_id"] and resumed["world_size"] == 1
     assert resumed["scheduler"]["last_epoch"] == 3
