@@ -22,6 +22,7 @@ learned tokens, queries and embeddings.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -174,7 +175,7 @@ class Encoder(nn.Module):
         super().__init__()
         channels = [in_channels, *widths]
         self.blocks = nn.ModuleList(
-            ResidualBlock(c_in, c_out) for c_in, c_out in zip(channels[:-1], channels[1:])
+            ResidualBlock(c_in, c_out) for c_in, c_out in itertools.pairwise(channels)
         )
 
     def forward(self, x: Tensor) -> tuple[list[Tensor], Tensor]:
@@ -369,7 +370,7 @@ class ForwardModel(nn.Module):
         self.upsample = nn.Sequential(
             *(
                 layer
-                for c_in, c_out in zip(upsample_channels[:-1], upsample_channels[1:])
+                for c_in, c_out in itertools.pairwise(upsample_channels)
                 for layer in (TransposedConv2x2(c_in, c_out), nn.ReLU())
             )
         )

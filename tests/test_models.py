@@ -3,6 +3,7 @@ precision and memory-format variants, and a small overfitting run."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -14,7 +15,16 @@ import pytest
 import torch
 
 from epid.losses import cross_training_loss
-from epid.models import MODEL_SIZES, ForwardModel, InverseModel, build_models
+from epid.models import (
+    MODEL_SIZES,
+    ForwardModel,
+    InverseModel,
+    PointwiseConv,
+    SingleChannelConv3x3,
+    TransposedConv2x2,
+    build_models,
+    scaled_dot_product_attention,
+)
 
 GRID = 256
 
@@ -91,7 +101,7 @@ def decoder_layer(d: int, ff: int) -> int:
 
 
 def unet_tower(widths=(1, 32, 64, 128)) -> int:
-    return sum(residual_block(a, b) for a, b in zip(widths[:-1], widths[1:]))
+    return sum(residual_block(a, b) for a, b in itertools.pairwise(widths))
 
 
 def unet_decoder() -> int:
@@ -163,6 +173,55 @@ def test_initialisation_follows_the_specification():
                 assert bias is None or torch.count_nonzero(bias) == 0, name
             if isinstance(module, (torch.nn.GroupNorm, torch.nn.LayerNorm)):
                 assert torch.all(module.weight == 1) and torch.count_nonzero(bias) == 0, name
+
+
+# --------------------------------------------------------------------------- CPU convolution paths
+
+
+@pytest.mark.parametrize(
+    "layer, reference",
+    [
+        (PointwiseConv(6, 5), lambda m, x: torch.nn.functional.conv2d(x, m.weight, m.bias)),
+        (SingleChannelConv3x3(7), lambda m, x: torch.nn.functional.conv2d(x, m.weight, m.bias, padding=1)),
+        (TransposedConv2x2(6, 5), lambda m, x: torch.nn.functional.conv_transpose2d(x, m.weight, m.bias, stride=2)),
+    ],
+    ids=["pointwise", "single_channel_3x3", "transposed_2x2"],
+)
+@pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last])
+def test_cpu_convolution_paths_match_torch_convolutions(layer, reference, memory_format):
+    torch.manual_seed(0)
+    torch.nn.init.normal_(layer.bias)
+    x = torch.randn(3, layer.in_channels, 10, 12).contiguous(memory_format=memory_format).requires_grad_()
+    got = layer(x)
+    want = reference(layer, x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert got.is_contiguous(memory_format=torch.channels_last)
+    grad_out = torch.randn_like(want)
+    inputs = (x, layer.weight, layer.bias)
+    for g, w in zip(torch.autograd.grad(got, inputs, grad_out), torch.autograd.grad(want, inputs, grad_out)):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+
+
+def test_low_precision_cpu_attention_matches_the_fused_kernel():
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 2, length, 64) for length in (107, 336, 336))
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    got = scaled_dot_product_attention(q.bfloat16(), k.bfloat16(), v.bfloat16())
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, rtol=0.05, atol=0.02)
+
+
+def test_the_generic_device_path_traces_on_the_meta_device():
+    """Off the CPU the models use torch's own convolutions and fused attention."""
+    shapes = {name: value.shape for name, value in vars(training_batch(3)).items()}
+    with torch.device("meta"):
+        forward_model, inverse_model = build_models("tiny")
+        batch = SimpleNamespace(**{name: torch.empty(shape) for name, shape in shapes.items()})
+        outputs = run_pair(forward_model, inverse_model, batch)
+        cross_training_loss(outputs[:2], outputs[2:], batch)["total"].backward()
+    expected = [(3, 1, GRID, GRID), (3, 1, 64, 64), (3, 104), (3, 104), (3, 5), (3, 1, 64, 64)]
+    assert [t.shape for t in outputs] == expected
+    assert all(p.grad is not None for p in inverse_model.parameters())
 
 
 # --------------------------------------------------------------------------- shapes and layout
