@@ -35,7 +35,6 @@ import math
 import os
 import random
 import sys
-import tempfile
 import time
 import uuid
 import warnings
@@ -59,6 +58,7 @@ from epid.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
+from epid.cli import prepare_output_dir
 from epid.config import Config, describe, rank_report
 from epid.dataset import (
     BatchLoader,
@@ -126,16 +126,7 @@ def check_kernel(config: Config) -> None:
 
 def check_checkpoint_folder(config: Config) -> None:
     """Create the checkpoint's folder and make sure files can be written there (before any epoch runs)."""
-    folder = Path(config.checkpoint_path).parent
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=folder):
-            pass
-    except OSError as error:
-        raise InputError(
-            f"EPID_CHECKPOINT_PATH={config.checkpoint_path!r}: cannot write in {str(folder)!r} ({error.strerror or error}); "
-            "expected a path in a writable folder"
-        ) from None
+    prepare_output_dir(str(Path(config.checkpoint_path).parent), argument="EPID_CHECKPOINT_PATH folder")
 
 
 def resume_notes(config: Config, checkpoint: dict[str, Any]) -> list[str]:

@@ -37,8 +37,8 @@ from epid.distributed import (
 from epid.errors import InputError
 from epid.losses import LOSS_TERMS
 from epid.metrics_log import COLUMNS, MetricsLog, append_epoch, empty_history
+from tests.support import ROOT, clean_environment
 
-ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "generate_and_train.py"
 LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 TINY = {
@@ -59,10 +59,8 @@ pytestmark = pytest.mark.timeout(300)
 
 def run_env(checkpoint: Path, **overrides: str) -> dict[str, str]:
     """The test process environment without EPID_* / launcher variables, plus the tiny run."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("EPID_") and k not in LAUNCH_VARIABLES}
-    env.update(TINY, EPID_CHECKPOINT_PATH=str(checkpoint), PYTHONPATH=str(ROOT))
-    env.update(overrides)
-    return env
+    env = clean_environment(**{**TINY, "EPID_CHECKPOINT_PATH": str(checkpoint), **overrides})
+    return {key: value for key, value in env.items() if key not in LAUNCH_VARIABLES}
 
 
 def run_script(env: dict[str, str], timeout: float = RUN_TIMEOUT_S) -> subprocess.CompletedProcess:
@@ -392,7 +390,7 @@ def test_launch_checks_reject_bad_input(case, two_rank_run, tmp_path):
         "other model size": ({"EPID_RESUME": "1", "EPID_MODEL_SIZE": "small"}, CheckpointError, "EPID_MODEL_SIZE"),
         "epochs already done": ({"EPID_RESUME": "1", "EPID_EPOCHS": "2"}, CheckpointError, "EPID_EPOCHS above 2"),
         "cuda": ({"EPID_DEVICE": "cuda"}, LaunchError, "CUDA is not available"),
-        "unwritable folder": ({"EPID_CHECKPOINT_PATH": str(blocker / "epid.pth")}, InputError, "cannot write in"),
+        "unwritable folder": ({"EPID_CHECKPOINT_PATH": str(blocker / "epid.pth")}, InputError, "cannot write there"),
     }[case]
     with pytest.raises(error, match=message):
         train.check_inputs(load_config(run_env(checkpoint, **overrides)))
