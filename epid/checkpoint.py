@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from epid.errors import InputError
+from epid.files import fsync_directory
 from epid.models import ForwardModel, InverseModel
 
 FORMAT_VERSION = 1
@@ -57,17 +58,8 @@ def save_checkpoint(path: str | Path, payload: Mapping[str, Any]) -> None:
         os.replace(temporary, path)
     finally:
         temporary.unlink(missing_ok=True)
-    _fsync_directory(path.parent)
+    fsync_directory(path.parent)
 
-
-def _fsync_directory(directory: Path) -> None:
-    if os.name != "posix":
-        return
-    descriptor = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
 
 
 def strip_wrapper_prefixes(state: Mapping[str, Any]) -> dict[str, Any]:

@@ -389,7 +389,7 @@ def markdown_table() -> str:
 
 
 def describe(config: Config) -> str:
-    """The resolved config, one ``EPID_NAME = value`` line per variable."""
+    """The resolved config, one ``name = value`` line per variable."""
     width = max(len(variable.name) for variable in VARIABLES)
     lines = []
     for item in VARIABLES:

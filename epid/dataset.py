@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from epid import imaging, sequences
+from epid.files import fsync_directory
 from epid.kernel import default_kernel, kernel_from_config
 from epid.sequences import ControlPoints, generate_control_points
 
@@ -428,7 +429,7 @@ class FrameCache:
                 handle.flush()
                 os.fsync(handle.fileno())
             os.replace(temporary, path)
-            _fsync_directory(path.parent)
+            fsync_directory(path.parent)
         finally:
             temporary.unlink(missing_ok=True)
 
@@ -466,15 +467,6 @@ def _exclusive_lock(lock_path: Path) -> Iterator[None]:
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
-
-def _fsync_directory(directory: Path) -> None:
-    if os.name != "posix":
-        return
-    descriptor = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
 
 
 # --------------------------------------------------------------------------- data source
