@@ -1,14 +1,16 @@
 """Training-step throughput of the forward and inverse models on this machine.
 
-For each batch size and variant (precision, memory format, torch.compile) it times a full
-cross-training step (both models forward, cross-training loss, backward, AdamW step) and prints
+For each batch size and variant (precision, models side by side, torch.compile) it times a full
+cross-training step (both models forward, cross-training loss, backward, AdamW step) with the
+models placed as training places them (``CrossModel.place``: channels_last weights on the CPU)
+and prints
 the median step time, samples/s, FLOPs per sample (torch.utils.flop_counter.FlopCounterMode,
 forward + backward), the achieved FLOP rate and its fraction of the machine's measured matmul
 peak in the same precision. Variants are timed round-robin, one step each per round, so that
 load from other processes on a shared machine affects all of them alike.
 
-    python bench/bench_models.py                      # fp32 and bf16, batch 8 and 32
-    python bench/bench_models.py --variants fp32 bf16 bf16+cl bf16+cl+compile --profile
+    python bench/bench_models.py                      # fp32, bf16, bf16 side by side; batch 8 and 32
+    python bench/bench_models.py --variants bf16 bf16+compile --profile
 """
 
 from __future__ import annotations
@@ -21,17 +23,19 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts OpenMP
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import epid  # noqa: F401  (first: sets the OpenMP wait policy of training before torch loads)
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from epid.distributed import tune_host_allocator
 from epid.losses import cross_training_loss
 from epid.models import GRID_SIZE, NUM_LEAF_PAIRS, build_models
+from epid.side_by_side import SideBySide
+from epid.train import CrossModel
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -74,19 +78,22 @@ def synthetic_batch(batch_size: int, device: torch.device, seed: int = 0) -> Syn
 
 @dataclass(frozen=True)
 class Variant:
-    """One way of running the step: autocast dtype (None = fp32), channels_last, torch.compile."""
+    """One way of running the step: autocast dtype (None = fp32), the two models side by side on
+    their own CPU threads (``epid.side_by_side``, as training runs a single CPU rank), torch.compile."""
 
     name: str
     autocast_dtype: torch.dtype | None
-    channels_last: bool
+    side_by_side: bool
     compile: bool
 
     @classmethod
     def parse(cls, name: str) -> Variant:
         parts = name.split("+")
-        if parts[0] not in PRECISIONS or not set(parts[1:]) <= {"cl", "compile"}:
-            raise SystemExit(f"variant {name!r}: expected PRECISION[+cl][+compile], PRECISION in {list(PRECISIONS)}")
-        return cls(name, PRECISIONS[parts[0]], "cl" in parts, "compile" in parts)
+        if parts[0] not in PRECISIONS or not set(parts[1:]) <= {"side", "compile"}:
+            raise SystemExit(f"variant {name!r}: expected PRECISION[+side][+compile], PRECISION in {list(PRECISIONS)}")
+        if "side" in parts and "compile" in parts:
+            raise SystemExit(f"variant {name!r}: side and compile do not combine (training uses one or the other)")
+        return cls(name, PRECISIONS[parts[0]], "side" in parts, "compile" in parts)
 
 
 class TrainingStep:
@@ -96,26 +103,27 @@ class TrainingStep:
         torch.manual_seed(seed)
         self.variant = variant
         self.device = device
-        forward_model, inverse_model = (m.to(device) for m in build_models(size))
-        if variant.channels_last:
-            forward_model = forward_model.to(memory_format=torch.channels_last)
-            inverse_model = inverse_model.to(memory_format=torch.channels_last)
-        params = [*forward_model.parameters(), *inverse_model.parameters()]
-        self.optimizer = torch.optim.AdamW(params, lr=1e-4, weight_decay=1e-4, fused=True)
-        self.forward_model = torch.compile(forward_model) if variant.compile else forward_model
-        self.inverse_model = torch.compile(inverse_model) if variant.compile else inverse_model
+        model = CrossModel(*build_models(size)).place(device)
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=1e-4, fused=True)
+        self.model = torch.compile(model) if variant.compile else model
+        self.side_by_side = SideBySide(model, torch.get_num_threads()) if variant.side_by_side else None
 
     def loss(self, batch: SyntheticBatch) -> torch.Tensor:
         """Total cross-training loss of ``batch`` under the variant's autocast setting."""
         dtype = self.variant.autocast_dtype
         with torch.autocast(self.device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
-            forward_out = self.forward_model(batch.leaf_a, batch.leaf_b, batch.scalars)
-            inverse_out = self.inverse_model(batch.epid_prev, batch.epid_curr)
-            return cross_training_loss(forward_out, inverse_out, batch)["total"]
+            forward_out, inverse_out = (self.side_by_side or self.model)(
+                batch.leaf_a, batch.leaf_b, batch.scalars, batch.epid_prev, batch.epid_curr
+            )
+        return cross_training_loss(forward_out, inverse_out, batch)["total"]
 
     def __call__(self, batch: SyntheticBatch) -> None:
         """One optimizer step on ``batch``."""
-        self.loss(batch).backward()
+        loss = self.loss(batch)
+        if self.side_by_side is not None:
+            self.side_by_side.backward(loss)
+        else:
+            loss.backward()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
@@ -203,8 +211,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[8, 32])
     parser.add_argument(
-        "--variants", nargs="+", default=["fp32", "bf16", "bf16+cl"],
-        help="PRECISION[+cl][+compile], PRECISION in fp32|bf16|fp16 (cl = channels_last)",
+        "--variants", nargs="+", default=["fp32", "bf16", "bf16+side"],
+        help="PRECISION[+side][+compile], PRECISION in fp32|bf16|fp16 (side = the models side by side)",
     )
     parser.add_argument("--size", default="full", help="model size preset (epid.models.MODEL_SIZES)")
     parser.add_argument("--device", default="cpu")

@@ -30,11 +30,14 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import epid  # noqa: F401  (first: sets the OpenMP wait policy of training before torch loads)
+
+import torch
+
+from epid import side_by_side
 from epid.config import load_config
 from epid.dataset import EpidData
 from epid.distributed import available_cpus, tune_host_allocator
@@ -75,29 +78,40 @@ def run_training(variables: dict[str, str], steps: int, workdir: Path) -> dict[s
 
 
 def model_only_rate(variables: dict[str, str], steps: int, warmup: int = 3) -> float:
-    """Samples/s of the training step on one reused real batch (no synthesis), in this process."""
+    """Samples/s of the training step on one reused real batch (no synthesis), in this process,
+    with the models placed and run as a single training rank runs them."""
     tune_host_allocator()  # as in every training rank
     config = load_config({"EPID_PROGRESS": "0", **variables})
     device = torch.device("cuda" if config.device.startswith("cuda") or (config.device == "auto" and torch.cuda.is_available()) else "cpu")
-    torch.set_num_threads(config.threads or available_cpus())
+    threads = config.threads or available_cpus()
+    torch.set_num_threads(threads)
     data = EpidData.from_config(config, config.dataset_ids[:1])
     batch = data.make_batch(data.windows("train", config.batch_size)[0], device)
     torch.manual_seed(0)
-    model = CrossModel(*build_models(config.model_size)).to(device)
+    model = CrossModel(*build_models(config.model_size)).place(device)
+    runner = None
+    if side_by_side.used_for(device, threads, distributed=False, compiled=False):
+        runner = side_by_side.SideBySide(model, threads)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=1e-4, fused=True)
     dtype = resolve_precision(config.precision, device)
     times = []
     for step in range(warmup + steps):
         start = time.perf_counter()
         with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
-            outputs = model(batch.leaf_a, batch.leaf_b, batch.scalars, batch.epid_prev, batch.epid_curr)
-        cross_training_loss(*outputs, batch)["total"].backward()
+            outputs = (runner or model)(batch.leaf_a, batch.leaf_b, batch.scalars, batch.epid_prev, batch.epid_curr)
+        loss = cross_training_loss(*outputs, batch)["total"]
+        if runner is not None:
+            runner.backward(loss)
+        else:
+            loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         if step >= warmup:
             times.append(time.perf_counter() - start)
+    if runner is not None:
+        runner.close()
     return len(batch) / statistics.median(times)
 
 

@@ -18,6 +18,12 @@ to learn the aperture geometry.
 Initialisation (in the constructors): Kaiming normal (fan_in, ReLU) for convolutions, Xavier
 uniform for linear layers, zero biases, norms with weight 1 and bias 0, normal(std 0.02) for
 learned tokens, queries and embeddings.
+
+On the CPU the convolutional paths keep feature maps in channels_last and run the layers that
+oneDNN handles poorly (1x1 convolutions, 3x3 convolutions of one-channel images, 2x2 transposed
+convolutions) as matrix products; in bf16/fp16 attention is an explicit softmax(q k^T) v. The
+results equal torch's own layers, which every other device uses. Fastest CPU training step
+measured (bench/bench_models.py): bf16 autocast, eager mode (torch.compile gains nothing here).
 """
 
 from __future__ import annotations

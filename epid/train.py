@@ -4,6 +4,10 @@
 folder, the checkpoint to resume) in the launching process, so bad input exits with status 2 before any
 rank starts, then runs ``run_rank`` on every rank (``epid.distributed``).
 
+Placement of the models: DistributedDataParallel across ranks; on a single CPU rank with two
+or more threads, the forward and inverse models run side by side on their own threads
+(``epid.side_by_side``).
+
 One epoch on one rank:
 
 * training: the rank's training windows (contiguous samples of one dataset, ``epid.dataset``)
@@ -38,7 +42,7 @@ import sys
 import time
 import uuid
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,7 +53,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
-from epid import distributed, metrics_log, sharding
+from epid import distributed, metrics_log, sharding, side_by_side
 from epid.checkpoint import (
     FORMAT_VERSION,
     CheckpointError,
@@ -249,6 +253,17 @@ class CrossModel(nn.Module):
     ) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor, Tensor, Tensor]]:
         """(forward model output, inverse model output) for one batch (shapes: ``epid.dataset.Batch``)."""
         return self.forward_model(leaf_a, leaf_b, scalars), self.inverse_model(epid_prev, epid_curr)
+
+    def place(self, device: torch.device) -> CrossModel:
+        """Move to ``device`` in training mode; on the CPU with channels_last weights.
+
+        The models keep CPU feature maps in channels_last; weights in the same format give
+        gradients whose strides match DDP's bucket views (no per-step copy or warning).
+        """
+        self.to(device).train()
+        if device.type == "cpu":
+            self.to(memory_format=torch.channels_last)
+        return self
 
 
 def _to_cpu(value: Any) -> Any:
@@ -465,18 +480,19 @@ class Trainer:
             forward_model, inverse_model = build_models(config.model_size)
         else:
             forward_model, inverse_model = build_models_from_checkpoint(checkpoint)
-        self.model = CrossModel(forward_model, inverse_model).to(self.device).train()
-        if self.device.type == "cpu":
-            # the models keep CPU feature maps in channels_last; weights in the same format give
-            # gradients whose strides match DDP's bucket views (no per-step copy or warning)
-            self.model.to(memory_format=torch.channels_last)
+        self.model = CrossModel(forward_model, inverse_model).place(self.device)
         self.compiled = torch.compile(self.model) if config.compile else self.model
         self.ddp: DistributedDataParallel | None = None
-        self.step_model: nn.Module = self.compiled
+        self.side_by_side: side_by_side.SideBySide | None = None
+        self.step_model: Callable[..., Any] = self.compiled
+        self.eval_model: Callable[..., Any] = self.compiled
         if self.context.distributed:
             device_ids = [self.device.index] if self.device.type == "cuda" else None
             self.ddp = DistributedDataParallel(self.compiled, device_ids=device_ids, gradient_as_bucket_view=True)
             self.step_model = self.ddp
+        elif side_by_side.used_for(self.device, self.context.threads, distributed=False, compiled=config.compile):
+            self.side_by_side = side_by_side.SideBySide(self.model, self.context.threads)
+            self.step_model = self.eval_model = self.side_by_side
         self.base_lr = config.effective_lr
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=self.base_lr, weight_decay=config.weight_decay,
@@ -556,6 +572,13 @@ class Trainer:
 
     def run(self) -> int:
         """Every remaining epoch; the rank's exit status."""
+        try:
+            return self._run_epochs()
+        finally:
+            if self.side_by_side is not None:
+                self.side_by_side.close()
+
+    def _run_epochs(self) -> int:
         self._print_start()
         if self.is_main:
             self.metrics.restart(self.state.history)
@@ -599,9 +622,12 @@ class Trainer:
                 flush=True,
             )
         precision = str(self.amp_dtype).removeprefix("torch.")
+        threads = f"{context.threads} thread(s)"
+        if self.side_by_side is not None:
+            threads += " (forward and inverse models side by side on {} + {})".format(*self.side_by_side.threads)
         print(
             f"rank {context.rank}/{context.world_size} (local {context.local_rank}): pid {os.getpid()}, "
-            f"device {self.device}, backend {context.backend or 'none'}, {context.threads} thread(s), "
+            f"device {self.device}, backend {context.backend or 'none'}, {threads}, "
             f"precision {precision}, {len(self.dataset_ids)} dataset(s), {len(self.train_windows)} training and "
             f"{len(self.val_windows)} validation window(s), {len(self.gamma_items)} gamma sample(s)",
             flush=True,
@@ -719,7 +745,11 @@ class Trainer:
                         batch.leaf_a, batch.leaf_b, batch.scalars, batch.epid_prev, batch.epid_curr
                     )
                 losses = cross_training_loss(forward_out, inverse_out, batch)
-                self.scaler.scale(losses["total"] / accum).backward()
+                scaled = self.scaler.scale(losses["total"] / accum)
+                if self.side_by_side is not None:
+                    self.side_by_side.backward(scaled)
+                else:
+                    scaled.backward()
             sums += torch.stack([losses[term].detach() for term in LOSS_TERMS]) * len(batch)
             samples += len(batch)
             marks.append((before, fetched, copied, clock.mark()))
@@ -786,7 +816,7 @@ class Trainer:
                     batch = batch.to(self.device, non_blocking=self.loader.pin_memory)
                 copied = clock.mark()
                 with self._autocast():
-                    forward_out, inverse_out = self.compiled(
+                    forward_out, inverse_out = self.eval_model(
                         batch.leaf_a, batch.leaf_b, batch.scalars, batch.epid_prev, batch.epid_curr
                     )
                 losses = cross_training_loss(forward_out, inverse_out, batch)

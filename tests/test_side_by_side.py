@@ -1,0 +1,117 @@
+"""The forward and inverse models side by side on CPU threads: same outputs and gradients as the
+sequential step, per-worker thread counts, and a real single-rank training run that uses it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from epid.losses import cross_training_loss
+from epid.models import build_models
+from epid.side_by_side import SideBySide, used_for
+from epid.train import CrossModel
+from tests.support import ROOT, clean_environment
+from tests.test_models import training_batch
+
+
+@pytest.fixture
+def threads():
+    """Run the test with 3 torch threads in this thread, restoring the previous count afterwards."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)
+    yield 3
+    torch.set_num_threads(before)
+
+
+def step(runner, model: CrossModel, batch, autocast: torch.dtype | None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Loss and parameter gradients of one cross-training step run by ``runner``."""
+    model.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=autocast or torch.float32, enabled=autocast is not None):
+        forward_out, inverse_out = runner(batch.leaf_a, batch.leaf_b, batch.scalars, batch.epid_prev, batch.epid_curr)
+    loss = cross_training_loss(forward_out, inverse_out, batch)["total"]
+    if isinstance(runner, SideBySide):
+        runner.backward(loss)
+    else:
+        loss.backward()
+    return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("autocast", [None, torch.bfloat16], ids=["fp32", "bf16"])
+def test_side_by_side_step_gives_the_sequential_loss_and_gradients(threads, autocast):
+    torch.manual_seed(0)
+    model = CrossModel(*build_models("small")).place(torch.device("cpu"))
+    batch = training_batch(3)
+    runner = SideBySide(model, threads)
+    try:
+        want_loss, want_grads = step(model, model, batch, autocast)
+        got_loss, got_grads = step(runner, model, batch, autocast)
+    finally:
+        runner.close()
+    assert all(grad.abs().sum() > 0 for grad in got_grads)
+    # only the summation order differs (one thread per model instead of several per operator)
+    tolerance = 1e-4 if autocast is None else 2e-2
+    torch.testing.assert_close(got_loss, want_loss, rtol=tolerance, atol=0)
+    for want, got in zip(want_grads, got_grads):
+        assert (got - want).abs().max() <= tolerance * want.abs().max()
+
+
+def test_workers_keep_their_own_thread_counts_and_the_callers_is_unchanged(threads):
+    runner = SideBySide(CrossModel(*build_models("tiny")), threads)
+    try:
+        assert runner.threads == (1, 2)  # the inverse model, the larger one, gets the odd thread
+        assert runner.worker_threads() == (1, 2)
+        assert torch.get_num_threads() == threads
+    finally:
+        runner.close()
+
+
+def test_without_gradients_it_returns_the_models_outputs_and_backward_needs_a_graph(threads):
+    torch.manual_seed(0)
+    model = CrossModel(*build_models("tiny")).eval()
+    batch = training_batch(2)
+    runner = SideBySide(model, threads)
+    try:
+        with torch.no_grad():
+            want = model(batch.leaf_a, batch.leaf_b, batch.scalars, batch.epid_prev, batch.epid_curr)
+            got = runner(batch.leaf_a, batch.leaf_b, batch.scalars, batch.epid_prev, batch.epid_curr)
+        for want_part, got_part in zip(want, got):
+            for want_tensor, got_tensor in zip(want_part, got_part):
+                assert not got_tensor.requires_grad
+                assert (got_tensor - want_tensor).abs().max() <= 1e-4 * want_tensor.abs().max()
+        with pytest.raises(RuntimeError, match="preceding call with gradients enabled"):
+            runner.backward(torch.zeros((), requires_grad=True))
+    finally:
+        runner.close()
+
+
+def test_used_only_for_a_single_eager_cpu_rank_with_several_threads():
+    cpu = torch.device("cpu")
+    assert used_for(cpu, 2, distributed=False, compiled=False)
+    assert not used_for(cpu, 1, distributed=False, compiled=False)
+    assert not used_for(cpu, 4, distributed=True, compiled=False)
+    assert not used_for(cpu, 4, distributed=False, compiled=True)
+    assert not used_for(torch.device("meta"), 4, distributed=False, compiled=False)
+    with pytest.raises(ValueError, match="at least 2 threads"):
+        SideBySide(CrossModel(*build_models("tiny")), 1)
+
+
+@pytest.mark.timeout(300)
+def test_a_single_rank_two_thread_run_trains_with_the_models_side_by_side(tmp_path):
+    checkpoint = tmp_path / "epid.pth"
+    env = clean_environment(
+        EPID_CONTROL_POINTS="12", EPID_DATASET_IDS="0", EPID_MODEL_SIZE="tiny", EPID_BATCH_SIZE="4",
+        EPID_GAMMA_SAMPLES="2", EPID_THREADS="2", EPID_DEVICE="cpu", EPID_PROGRESS="0", EPID_EPOCHS="3",
+        EPID_CHECKPOINT_PATH=str(checkpoint),
+    )
+    result = subprocess.run([sys.executable, str(ROOT / "generate_and_train.py")], env=env, cwd=ROOT,
+                            capture_output=True, text=True, timeout=240, check=False)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "2 thread(s) (forward and inverse models side by side on 1 + 1)" in result.stdout
+    saved = torch.load(checkpoint, weights_only=True)
+    assert saved["epoch"] == 3
+    train_totals = saved["history"]["train"]["total"]
+    assert len(train_totals) == 3 and all(torch.isfinite(torch.tensor(train_totals)))
+    assert train_totals[-1] < train_totals[0]
