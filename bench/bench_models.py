@@ -31,6 +31,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
+from epid.dataset import Batch
 from epid.distributed import tune_host_allocator
 from epid.losses import cross_training_loss
 from epid.models import GRID_SIZE, NUM_LEAF_PAIRS, build_models
@@ -40,20 +41,7 @@ from epid.train import CrossModel
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-@dataclass
-class SyntheticBatch:
-    """Random targets in the sample layout (mm, MU), shaped like ``epid.dataset.Batch``."""
-
-    leaf_a: torch.Tensor
-    leaf_b: torch.Tensor
-    scalars: torch.Tensor
-    leaf_weight_a: torch.Tensor
-    leaf_weight_b: torch.Tensor
-    epid_prev: torch.Tensor
-    epid_curr: torch.Tensor
-
-
-def synthetic_batch(batch_size: int, device: torch.device, seed: int = 0) -> SyntheticBatch:
+def synthetic_batch(batch_size: int, device: torch.device, seed: int = 0) -> Batch:
     """Plausible random control points and frames: bank A <= bank B, MU in [1, 40]."""
     gen = torch.Generator().manual_seed(seed)
     leaves = 2 * NUM_LEAF_PAIRS
@@ -64,7 +52,7 @@ def synthetic_batch(batch_size: int, device: torch.device, seed: int = 0) -> Syn
     jaw_2 = jaw_1 + 20.0 + 80.0 * torch.rand(batch_size, 2, generator=gen)
     weights = torch.where(torch.rand(batch_size, leaves, generator=gen) < 0.5, 1.0, 0.5)
     frames = torch.rand(batch_size + 1, 1, GRID_SIZE, GRID_SIZE, generator=gen) * mu.mean()
-    batch = SyntheticBatch(
+    batch = Batch(
         leaf_a=leaf_a,
         leaf_b=leaf_b,
         scalars=torch.cat([mu, jaw_1[:, :1], jaw_1[:, 1:], jaw_2[:, :1], jaw_2[:, 1:]], dim=1),
@@ -72,8 +60,9 @@ def synthetic_batch(batch_size: int, device: torch.device, seed: int = 0) -> Syn
         leaf_weight_b=weights.flip(1),
         epid_prev=frames[:-1],
         epid_curr=frames[1:],
+        frames=frames,
     )
-    return SyntheticBatch(**{k: v.to(device) for k, v in vars(batch).items()})
+    return batch.to(device)
 
 
 @dataclass(frozen=True)
@@ -105,25 +94,22 @@ class TrainingStep:
         self.device = device
         model = CrossModel(*build_models(size)).place(device)
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=1e-4, fused=True)
-        self.model = torch.compile(model) if variant.compile else model
-        self.side_by_side = SideBySide(model, torch.get_num_threads()) if variant.side_by_side else None
+        self.runner = torch.compile(model) if variant.compile else model
+        if variant.side_by_side:
+            self.runner = SideBySide(model, torch.get_num_threads())
 
-    def loss(self, batch: SyntheticBatch) -> torch.Tensor:
+    def loss(self, batch: Batch) -> torch.Tensor:
         """Total cross-training loss of ``batch`` under the variant's autocast setting."""
         dtype = self.variant.autocast_dtype
         with torch.autocast(self.device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
-            forward_out, inverse_out = (self.side_by_side or self.model)(
+            forward_out, inverse_out = self.runner(
                 batch.leaf_a, batch.leaf_b, batch.scalars, batch.epid_prev, batch.epid_curr
             )
         return cross_training_loss(forward_out, inverse_out, batch)["total"]
 
-    def __call__(self, batch: SyntheticBatch) -> None:
+    def __call__(self, batch: Batch) -> None:
         """One optimizer step on ``batch``."""
-        loss = self.loss(batch)
-        if self.side_by_side is not None:
-            self.side_by_side.backward(loss)
-        else:
-            loss.backward()
+        self.runner.backward(self.loss(batch))
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 

@@ -89,28 +89,23 @@ def model_only_rate(variables: dict[str, str], steps: int, warmup: int = 3) -> f
     batch = data.make_batch(data.windows("train", config.batch_size)[0], device)
     torch.manual_seed(0)
     model = CrossModel(*build_models(config.model_size)).place(device)
-    runner = None
-    if side_by_side.used_for(device, threads, distributed=False, compiled=False):
-        runner = side_by_side.SideBySide(model, threads)
+    side = side_by_side.used_for(device, threads, distributed=False, compiled=False)
+    runner = side_by_side.SideBySide(model, threads) if side else model
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=1e-4, fused=True)
     dtype = resolve_precision(config.precision, device)
     times = []
     for step in range(warmup + steps):
         start = time.perf_counter()
         with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
-            outputs = (runner or model)(batch.leaf_a, batch.leaf_b, batch.scalars, batch.epid_prev, batch.epid_curr)
-        loss = cross_training_loss(*outputs, batch)["total"]
-        if runner is not None:
-            runner.backward(loss)
-        else:
-            loss.backward()
+            outputs = runner(batch.leaf_a, batch.leaf_b, batch.scalars, batch.epid_prev, batch.epid_curr)
+        runner.backward(cross_training_loss(*outputs, batch)["total"])
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         if step >= warmup:
             times.append(time.perf_counter() - start)
-    if runner is not None:
+    if side:
         runner.close()
     return len(batch) / statistics.median(times)
 

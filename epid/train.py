@@ -65,6 +65,7 @@ from epid.checkpoint import (
 from epid.cli import prepare_output_dir
 from epid.config import Config, describe, rank_report
 from epid.dataset import (
+    Batch,
     BatchLoader,
     EpidData,
     Window,
@@ -253,6 +254,11 @@ class CrossModel(nn.Module):
     ) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor, Tensor, Tensor]]:
         """(forward model output, inverse model output) for one batch (shapes: ``epid.dataset.Batch``)."""
         return self.forward_model(leaf_a, leaf_b, scalars), self.inverse_model(epid_prev, epid_curr)
+
+    @staticmethod
+    def backward(loss: Tensor) -> None:
+        """``loss.backward()``: the counterpart of ``SideBySide.backward`` (also through a DDP wrapper)."""
+        loss.backward()
 
     def place(self, device: torch.device) -> CrossModel:
         """Move to ``device`` in training mode; on the CPU with channels_last weights.
@@ -493,6 +499,7 @@ class Trainer:
         elif side_by_side.used_for(self.device, self.context.threads, distributed=False, compiled=config.compile):
             self.side_by_side = side_by_side.SideBySide(self.model, self.context.threads)
             self.step_model = self.eval_model = self.side_by_side
+        self.step_backward = (self.side_by_side or self.model).backward
         self.base_lr = config.effective_lr
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=self.base_lr, weight_decay=config.weight_decay,
@@ -721,6 +728,21 @@ class Trainer:
         result.seconds += time.perf_counter() - started
         return result
 
+    def _next_batch(self, batches: Iterator, clock: PhaseClock) -> tuple[Batch, Any, Any, Any]:
+        """The next batch on the device, with the time marks (start, fetched, copied)."""
+        before = clock.mark()
+        batch = next(batches)
+        fetched = clock.mark()
+        if self.copy_batches:
+            batch = batch.to(self.device, non_blocking=self.loader.pin_memory)
+        return batch, before, fetched, clock.mark()
+
+    def _losses(self, model: Callable[..., Any], batch: Batch) -> dict[str, Tensor]:
+        """Every loss term of ``batch`` through ``model`` (a CrossModel, its DDP or side-by-side runner)."""
+        with self._autocast():
+            forward_out, inverse_out = model(batch.leaf_a, batch.leaf_b, batch.scalars, batch.epid_prev, batch.epid_curr)
+        return cross_training_loss(forward_out, inverse_out, batch)
+
     def _accumulate(self, batches: Iterator, clock: PhaseClock) -> tuple[Tensor, Tensor, list]:
         """Forward and backward over one optimizer step's micro-batches.
 
@@ -732,24 +754,11 @@ class Trainer:
         samples = torch.zeros((), device=self.device)
         marks = []
         for micro in range(accum):
-            before = clock.mark()
-            batch = next(batches)
-            fetched = clock.mark()
-            if self.copy_batches:
-                batch = batch.to(self.device, non_blocking=self.loader.pin_memory)
-            copied = clock.mark()
+            batch, before, fetched, copied = self._next_batch(batches, clock)
             sync = self.ddp.no_sync() if self.ddp is not None and micro < accum - 1 else contextlib.nullcontext()
             with sync:
-                with self._autocast():
-                    forward_out, inverse_out = self.step_model(
-                        batch.leaf_a, batch.leaf_b, batch.scalars, batch.epid_prev, batch.epid_curr
-                    )
-                losses = cross_training_loss(forward_out, inverse_out, batch)
-                scaled = self.scaler.scale(losses["total"] / accum)
-                if self.side_by_side is not None:
-                    self.side_by_side.backward(scaled)
-                else:
-                    scaled.backward()
+                losses = self._losses(self.step_model, batch)
+                self.step_backward(self.scaler.scale(losses["total"] / accum))
             sums += torch.stack([losses[term].detach() for term in LOSS_TERMS]) * len(batch)
             samples += len(batch)
             marks.append((before, fetched, copied, clock.mark()))
@@ -809,17 +818,8 @@ class Trainer:
         batches = iter(self.loader.batches(self.val_windows))
         with torch.no_grad():
             for _ in range(len(self.val_windows)):
-                before = clock.mark()
-                batch = next(batches)
-                fetched = clock.mark()
-                if self.copy_batches:
-                    batch = batch.to(self.device, non_blocking=self.loader.pin_memory)
-                copied = clock.mark()
-                with self._autocast():
-                    forward_out, inverse_out = self.eval_model(
-                        batch.leaf_a, batch.leaf_b, batch.scalars, batch.epid_prev, batch.epid_curr
-                    )
-                losses = cross_training_loss(forward_out, inverse_out, batch)
+                batch, before, fetched, copied = self._next_batch(batches, clock)
+                losses = self._losses(self.eval_model, batch)
                 sums += torch.stack([losses[term] for term in LOSS_TERMS]) * len(batch)
                 samples += len(batch)
                 marks.append((before, fetched, copied, clock.mark()))

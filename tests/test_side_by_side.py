@@ -32,10 +32,7 @@ def step(runner, model: CrossModel, batch, autocast: torch.dtype | None) -> tupl
     with torch.autocast("cpu", dtype=autocast or torch.float32, enabled=autocast is not None):
         forward_out, inverse_out = runner(batch.leaf_a, batch.leaf_b, batch.scalars, batch.epid_prev, batch.epid_curr)
     loss = cross_training_loss(forward_out, inverse_out, batch)["total"]
-    if isinstance(runner, SideBySide):
-        runner.backward(loss)
-    else:
-        loss.backward()
+    runner.backward(loss)
     return loss.detach(), [p.grad.clone() for p in model.parameters()]
 
 
