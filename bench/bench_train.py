@@ -40,7 +40,7 @@ import torch
 from epid import side_by_side
 from epid.config import load_config
 from epid.dataset import EpidData
-from epid.distributed import available_cpus, tune_host_allocator
+from epid.distributed import available_cpus, resolve_device, tune_host_allocator
 from epid.losses import cross_training_loss
 from epid.models import build_models
 from epid.train import CrossModel, resolve_precision
@@ -82,7 +82,7 @@ def model_only_rate(variables: dict[str, str], steps: int, warmup: int = 3) -> f
     with the models placed and run as a single training rank runs them."""
     tune_host_allocator()  # as in every training rank
     config = load_config({"EPID_PROGRESS": "0", **variables})
-    device = torch.device("cuda" if config.device.startswith("cuda") or (config.device == "auto" and torch.cuda.is_available()) else "cpu")
+    device = resolve_device(config.device, local_rank=0)  # as training's rank 0
     threads = config.threads or available_cpus()
     torch.set_num_threads(threads)
     data = EpidData.from_config(config, config.dataset_ids[:1])
