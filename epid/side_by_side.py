@@ -74,6 +74,9 @@ class SideBySide:
     def __init__(self, model: CrossModel, threads: int) -> None:
         if threads < 2:
             raise ValueError(f"side-by-side models need at least 2 threads, got {threads}")
+        devices = {parameter.device.type for parameter in model.parameters()}
+        if devices != {"cpu"}:
+            raise ValueError(f"side-by-side models run on the CPU, got parameters on {sorted(devices)}")
         self.model = model
         inverse_threads = (threads + 1) // 2
         self.threads = (threads - inverse_threads, inverse_threads)

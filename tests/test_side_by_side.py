@@ -93,6 +93,8 @@ def test_used_only_for_a_single_eager_cpu_rank_with_several_threads():
     assert not used_for(torch.device("meta"), 4, distributed=False, compiled=False)
     with pytest.raises(ValueError, match="at least 2 threads"):
         SideBySide(CrossModel(*build_models("tiny")), 1)
+    with pytest.raises(ValueError, match="run on the CPU"):
+        SideBySide(CrossModel(*build_models("tiny")).to("meta"), 2)
 
 
 @pytest.mark.timeout(300)
