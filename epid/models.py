@@ -492,16 +492,24 @@ class InverseModel(nn.Module):
         self.mu_query = learned_tokens(1, d_model)
         self.jaw_queries = learned_tokens(2, d_model)
 
-    def latent_image(self, epid_prev: Tensor, epid_curr: Tensor) -> Tensor:
-        """Fused two-tower UNet: frames (B,1,256,256) -> latent (B,1,64,64)."""
+    def encode(self, tower: str, frame: Tensor) -> tuple[Tensor, ...]:
+        """One frame's encoder tower, ``tower`` "prev" or "curr": the frame (B,1,256,256), or any
+        shape ``as_frame_batch`` accepts -> the tower's skips (finest first) and pooled output."""
+        encoders = {"prev": self.prev_encoder, "curr": self.curr_encoder}
+        if tower not in encoders:
+            raise ValueError(f"tower must be 'prev' or 'curr', got {tower!r}")
+        frame = as_frame_batch(f"epid_{tower}", frame)
         # pool first: max-pooling commutes with the positive scale, on 16x fewer pixels
-        prev_skips, prev = self.prev_encoder(F.max_pool2d(epid_prev, 4) / MU_SCALE)
-        curr_skips, curr = self.curr_encoder(F.max_pool2d(epid_curr, 4) / MU_SCALE)
+        skips, x = encoders[tower](F.max_pool2d(frame, 4) / MU_SCALE)
+        return (*skips, x)
+
+    def latent_image(self, prev: Sequence[Tensor], curr: Sequence[Tensor]) -> Tensor:
+        """Both towers' outputs (``encode``) fused and decoded -> latent (B,1,64,64)."""
         skips = [
             fusion(torch.cat([p, c], dim=1))
-            for fusion, p, c in zip(self.skip_fusions, prev_skips, curr_skips)
+            for fusion, p, c in zip(self.skip_fusions, prev[:-1], curr[:-1])
         ]
-        x = self.bottleneck(self.bottleneck_fusion(torch.cat([prev, curr], dim=1)))
+        x = self.bottleneck(self.bottleneck_fusion(torch.cat([prev[-1], curr[-1]], dim=1)))
         return F.relu(self.to_latent(self.decoder(x, skips)))
 
     def memory(self, latent: Tensor) -> Tensor:
@@ -523,9 +531,11 @@ class InverseModel(nn.Module):
 
     def forward(self, epid_prev: Tensor, epid_curr: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """Predict ``(leaf_a (B,104) mm, leaf_b (B,104) mm, scalars (B,5), latent (B,1,64,64))``."""
-        latent = self.latent_image(
-            as_frame_batch("epid_prev", epid_prev), as_frame_batch("epid_curr", epid_curr)
-        )
+        return self.decode(self.encode("prev", epid_prev), self.encode("curr", epid_curr))
+
+    def decode(self, prev: Sequence[Tensor], curr: Sequence[Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Everything after the two encoder towers: their outputs (``encode``) -> ``forward``'s outputs."""
+        latent = self.latent_image(prev, curr)
         memory = self.memory(latent)
         q = self.queries(latent.shape[0])
         for layer in self.decoder_layers:

@@ -257,6 +257,14 @@ def test_inverse_model_rejects_other_frame_shapes(shape):
     _, inverse_model = build_models("tiny")
     with pytest.raises(ValueError, match="epid_prev must have shape"):
         inverse_model(torch.zeros(shape), torch.zeros(shape))
+    with pytest.raises(ValueError, match="epid_curr must have shape"):
+        inverse_model.encode("curr", torch.zeros(shape))
+
+
+def test_inverse_model_names_its_two_towers():
+    _, inverse_model = build_models("tiny")
+    with pytest.raises(ValueError, match="tower must be 'prev' or 'curr', got 'next'"):
+        inverse_model.encode("next", torch.zeros(1, 1, GRID, GRID))
 
 
 def test_inverse_outputs_follow_the_sample_layout_in_mm_and_mu():

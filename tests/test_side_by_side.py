@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -63,6 +64,38 @@ def test_workers_keep_their_own_thread_counts_and_the_callers_is_unchanged(threa
         assert torch.get_num_threads() == threads
     finally:
         runner.close()
+
+
+def test_the_prev_frame_tower_runs_with_the_forward_model_and_the_rest_in_the_inverse_worker(threads):
+    torch.manual_seed(0)
+    model = CrossModel(*build_models("tiny")).place(torch.device("cpu"))
+    inverse = model.inverse_model
+    parts = {
+        "forward model": model.forward_model,
+        "prev tower": inverse.prev_encoder,
+        "curr tower": inverse.curr_encoder,
+        "inverse decoder": inverse.decoder,
+        "inverse memory": inverse.memory_layers[0],
+    }
+    seen: dict[str, set[str]] = {}
+
+    def record(event: str):
+        return lambda *_: seen.setdefault(event, set()).add(threading.current_thread().name.split("_")[0])
+
+    for name, part in parts.items():
+        part.register_forward_hook(record(f"{name} forward"))
+        for parameter in part.parameters():  # parameter hooks run where the parameter's gradient is computed
+            parameter.register_hook(record(f"{name} backward"))
+    runner = SideBySide(model, threads)
+    try:
+        step(runner, model, training_batch(3), torch.bfloat16)
+    finally:
+        runner.close()
+    in_forward_worker = {"forward model", "prev tower"}
+    for name in parts:
+        worker = "epid-forward" if name in in_forward_worker else "epid-inverse"
+        assert seen[f"{name} forward"] == {worker}, name
+        assert seen[f"{name} backward"] == {worker}, name
 
 
 def test_without_gradients_it_returns_the_models_outputs_and_backward_needs_a_graph(threads):
