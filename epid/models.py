@@ -134,15 +134,56 @@ class TransposedConv2x2(nn.ConvTranspose2d):
     def __init__(self, in_channels: int, out_channels: int) -> None:
         super().__init__(in_channels, out_channels, 2, stride=2)
 
+    def blocks(self, x: Tensor) -> Tensor:
+        """(B, C_in, H, W) -> (B, H, W, 4 * C_out): each input pixel's 2x2 output block, channels
+        ordered (row in block, column in block, output channel). Any device."""
+        weight = self.weight.permute(0, 2, 3, 1).reshape(self.in_channels, 4 * self.out_channels)
+        return F.linear(pixels_last(x), weight.t(), self.bias.repeat(4))
+
     def forward(self, x: Tensor) -> Tensor:
         if x.device.type != "cpu":
             return super().forward(x)
         batch, _, height, width = x.shape
-        c_out = self.out_channels
-        weight = self.weight.permute(0, 2, 3, 1).reshape(self.in_channels, 4 * c_out)
-        y = F.linear(pixels_last(x), weight.t(), self.bias.repeat(4))
-        y = y.view(batch, height, width, 2, 2, c_out).permute(0, 1, 3, 2, 4, 5)
-        return channels_first(y.reshape(batch, 2 * height, 2 * width, c_out))
+        y = self.blocks(x).view(batch, height, width, 2, 2, self.out_channels).permute(0, 1, 3, 2, 4, 5)
+        return channels_first(y.reshape(batch, 2 * height, 2 * width, self.out_channels))
+
+
+def block_head_index(channels: int) -> Tensor:
+    """Where each weight of ``upsample_head``'s conv comes from in a 3x3 head's flattened weight.
+
+    The conv runs on the grid of 2x2 blocks: output channel (a, b) is the sub-pixel, input channel
+    (a', b', c) the block's sub-pixel and channel, kernel offset (i, j) the neighbouring block.
+    Full-resolution row offset ``2 i + a' - a`` (and the same for columns) must lie in -1..1 to
+    reach the head's 3x3 window; elsewhere the index points past the weight, at an appended zero.
+    (4, 4 * channels, 3, 3) int64.
+    """
+    a, b, a_in, b_in, c, i, j = torch.meshgrid(
+        *(torch.arange(n) for n in (2, 2, 2, 2, channels, 3, 3)), indexing="ij"
+    )
+    dy, dx = 2 * (i - 1) + a_in - a, 2 * (j - 1) + b_in - b
+    inside = (dy.abs() <= 1) & (dx.abs() <= 1)
+    index = torch.where(inside, c * 9 + (dy + 1) * 3 + (dx + 1), 9 * channels)
+    return index.reshape(4, 4 * channels, 3, 3)
+
+
+def upsample_head(upsample: TransposedConv2x2, head: nn.Conv2d, index: Tensor, x: Tensor) -> Tensor:
+    """``head(relu(upsample(x)))`` for a 3x3 (padding 1) head with one output channel:
+    (B, C_in, H, W) -> (B, 1, 2H, 2W).
+
+    On the CPU the 2H x 2W feature map is never formed: the upsampled pixels stay in their 2x2
+    blocks (``TransposedConv2x2.blocks``, 4 * C channels at H x W), the head becomes a 3x3 conv
+    on that grid with one output channel per sub-pixel (its weight gathered from the head's), and
+    only the one-channel result is shuffled to 2H x 2W. ``index`` is
+    ``block_head_index(upsample.out_channels)`` on the CPU. Same parameters and result.
+    """
+    if x.device.type != "cpu":
+        return head(F.relu(upsample(x)))
+    batch, _, height, width = x.shape
+    blocks = channels_first(F.relu(upsample.blocks(x)))
+    weight = torch.cat([head.weight.flatten(), head.weight.new_zeros(1)])[index]
+    y = F.conv2d(blocks, weight, head.bias.expand(4), padding=1)  # (B, 4, H, W), channels_last
+    y = pixels_last(y).reshape(batch, height, width, 2, 2).permute(0, 1, 3, 2, 4)
+    return y.reshape(batch, 1, 2 * height, 2 * width)
 
 
 class ResidualBlock(nn.Module):
@@ -383,6 +424,7 @@ class ForwardModel(nn.Module):
             )
         )
         self.head = nn.Conv2d(upsample_widths[-1], 1, 3, padding=1)
+        self.register_buffer("head_index", block_head_index(upsample_widths[-1]), persistent=False)
         init_weights(self)
         self.cls_token = learned_tokens(1, 1, d_model)
         self.positions = learned_tokens(1, 4 + NUM_LEAVES, d_model)
@@ -415,7 +457,7 @@ class ForwardModel(nn.Module):
         latent = self.to_latent(self.cls_norm(x[:, 0])).view(-1, 1, LATENT_SIZE, LATENT_SIZE)
         skips, x = self.encoder(latent)
         x = self.decoder(self.bottleneck(x), skips)
-        per_mu = F.relu(self.head(self.upsample(x)))
+        per_mu = F.relu(upsample_head(self.upsample[-2], self.head, self.head_index, self.upsample[:-2](x)))
         epid = per_mu * scalars[:, :1, None, None].to(per_mu.dtype)
         return epid, latent
 

@@ -494,7 +494,10 @@ class Trainer:
         self.eval_model: Callable[..., Any] = self.compiled
         if self.context.distributed:
             device_ids = [self.device.index] if self.device.type == "cuda" else None
-            self.ddp = DistributedDataParallel(self.compiled, device_ids=device_ids, gradient_as_bucket_view=True)
+            # the models' only buffers are constant index tables: nothing to broadcast each step
+            self.ddp = DistributedDataParallel(
+                self.compiled, device_ids=device_ids, gradient_as_bucket_view=True, broadcast_buffers=False
+            )
             self.step_model = self.ddp
         elif side_by_side.used_for(self.device, self.context.threads, distributed=False, compiled=config.compile):
             self.side_by_side = side_by_side.SideBySide(self.model, self.context.threads)
