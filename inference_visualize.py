@@ -129,7 +129,11 @@ def _progress(items: Iterable, total: int, unit: str) -> Iterable:
 
 def load_models(path: str, device) -> tuple[dict, tuple]:
     """The checkpoint at ``path`` (weights only) and its (forward, inverse) models on ``device``."""
-    from epid.checkpoint import CheckpointError, build_models_from_checkpoint, load_checkpoint
+    from epid.checkpoint import (
+        CheckpointError,
+        build_models_from_checkpoint,
+        load_checkpoint,
+    )
 
     checkpoint = load_checkpoint(path)
     try:

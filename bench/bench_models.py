@@ -25,7 +25,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+# isort: off
 import epid  # noqa: F401  (first: sets the OpenMP wait policy of training before torch loads)
+# isort: on
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel

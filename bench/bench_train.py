@@ -33,7 +33,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+# isort: off
 import epid  # noqa: F401  (first: sets the OpenMP wait policy of training before torch loads)
+# isort: on
 
 import torch
 

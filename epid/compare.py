@@ -44,7 +44,11 @@ from matplotlib.ticker import MaxNLocator
 from torch import Tensor
 
 from epid import evaluate
-from epid.checkpoint import CheckpointError, build_models_from_checkpoint, load_checkpoint
+from epid.checkpoint import (
+    CheckpointError,
+    build_models_from_checkpoint,
+    load_checkpoint,
+)
 from epid.cli import prepare_output_dir, resolve_device
 from epid.config import Config, load_config
 from epid.errors import InputError

@@ -89,7 +89,7 @@ def split_range(n_control_points: int, split: str) -> range:
     total = num_samples(n_control_points)
     n_train = math.floor(TRAIN_FRACTION * total)
     if split == "train":
-        return range(0, n_train)
+        return range(n_train)
     if split == "val":
         return range(n_train, total)
     raise ValueError(f"split {split!r} is not one of {SPLITS}")

@@ -33,7 +33,13 @@ from epid.errors import InputError
 from epid.gamma import gamma_index, gamma_pass_rate
 from epid.imaging import PIXEL_MM, render_frames
 from epid.kernel import kernel_from_config
-from epid.sequences import NUM_LEAF_PAIRS, PATTERNS, generate_control_points, leaf_band, pattern_for
+from epid.sequences import (
+    NUM_LEAF_PAIRS,
+    PATTERNS,
+    generate_control_points,
+    leaf_band,
+    pattern_for,
+)
 
 SPLITS = ("val", "train", "all")
 BATCH_FIELDS = ("leaf_a", "leaf_b", "scalars", "leaf_weight_a", "leaf_weight_b", "epid_prev", "epid_curr")
@@ -289,10 +295,10 @@ def predict(
     outputs: dict[str, list[Tensor]] = {"epid": [], "leaf_a": [], "leaf_b": [], "scalars": []}
     with torch.inference_mode():
         for start in range(0, len(samples), batch_size):
-            stop = start + batch_size
+            window = slice(start, start + batch_size)
 
-            def chunk(tensor: Tensor) -> Tensor:
-                return tensor[start:stop].to(device)
+            def chunk(tensor: Tensor, window: slice = window) -> Tensor:
+                return tensor[window].to(device)
 
             epid, _ = forward_model(chunk(samples.leaf_a), chunk(samples.leaf_b), chunk(samples.scalars))
             leaf_a, leaf_b, scalars, _ = inverse_model(chunk(samples.epid_prev), chunk(samples.epid_curr))

@@ -74,7 +74,7 @@ def _read_mat(path: Path) -> dict[str, object]:
         raise KernelError(
             f"kernel file {str(path)!r} is a MATLAB v7.3 (HDF5) file; expected v7 or older (save it with -v7)"
         ) from None
-    except Exception as error:  # scipy raises ValueError, TypeError, OSError, ... for non-MAT content
+    except Exception as error:  # noqa: BLE001  scipy raises ValueError, TypeError, OSError, ... for non-MAT content
         reason = str(error).splitlines()[0] if str(error) else type(error).__name__
         raise KernelError(f"kernel file {str(path)!r} is not a readable MATLAB .mat file ({reason})") from None
     return {key: value for key, value in contents.items() if not key.startswith("__")}

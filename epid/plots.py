@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 from matplotlib import colormaps, ticker
 from matplotlib.axes import Axes
-from matplotlib.colors import ListedColormap
 from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.colors import ListedColormap
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch

@@ -19,7 +19,11 @@ from scipy import stats
 
 import compare_checkpoints
 from epid import compare, evaluate
-from epid.checkpoint import build_models_from_checkpoint, load_checkpoint, save_checkpoint
+from epid.checkpoint import (
+    build_models_from_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
 from epid.cli import run_main
 from epid.compare import CompareOptions
 from epid.config import Config

@@ -8,7 +8,14 @@ import scipy.signal
 import torch
 
 from epid import imaging
-from epid.imaging import FrameRenderer, convolve, frame_noise_seed, rasterize, render_frames, renderer_for
+from epid.imaging import (
+    FrameRenderer,
+    convolve,
+    frame_noise_seed,
+    rasterize,
+    render_frames,
+    renderer_for,
+)
 from epid.kernel import default_kernel
 from epid.sequences import ControlPoints, generate_control_points
 

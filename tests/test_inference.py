@@ -78,7 +78,7 @@ def inference_run(checkpoint_path, tmp_path_factory):
     output = tmp_path_factory.mktemp("inference")
     command = [sys.executable, str(SCRIPT), "--checkpoint", str(checkpoint_path), "--dataset-ids",
                ",".join(map(str, DATASET_IDS)), "--device", "cpu", "--output-dir", str(output), *GAMMA_ARGS]
-    result = subprocess.run(command, capture_output=True, text=True, env=clean_environment(), timeout=300)
+    result = subprocess.run(command, check=False, capture_output=True, text=True, env=clean_environment(), timeout=300)
     assert result.returncode == 0, result.stderr
     return output, result
 
@@ -210,9 +210,15 @@ def test_synthesis_settings_come_from_variables_then_checkpoint_then_defaults():
 # --------------------------------------------------------------------------- the script
 
 
+def read_summary(output):
+    """The rows of an inference run's summary.csv."""
+    with open(output / "summary.csv", newline="") as handle:
+        return list(csv.DictReader(handle))
+
+
 def test_writes_one_readable_png_per_sample(inference_run):
     output, result = inference_run
-    rows = list(csv.DictReader(open(output / "summary.csv")))
+    rows = read_summary(output)
     assert len(rows) == 2 * len(DATASET_IDS)
     sample_pngs = sorted(output.glob("dataset_*_sample_*.png"))
     assert [p.name for p in sample_pngs] == sorted(
@@ -239,7 +245,7 @@ def assert_not_blank(image: np.ndarray) -> None:
 
 def test_summary_matches_an_independent_computation(inference_run, checkpoint_path):
     output, _ = inference_run
-    rows = list(csv.DictReader(open(output / "summary.csv")))
+    rows = read_summary(output)
     checkpoint = load_checkpoint(checkpoint_path)
     forward_model = ForwardModel(**checkpoint["model_config"]["forward"]).eval()
     inverse_model = InverseModel(**checkpoint["model_config"]["inverse"]).eval()
@@ -298,16 +304,16 @@ def test_runs_on_a_checkpoint_from_a_tiny_training_run(tmp_path):
         "EPID_THREADS": "1",
         "EPID_CHECKPOINT_PATH": str(checkpoint),
     }
-    trained = subprocess.run([sys.executable, str(ROOT / "generate_and_train.py")], capture_output=True,
+    trained = subprocess.run([sys.executable, str(ROOT / "generate_and_train.py")], check=False, capture_output=True,
                              text=True, env=training, timeout=300)
     assert trained.returncode == 0, trained.stderr
     output = tmp_path / "out"
     command = [sys.executable, str(SCRIPT), "--checkpoint", str(checkpoint), "--samples-per-dataset", "1",
                "--device", "cpu", "--output-dir", str(output)]
-    result = subprocess.run(command, capture_output=True, text=True, env=clean_environment(), timeout=300)
+    result = subprocess.run(command, check=False, capture_output=True, text=True, env=clean_environment(), timeout=300)
     assert result.returncode == 0, result.stderr
     assert "synthesis: 12 control points (checkpoint)" in result.stdout
-    rows = list(csv.DictReader(open(output / "summary.csv")))
+    rows = read_summary(output)
     assert [(int(r["dataset_id"]), r["pattern"]) for r in rows] == [(0, "regular"), (200, "irregular")]
     assert all(math.isfinite(float(r[name])) for r in rows for name in evaluate.METRIC_NAMES)
     assert len(list(output.glob("dataset_*_sample_*.png"))) == 2
@@ -354,7 +360,7 @@ def test_unwritable_output_dir_is_named(checkpoint_path, tmp_path):
 
 
 def test_help_lists_the_arguments():
-    result = subprocess.run([sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True,
+    result = subprocess.run([sys.executable, str(SCRIPT), "--help"], check=False, capture_output=True, text=True,
                             env=clean_environment(), timeout=60)
     assert result.returncode == 0
     for option in ("--checkpoint", "--dataset-range", "--dataset-ids", "--samples-per-dataset",
@@ -367,9 +373,11 @@ def test_help_lists_the_arguments():
 def test_bad_input_exits_2_with_one_line(tmp_path):
     command = [sys.executable, str(SCRIPT), "--checkpoint", str(tmp_path / "absent.pth"),
                "--output-dir", str(tmp_path / "out")]
-    result = subprocess.run(command, capture_output=True, text=True, env=clean_environment(), timeout=120)
+    result = subprocess.run(command, check=False, capture_output=True, text=True, env=clean_environment(), timeout=120)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
-        f"inference_visualize.py: error: --checkpoint {str(tmp_path / 'absent.pth')!r}: "
-        "no such file (train first, or pass --checkpoint)"
+        (
+            f"inference_visualize.py: error: --checkpoint {str(tmp_path / 'absent.pth')!r}: "
+            "no such file (train first, or pass --checkpoint)"
+        )
     ]

@@ -4,7 +4,12 @@ import random
 
 import pytest
 
-from epid.sharding import NUM_DATASETS, assign_all_ranks, assign_dataset_ids, select_dataset_ids
+from epid.sharding import (
+    NUM_DATASETS,
+    assign_all_ranks,
+    assign_dataset_ids,
+    select_dataset_ids,
+)
 
 ALL_IDS = list(range(NUM_DATASETS))
 
