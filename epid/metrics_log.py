@@ -1,6 +1,6 @@
 """Per-epoch metrics beside the checkpoint: ``metrics.csv`` (one row per epoch) and ``losses.png``.
 
-matplotlib (Agg backend) is imported on first plot, so ranks that never plot do not load it.
+matplotlib (through ``epid.plots``) is imported on first plot, so ranks that never plot do not load it.
 
 The training history (kept in the checkpoint) is the source of truth; ``MetricsLog.restart``
 rewrites the CSV from it when a run resumes, so a crash between writing a checkpoint and
@@ -103,46 +103,11 @@ class MetricsLog:
             os.fsync(handle.fileno())
 
     def plot(self, history: Mapping[str, Any], best_epoch: int = 0) -> None:
-        """Redraw ``losses.png``: train and validation per loss term (log scale), gamma pass rate, lr.
+        """Redraw ``losses.png`` (``epid.plots.losses_figure``): train and validation per loss term
+        (log scale), gamma pass rate, learning rate and samples/s. ``best_epoch`` (1-based,
+        0 = none) is marked on every panel. The file is replaced atomically."""
+        from epid import plots
 
-        ``best_epoch`` (1-based, 0 = none) is marked on every loss panel.
-        """
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        from matplotlib.ticker import MaxNLocator
-
-        epochs = list(range(1, len(history["train"]["total"]) + 1))
-        figure, axes = plt.subplots(3, 4, figsize=(16, 10.5), constrained_layout=True)
-        for axis, term in zip(axes.flat, LOSS_TERMS):
-            for split, style in (("train", "-"), ("val", "--")):
-                axis.plot(epochs, history[split][term], style, marker=".", label=split)
-            _log_if_positive(axis, history["train"][term] + history["val"][term])
-            if best_epoch:
-                axis.axvline(best_epoch, color="grey", linestyle=":", linewidth=1)
-            axis.set_title(f"{term} loss")
-            axis.set_xlabel("epoch")
-            axis.legend(fontsize="small")
-        extra = (("gamma_pass", "gamma pass rate 3 %/3 mm (%)", False), ("lr", "learning rate", True),
-                 ("samples_per_s", "training samples/s", False))
-        for axis, (name, title, log_scale) in zip(axes.flat[len(LOSS_TERMS):], extra):
-            axis.plot(epochs, history.get(name, []), marker=".")
-            if log_scale:
-                _log_if_positive(axis, history.get(name, []))
-            axis.set_title(title)
-            axis.set_xlabel("epoch")
-        for axis in axes.flat[len(LOSS_TERMS) + len(extra):]:
-            axis.set_visible(False)
-        for axis in axes.flat:
-            axis.xaxis.set_major_locator(MaxNLocator(integer=True))
         self.directory.mkdir(parents=True, exist_ok=True)
-        temporary = self.plot_path.with_name(f".{PLOT_NAME}.{os.getpid()}.tmp")
-        figure.savefig(temporary, format="png", dpi=80)
-        plt.close(figure)
-        os.replace(temporary, self.plot_path)
-
-
-def _log_if_positive(axis: Any, values: Sequence[float]) -> None:
-    if any(value > 0 for value in values if math.isfinite(value)):
-        axis.set_yscale("log")
+        title = f"Training history: {self.directory}"
+        plots.save_figure(plots.losses_figure(history, best_epoch or None, title), self.plot_path)

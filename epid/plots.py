@@ -8,6 +8,7 @@ y in mm at the EPID plane, y up (row 0 of a frame is the most positive y).
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -34,6 +35,11 @@ from epid.sequences import LEAF_WIDTH_MM, MLC_Y_MIN_MM, NUM_LEAF_PAIRS
 DPI = 100
 SAMPLE_FIGSIZE = (17.0, 14.0)
 LOSSES_WIDTH_IN = 16.0
+EXTRA_SERIES = {  # history series beside the loss terms: (legend label, panel title, log scale)
+    "gamma_pass": ("val", "gamma pass (%), validation", False),
+    "lr": ("lr", "learning rate", True),
+    "samples_per_s": ("train", "training samples/s", False),
+}
 LOSSES_ROW_HEIGHT_IN = 3.3
 SUMMARY_FIGSIZE = (15.0, 9.0)
 HALF_FIELD_MM = GRID_SIZE * PIXEL_MM / 2
@@ -63,8 +69,15 @@ def new_figure(figsize: tuple[float, float]) -> Figure:
 
 
 def save_figure(figure: Figure, path: str | Path) -> None:
-    """Write ``figure`` as a PNG at the module DPI (fixed pixel size, no tight cropping)."""
-    figure.savefig(path, dpi=DPI)
+    """Write ``figure`` as a PNG at the module DPI (fixed pixel size, no tight cropping), through a
+    temporary file in the same folder: a viewer or a crash never sees a half-written image."""
+    path = Path(path)
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        figure.savefig(temporary, format="png", dpi=DPI)
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
 
 
 # --------------------------------------------------------------------------- one sample
@@ -271,11 +284,12 @@ def _profile_panel(axes: Axes, measured: np.ndarray, predicted: np.ndarray, labe
 
 def losses_figure(history: Mapping[str, object], best_epoch: int | None, title: str) -> Figure:
     """Train and validation curves of every loss term (log scale) from a checkpoint history,
-    plus the gamma pass rate and learning rate when recorded; the best epoch is marked."""
+    plus the gamma pass rate, learning rate and training samples/s when recorded; the best
+    epoch is marked."""
     train = dict(history.get("train", {}) or {})
     val = dict(history.get("val", {}) or {})
     terms = list(dict.fromkeys([*train, *val]))
-    extras = [name for name in ("gamma_pass", "lr") if _has_finite(history.get(name))]
+    extras = [name for name in EXTRA_SERIES if _has_finite(history.get(name))]
     panels = len(terms) + len(extras)
     columns = 4
     rows = max(1, math.ceil(panels / columns))
@@ -287,9 +301,9 @@ def losses_figure(history: Mapping[str, object], best_epoch: int | None, title: 
         axes.set_title(term, fontsize=11)
         _mark_best(axes, best_epoch)
     for axes, name in zip(axes_grid[len(terms):], extras):
-        series = {"val": history[name]} if name == "gamma_pass" else {"lr": history[name]}
-        _curve(axes, series, log=name == "lr")
-        axes.set_title("gamma pass (%), validation" if name == "gamma_pass" else "learning rate", fontsize=11)
+        label, title, log = EXTRA_SERIES[name]
+        _curve(axes, {label: history[name]}, log=log)
+        axes.set_title(title, fontsize=11)
         _mark_best(axes, best_epoch)
     for axes in axes_grid[panels:]:
         axes.set_visible(False)
