@@ -133,6 +133,7 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("EPID_DEVICE", "device", "auto", "device to train on: auto picks cuda:LOCAL_RANK when CUDA is available, else cpu", "cpu", _device, "auto, cpu, cuda or cuda:N"),
     Variable("EPID_BACKEND", "backend", "auto", "process-group backend: auto is nccl on CUDA, gloo on CPU", "gloo", _choice("auto", "nccl", "gloo"), "auto, nccl or gloo"),
     Variable("EPID_THREADS", "threads", 0, "CPU threads per rank; 0 divides the machine's cores among the node's ranks", "1", _integer(0), "an integer >= 0"),
+    Variable("EPID_COLLECTIVE_TIMEOUT", "collective_timeout", 900, "seconds a rank waits in a collective for its peers before the job fails (a lost node, a hung rank)", "300", _integer(1), "an integer >= 1"),
     Variable("EPID_DRY_RUN", "dry_run", False, "print the resolved config and each rank's dataset IDs, then exit", "1", _boolean, "1/0, true/false or yes/no"),
     # Synthesis
     Variable("EPID_CONTROL_POINTS", "control_points", 2050, "control points per synthetic arc (smaller values make quick smoke runs)", "66", _integer(4), "an integer >= 4"),
@@ -185,6 +186,7 @@ class Config:
     device: str = "auto"
     backend: str = "auto"
     threads: int = 0
+    collective_timeout: int = 900
     dry_run: bool = False
     control_points: int = 2050
     kernel: str = ""

@@ -11,7 +11,7 @@ Three ways a run starts, detected from the environment (nanoGPT style):
 Failure policy. A rank that raises or dies ends the job with a non-zero status in bounded
 time: with spawning, the parent sees the dead rank at once, gives the others
 ``SHUTDOWN_GRACE_S`` to stop, then terminates and finally kills them; under torchrun its
-agent does the same. Collectives carry ``COLLECTIVE_TIMEOUT``, so a rank blocked on a peer
+agent does the same. Collectives time out after EPID_COLLECTIVE_TIMEOUT seconds, so a rank blocked on a peer
 that vanished without closing its connection (a lost node) fails instead of hanging.
 SIGINT / SIGTERM only set a flag (``StopSignal``); the training loop agrees on it across
 ranks at the next step boundary, writes a checkpoint and exits normally.
@@ -37,7 +37,6 @@ import torch.multiprocessing as mp
 from epid.config import Config
 from epid.errors import InputError
 
-COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=15)
 # glibc mallopt parameters and the values set in every rank (see tune_host_allocator)
 M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3
 ALLOCATOR_SETTINGS = ((M_MMAP_THRESHOLD, 32 << 20), (M_TRIM_THRESHOLD, 1 << 30), (M_TOP_PAD, 64 << 20))
@@ -251,7 +250,7 @@ def _run_rank(worker: Worker, config: Config, rank: int, local_rank: int) -> int
             init_method="env://",
             rank=rank,
             world_size=context.world_size,
-            timeout=COLLECTIVE_TIMEOUT,
+            timeout=datetime.timedelta(seconds=config.collective_timeout),
             device_id=device if device.type == "cuda" else None,
         )
     try:

@@ -123,6 +123,7 @@ def bad_values(tmp_path):
         "EPID_PREFETCH_FACTOR": ("0", "an integer >= 1"),
         "EPID_BATCH_ORDER": ("random", "sequential or shuffled"),
         "EPID_MODEL_SIZE": ("huge", "full, small or tiny"),
+        "EPID_COLLECTIVE_TIMEOUT": ("0", "an integer >= 1"),
         "EPID_EPOCHS": ("0", "an integer >= 1"),
         "EPID_STEPS_PER_EPOCH": ("-2", "an integer >= 0"),
         "EPID_LR": ("0", "a number > 0"),

@@ -30,6 +30,7 @@ from epid.distributed import (
     RankContext,
     StopSignal,
     free_port,
+    launch,
     resolve_backend,
     resolve_device,
     tune_host_allocator,
@@ -281,6 +282,27 @@ def test_restored_trainer_holds_the_saved_weights_optimizer_and_schedule(two_ran
 
 
 @pytest.mark.timeout(480)
+def _rank_one_stays_silent(context: RankContext, config) -> int:
+    """Rank 1 lives on without joining rank 0's all-reduce: a peer lost without closing its connection."""
+    if context.rank == 1:
+        time.sleep(300)
+    else:
+        torch.distributed.all_reduce(torch.zeros(1))
+    return 0
+
+
+@pytest.mark.timeout(120)
+def test_a_silent_peer_fails_the_job_after_the_collective_timeout(monkeypatch):
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    config = load_config({"EPID_WORLD_SIZE": "2", "EPID_DEVICE": "cpu", "EPID_THREADS": "1",
+                          "EPID_COLLECTIVE_TIMEOUT": "3"})
+    started = time.monotonic()
+    assert launch(_rank_one_stays_silent, config) == 1
+    # spawning and importing torch take a few seconds; without the timeout rank 0 would wait 300 s
+    assert time.monotonic() - started < 60
+
+
 def test_sigterm_stops_cleanly_a_killed_rank_fails_the_job_and_both_checkpoints_resume(tmp_path):
     checkpoint = tmp_path / "epid.pth"
     longer = {"EPID_CONTROL_POINTS": "34", "EPID_GAMMA_SAMPLES": "0", "EPID_EPOCHS": "1000"}
