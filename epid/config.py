@@ -139,7 +139,7 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("EPID_CONTROL_POINTS", "control_points", 2050, "control points per synthetic arc (smaller values make quick smoke runs)", "66", _integer(4), "an integer >= 4"),
     Variable("EPID_KERNEL", "kernel", "", "EPID response kernel from a MATLAB .mat file, optionally naming the variable; unset uses the built-in measured-profile kernel", "kernels/epid.mat:kernel", _text, "path.mat or path.mat:variable"),
     Variable("EPID_NOISE_STD", "noise_std", 0.005, "Gaussian noise std per sub-frame before MU scaling (0 = no noise)", "0", _real(0.0), "a finite number >= 0"),
-    Variable("EPID_NOISE_SEED", "noise_seed", 0, "seed of the frame noise (frame noise depends only on this seed, the dataset ID and the frame)", "3", _integer(0), "an integer >= 0"),
+    Variable("EPID_NOISE_SEED", "noise_seed", 0, "seed of the frame noise (a frame's noise depends only on this seed, the dataset ID, the frame and the device type: CPU and CUDA draw different, equally distributed noise)", "3", _integer(0), "an integer >= 0"),
     Variable("EPID_CACHE_DIR", "cache_dir", "", "directory for a float16 frame cache, written once per dataset and reused; unset synthesises on the fly", "/scratch/epid_cache", _text, "a directory path"),
     # Loader
     Variable("EPID_NUM_WORKERS", "num_workers", 0, "DataLoader worker processes per rank (0 = synthesise in the training process, on its device)", "2", _integer(0), "an integer >= 0"),
