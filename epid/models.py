@@ -21,9 +21,9 @@ learned tokens, queries and embeddings.
 
 On the CPU the convolutional paths keep feature maps in channels_last and run the layers that
 oneDNN handles poorly (1x1 convolutions, 3x3 convolutions of one-channel images, 2x2 transposed
-convolutions) as matrix products, and the forward model's last upsampling stage and head
-on the grid of 2x2 blocks (``upsample_head``); in bf16/fp16 attention is an explicit
-softmax(q k^T) v. The results equal torch's own layers, which every other device uses. Fastest CPU training step
+convolutions) as matrix products, and the forward model's last upsampling stage and head on the
+grid of 2x2 blocks (``upsample_head``); in bf16/fp16 attention is an explicit softmax(q k^T) v.
+The results equal torch's own layers, which every other device uses. Fastest CPU training step
 measured (bench/bench_models.py): bf16 autocast in eager mode, the two models side by side
 (``epid.side_by_side``); torch.compile (inductor) was slower on the 2-core CPU (16.8 vs 19.5
 samples/s at batch 8, after about 5 minutes of compilation).
