@@ -11,8 +11,9 @@ Three ways a run starts, detected from the environment (nanoGPT style):
 Failure policy. A rank that raises or dies ends the job with a non-zero status in bounded
 time: with spawning, the parent sees the dead rank at once, gives the others
 ``SHUTDOWN_GRACE_S`` to stop, then terminates and finally kills them; under torchrun its
-agent does the same. Collectives time out after EPID_COLLECTIVE_TIMEOUT seconds, so a rank blocked on a peer
-that vanished without closing its connection (a lost node) fails instead of hanging.
+agent does the same. Collectives time out after EPID_COLLECTIVE_TIMEOUT seconds, so a rank
+blocked on a peer that vanished without closing its connection (a lost node) fails instead
+of hanging.
 SIGINT / SIGTERM only set a flag (``StopSignal``); the training loop agrees on it across
 ranks at the next step boundary, writes a checkpoint and exits normally.
 """

@@ -35,12 +35,12 @@ from epid.sequences import LEAF_WIDTH_MM, MLC_Y_MIN_MM, NUM_LEAF_PAIRS
 DPI = 100
 SAMPLE_FIGSIZE = (17.0, 14.0)
 LOSSES_WIDTH_IN = 16.0
+LOSSES_ROW_HEIGHT_IN = 3.3
 EXTRA_SERIES = {  # history series beside the loss terms: (legend label, panel title, log scale)
     "gamma_pass": ("val", "gamma pass (%), validation", False),
     "lr": ("lr", "learning rate", True),
     "samples_per_s": ("train", "training samples/s", False),
 }
-LOSSES_ROW_HEIGHT_IN = 3.3
 SUMMARY_FIGSIZE = (15.0, 9.0)
 HALF_FIELD_MM = GRID_SIZE * PIXEL_MM / 2
 LEAF_EDGES_MM = MLC_Y_MIN_MM + LEAF_WIDTH_MM * np.arange(NUM_LEAF_PAIRS + 1)
