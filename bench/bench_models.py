@@ -115,6 +115,11 @@ class TrainingStep:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
+    def close(self) -> None:
+        """Stop the side-by-side worker threads, if any."""
+        if isinstance(self.runner, SideBySide):
+            self.runner.close()
+
 
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":

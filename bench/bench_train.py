@@ -38,14 +38,17 @@ import epid  # noqa: F401  (first: sets the OpenMP wait policy of training befor
 # isort: on
 
 import torch
+from bench_models import (  # this folder: the step as bench_models times it
+    TrainingStep,
+    Variant,
+    synchronize,
+)
 
 from epid import side_by_side
 from epid.config import load_config
 from epid.dataset import EpidData
 from epid.distributed import available_cpus, resolve_device, tune_host_allocator
-from epid.losses import cross_training_loss
-from epid.models import build_models
-from epid.train import CrossModel, resolve_precision
+from epid.train import resolve_precision
 
 LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 TIMING = re.compile(r"^\[TIMING\]\[train\] epoch 2 steps \S+: data_wait (\S+) h2d (\S+) compute (\S+) iter (\S+)", re.MULTILINE)
@@ -81,7 +84,7 @@ def run_training(variables: dict[str, str], steps: int, workdir: Path) -> dict[s
 
 def model_only_rate(variables: dict[str, str], steps: int, warmup: int = 3) -> float:
     """Samples/s of the training step on one reused real batch (no synthesis), in this process,
-    with the models placed and run as a single training rank runs them."""
+    with the models placed and run as a single training rank runs them (``bench_models.TrainingStep``)."""
     tune_host_allocator()  # as in every training rank
     config = load_config({"EPID_PROGRESS": "0", **variables})
     device = resolve_device(config.device, local_rank=0)  # as training's rank 0
@@ -89,26 +92,21 @@ def model_only_rate(variables: dict[str, str], steps: int, warmup: int = 3) -> f
     torch.set_num_threads(threads)
     data = EpidData.from_config(config, config.dataset_ids[:1])
     batch = data.make_batch(data.windows("train", config.batch_size)[0], device)
-    torch.manual_seed(0)
-    model = CrossModel(*build_models(config.model_size)).place(device)
-    side = side_by_side.used_for(device, threads, distributed=False, compiled=False)
-    runner = side_by_side.SideBySide(model, threads) if side else model
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=1e-4, fused=True)
     dtype = resolve_precision(config.precision, device)
+    side = side_by_side.used_for(device, threads, distributed=False, compiled=False)
+    step = TrainingStep(Variant("training", None if dtype == torch.float32 else dtype, side, False),
+                        config.model_size, device)
     times = []
-    for step in range(warmup + steps):
-        start = time.perf_counter()
-        with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
-            outputs = runner(batch.leaf_a, batch.leaf_b, batch.scalars, batch.epid_prev, batch.epid_curr)
-        runner.backward(cross_training_loss(*outputs, batch)["total"])
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        if step >= warmup:
-            times.append(time.perf_counter() - start)
-    if side:
-        runner.close()
+    try:
+        for index in range(warmup + steps):
+            synchronize(device)
+            start = time.perf_counter()
+            step(batch)
+            synchronize(device)
+            if index >= warmup:
+                times.append(time.perf_counter() - start)
+    finally:
+        step.close()
     return len(batch) / statistics.median(times)
 
 
