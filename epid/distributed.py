@@ -343,6 +343,15 @@ def broadcast(tensor: torch.Tensor, source: int = 0) -> torch.Tensor:
     return tensor
 
 
+def gather_objects(value: object) -> list[object]:
+    """Every rank's ``value`` (picklable), in rank order, on every rank (``[value]`` in a single process)."""
+    if not dist.is_initialized():
+        return [value]
+    values: list[object] = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return values
+
+
 def barrier() -> None:
     """Wait for every rank (no-op in a single process)."""
     if dist.is_initialized():

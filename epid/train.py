@@ -635,13 +635,15 @@ class Trainer:
         threads = f"{context.threads} thread(s)"
         if self.side_by_side is not None:
             threads += " (forward and inverse models side by side on {} + {})".format(*self.side_by_side.threads)
-        print(
+        line = (
             f"rank {context.rank}/{context.world_size} (local {context.local_rank}): pid {os.getpid()}, "
             f"device {self.device}, backend {context.backend or 'none'}, {threads}, "
             f"precision {precision}, {len(self.dataset_ids)} dataset(s), {len(self.train_windows)} training and "
-            f"{len(self.val_windows)} validation window(s), {len(self.gamma_items)} gamma sample(s)",
-            flush=True,
+            f"{len(self.val_windows)} validation window(s), {len(self.gamma_items)} gamma sample(s)"
         )
+        lines = distributed.gather_objects(line)  # printed together by rank 0: one block, never interleaved
+        if self.is_main:
+            print("\n".join(map(str, lines)), flush=True)
 
     # ----------------------------------------------------------------- training
 
