@@ -29,7 +29,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import FrameType
-from typing import Self
+from typing import Self, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -43,6 +43,7 @@ M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3
 ALLOCATOR_SETTINGS = ((M_MMAP_THRESHOLD, 32 << 20), (M_TRIM_THRESHOLD, 1 << 30), (M_TOP_PAD, 64 << 20))
 SHUTDOWN_GRACE_S = 20.0
 DEFAULT_MASTER_ADDR = "127.0.0.1"
+T = TypeVar("T")
 
 
 class LaunchError(InputError):
@@ -343,11 +344,11 @@ def broadcast(tensor: torch.Tensor, source: int = 0) -> torch.Tensor:
     return tensor
 
 
-def gather_objects(value: object) -> list[object]:
+def gather_objects(value: T) -> list[T]:
     """Every rank's ``value`` (picklable), in rank order, on every rank (``[value]`` in a single process)."""
     if not dist.is_initialized():
         return [value]
-    values: list[object] = [None] * dist.get_world_size()
+    values: list[T] = [value] * dist.get_world_size()  # placeholders, overwritten in place
     dist.all_gather_object(values, value)
     return values
 

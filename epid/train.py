@@ -643,7 +643,7 @@ class Trainer:
         )
         lines = distributed.gather_objects(line)  # printed together by rank 0: one block, never interleaved
         if self.is_main:
-            print("\n".join(map(str, lines)), flush=True)
+            print("\n".join(lines), flush=True)
 
     # ----------------------------------------------------------------- training
 
