@@ -9,7 +9,8 @@ A checkpoint is a dict of tensors, numbers, strings, lists and dicts only, so
   history {"train": {term: [...]}, "val": {term: [...]}, "gamma_pass": [...], "lr": [...],
   "samples_per_s": [...], ...}, best_val_loss, best_epoch, config (Config.to_dict()),
   dataset_ids, world_size, torch_version, and ``interrupted`` (None, or where an epoch was
-  stopped by a signal: {"epoch", "batches_done", "train_sums", "train_samples", ...}).
+  stopped by a signal: {"epoch", "batches_done", "rank_train_sums", "rank_train_samples", ...},
+  the loss sums and sample counts of every rank so far).
 
 Writes go to a temporary file in the same folder, are fsynced, renamed over the target and
 the folder is fsynced, so a crash at any moment leaves the previous checkpoint loadable.
@@ -108,7 +109,19 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
         )
     for key in ("forward_model", "inverse_model"):
         payload[key] = strip_wrapper_prefixes(payload[key])
+    _per_rank_sums(payload)
     return payload
+
+
+def _per_rank_sums(payload: dict[str, Any]) -> None:
+    """An interrupted epoch saved with the sums of all ranks added up: rank 0 carries them on."""
+    interrupted = payload.get("interrupted")
+    if not interrupted or "train_sums" not in interrupted:
+        return
+    others = int(payload.get("world_size", 1)) - 1
+    sums = interrupted.pop("train_sums")
+    interrupted["rank_train_sums"] = [sums] + [[0.0] * len(sums)] * others
+    interrupted["rank_train_samples"] = [interrupted.pop("train_samples")] + [0.0] * others
 
 
 def _unsafe_reason(error: Exception) -> str:

@@ -283,6 +283,14 @@ def _to_cpu(value: Any) -> Any:
     return value
 
 
+def seed_rngs(seed: int) -> None:
+    """Seed torch's, numpy's and Python's global generators, so that a run and its resumed copy
+    hold the same generator states (``rng_state``)."""
+    torch.manual_seed(seed)
+    np.random.seed(seed)
+    random.seed(seed)
+
+
 def rng_state() -> dict[str, Any]:
     """Random generator states as tensors and lists (weights_only-loadable)."""
     numpy_state = np.random.get_state()
@@ -481,7 +489,7 @@ class Trainer:
 
     def _build_models(self, checkpoint: dict[str, Any] | None) -> None:
         config = self.config
-        torch.manual_seed(config.seed)
+        seed_rngs(config.seed)
         if checkpoint is None:
             forward_model, inverse_model = build_models(config.model_size)
         else:
@@ -662,9 +670,10 @@ class Trainer:
             if self.is_main:
                 print(f"Epoch {epoch} was interrupted under another batch plan; it restarts from its first batch", flush=True)
             return 0, fresh
+        rank = self.context.rank
+        fresh.sums += torch.tensor(saved["rank_train_sums"][rank], device=self.device)
+        fresh.samples += float(saved["rank_train_samples"][rank])
         if self.is_main:
-            fresh.sums += torch.tensor(saved["train_sums"], device=self.device)
-            fresh.samples += float(saved["train_samples"])
             print(f"Epoch {epoch} continues after batch {saved['batches_done']}/{self.batches}", flush=True)
         fresh.seconds = float(saved.get("train_seconds", 0.0))
         fresh.steps = int(saved["batches_done"]) // self.config.grad_accum
@@ -978,13 +987,15 @@ class Trainer:
                   f"epoch(s) (best {self.state.best_val_loss:.4e} at epoch {self.state.best_epoch})", flush=True)
 
     def _save_interrupted(self, epoch: int, train: TrainPass) -> None:
-        """Checkpoint of a signal-stopped epoch: weights now, history up to the last full epoch."""
-        packed = distributed.all_reduce(torch.cat([train.sums, train.samples.view(1)])).tolist()
+        """Checkpoint of a signal-stopped epoch: weights now, history up to the last full epoch, and
+        every rank's loss sums so far (each rank goes on adding to its own, as without the stop)."""
+        packed = distributed.gather_objects(torch.cat([train.sums, train.samples.view(1)]).tolist())
         if not self.is_main:
             return
         self.state.interrupted = {
-            "epoch": epoch, "batches_done": train.batches_done, "train_sums": packed[:NUM_TERMS],
-            "train_samples": packed[NUM_TERMS], "train_seconds": train.seconds,
+            "epoch": epoch, "batches_done": train.batches_done,
+            "rank_train_sums": [values[:NUM_TERMS] for values in packed],
+            "rank_train_samples": [values[NUM_TERMS] for values in packed], "train_seconds": train.seconds,
             "nonfinite_steps": train.nonfinite_steps, "plan": self._plan(),
         }
         save_checkpoint(self.config.checkpoint_path, self._payload())
