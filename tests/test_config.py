@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from epid.config import VARIABLES, Config, ConfigError, load_config
+from epid.config import VARIABLES, Config, ConfigError, help_text, load_config, markdown_table
 from epid.errors import InputError
 from tests.support import ROOT, clean_environment
 
@@ -202,14 +202,20 @@ def test_dry_run_prints_config_and_rank_ids():
 def test_help_lists_every_variable_with_its_default():
     result = run_script({}, "--help")
     assert result.returncode == 0
+    assert help_text() in result.stdout
     for variable in VARIABLES:
-        assert re.search(rf"{variable.name}\s+default {re.escape(variable.shown_default)}", result.stdout)
+        assert re.search(rf"^  {variable.name}\s+default {re.escape(variable.shown_default)}$", result.stdout, re.MULTILINE)
 
 
-def test_readme_documents_every_variable():
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    for variable in VARIABLES:
-        row = re.search(rf"^\| `{variable.name}` \|(.+)$", readme, flags=re.MULTILINE)
-        assert row, f"{variable.name} has no row in the README table"
-        assert f"`{variable.shown_default}`" in row.group(1) or variable.shown_default in row.group(1)
-        assert variable.example in row.group(1)
+def readme_table_rows() -> list[str]:
+    """The rows of the README's variable table, header and rule included."""
+    lines = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
+    start = lines.index("| Variable | Meaning | Default | Example |")
+    stop = next(i for i in range(start, len(lines)) if not lines[i].startswith("|"))
+    return lines[start:stop]
+
+
+def test_readme_table_is_the_variable_table_row_for_row():
+    assert readme_table_rows() == markdown_table().splitlines()
+    rows = readme_table_rows()[2:]
+    assert [row.split(" | ")[0] for row in rows] == [f"| `{variable.name}`" for variable in VARIABLES]

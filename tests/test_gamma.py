@@ -287,8 +287,8 @@ def test_agrees_with_pymedphys(case):
         interp_fraction=fraction,
     ).numpy()
     assert np.array_equal(np.isnan(gamma), np.isnan(expected))
-    below_cap = (gamma < max_gamma) & (expected < max_gamma)
-    assert np.abs(gamma - expected)[below_cap].max() < 0.05
+    evaluated = ~np.isnan(expected)
+    assert np.abs(gamma - expected)[evaluated].max() < 2e-5  # the README: agrees to about 1e-5 in gamma
     counted = ~np.isnan(expected)
     expected_pass = 100 * np.mean(expected[counted] <= 1)
     assert abs(gamma_pass_rate(torch.from_numpy(gamma)).item() - expected_pass) < 0.5

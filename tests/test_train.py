@@ -21,8 +21,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from matplotlib.image import imread
 
-from epid import train
+from epid import plots, train
 from epid.checkpoint import CheckpointError, best_path, load_checkpoint, save_checkpoint
 from epid.config import load_config
 from epid.distributed import (
@@ -95,6 +96,16 @@ def rank_pids(text: str) -> dict[int, int]:
 
 def sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def assert_losses_png(path: Path) -> None:
+    """``path`` decodes as a PNG of the losses figure's pixel size with curves and text on it."""
+    image = imread(path)
+    rows = math.ceil((len(LOSS_TERMS) + len(plots.EXTRA_SERIES)) / 4)
+    height = (plots.LOSSES_ROW_HEIGHT_IN * rows + 0.8) * plots.DPI
+    assert image.shape[:2] == (round(height), round(plots.LOSSES_WIDTH_IN * plots.DPI))
+    gray = image[..., :3].mean(axis=2)
+    assert gray.std() > 0.05 and (gray < 0.5).mean() > 0.005  # dark lines and text, not an empty canvas
 
 
 # --------------------------------------------------------------------------- pure functions
@@ -179,7 +190,7 @@ def test_metrics_csv_rows_and_plot(tmp_path):
     assert tuple(rows[0]) == COLUMNS
     assert [float(r["val_total"]) for r in rows] == pytest.approx([2.0, 1.0, 2.0 / 3.0], rel=1e-5)
     assert [int(r["epoch"]) for r in rows] == [1, 2, 3]
-    assert log.plot_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert_losses_png(log.plot_path)
 
 
 # --------------------------------------------------------------------------- real runs
@@ -215,7 +226,7 @@ def test_two_rank_run_writes_checkpoint_metrics_and_equal_steps(two_rank_run):
     rows = read_rows(checkpoint.parent / "metrics.csv")
     assert [int(r["epoch"]) for r in rows] == [1, 2]
     assert [float(r["train_total"]) for r in rows] == pytest.approx(raw["history"]["train"]["total"], rel=1e-5)
-    assert (checkpoint.parent / "losses.png").read_bytes()[:4] == b"\x89PNG"
+    assert_losses_png(checkpoint.parent / "losses.png")
     assert len(re.findall(r"^epoch \d/2 \| train .* \| val .* \| gamma pass .* samples/s \| lr ", result.stdout, re.MULTILINE)) == 2
     assert len(re.findall(r"^\[TIMING\]\[train\] epoch \d steps 1-2/2: data_wait", result.stdout, re.MULTILINE)) == 2
     assert len(re.findall(r"^\[TIMING\]\[val\] epoch \d", result.stdout, re.MULTILINE)) == 2
@@ -275,13 +286,17 @@ def test_restored_trainer_holds_the_saved_weights_optimizer_and_schedule(two_ran
         assert state.keys() == saved[name].keys()
         assert all(torch.equal(state[key], saved[name][key]) for key in state)
     optimizer_state = trainer.optimizer.state_dict()["state"]
-    assert all(torch.equal(optimizer_state[i]["exp_avg"], saved["optimizer"]["state"][i]["exp_avg"]) for i in optimizer_state)
+    saved_state = saved["optimizer"]["state"]
+    assert optimizer_state.keys() == saved_state.keys() and len(saved_state) == len(list(trainer.model.parameters()))
+    for index, state in saved_state.items():
+        assert state.keys() == optimizer_state[index].keys() == {"step", "exp_avg", "exp_avg_sq"}
+        assert all(torch.equal(optimizer_state[index][key], value) for key, value in state.items())
+        assert int(state["step"]) == 4  # 2 epochs x 2 optimizer steps
     assert trainer.scheduler.last_epoch == 2
     assert trainer.optimizer.param_groups[0]["lr"] == pytest.approx(train.learning_rate(2, 1e-4))
     assert trainer.state.epoch == 2 and trainer.state.history["lr"] == saved["history"]["lr"]
 
 
-@pytest.mark.timeout(480)
 def _rank_one_stays_silent(context: RankContext, config) -> int:
     """Rank 1 lives on without joining rank 0's all-reduce: a peer lost without closing its connection."""
     if context.rank == 1:
@@ -303,34 +318,15 @@ def test_a_silent_peer_fails_the_job_after_the_collective_timeout(monkeypatch):
     assert time.monotonic() - started < 60
 
 
-def test_sigterm_stops_cleanly_a_killed_rank_fails_the_job_and_both_checkpoints_resume(tmp_path):
+def test_a_killed_rank_fails_the_job_and_its_last_checkpoint_resumes_on_another_world_size(tmp_path):
     checkpoint = tmp_path / "epid.pth"
-    longer = {"EPID_CONTROL_POINTS": "34", "EPID_GAMMA_SAMPLES": "0", "EPID_EPOCHS": "1000"}
+    longer = {"EPID_CONTROL_POINTS": "34", "EPID_GAMMA_SAMPLES": "0"}
 
-    # SIGTERM to the launcher: every rank stops after its current step, rank 0 writes a checkpoint
-    log = tmp_path / "sigterm.log"
-    process = start_script(run_env(checkpoint, EPID_WORLD_SIZE="2", **longer), log)
-    try:
-        wait_for(lambda: re.search(r"^epoch 1/", log.read_text(), re.MULTILINE), 150, "the first epoch")
-        process.send_signal(signal.SIGTERM)
-        assert process.wait(timeout=60) == 0, log.read_text()
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-    text = log.read_text()
-    assert re.search(r"^Stopped by SIGTERM", text, re.MULTILINE) and "Traceback" not in text, text
-    stopped = load_checkpoint(checkpoint)
-    assert stopped["epoch"] >= 1
-    interrupted = stopped["interrupted"]
-    if interrupted is not None:  # stopped inside an epoch: the resumed run continues that epoch
-        assert interrupted["epoch"] == stopped["epoch"] + 1 and 0 < interrupted["batches_done"] <= 14
-
-    # resume on 2 ranks, then SIGKILL rank 0 once it has written another epoch: the job fails quickly
+    # SIGKILL rank 0 once it has written a checkpoint: the job fails quickly
     log = tmp_path / "kill.log"
-    process = start_script(run_env(checkpoint, EPID_WORLD_SIZE="2", EPID_RESUME="1", **longer), log)
-    next_epoch = stopped["epoch"] + 1
+    process = start_script(run_env(checkpoint, EPID_WORLD_SIZE="2", EPID_EPOCHS="1000", **longer), log)
     try:
-        wait_for(lambda: re.search(rf"^epoch {next_epoch}/", log.read_text(), re.MULTILINE), 150, f"epoch {next_epoch}")
+        wait_for(lambda: re.search(r"^epoch 1/", log.read_text(), re.MULTILINE), 150, "epoch 1")
         os.kill(rank_pids(log.read_text())[0], signal.SIGKILL)
         killed_at = time.monotonic()
         assert process.wait(timeout=90) != 0
@@ -340,18 +336,17 @@ def test_sigterm_stops_cleanly_a_killed_rank_fails_the_job_and_both_checkpoints_
             os.killpg(process.pid, signal.SIGKILL)
     text = log.read_text()
     assert "training failed: rank" in text, text
-    if interrupted is not None:
-        assert f"Epoch {next_epoch} continues after batch {interrupted['batches_done']}/14" in text
     killed = load_checkpoint(checkpoint)
-    assert killed["epoch"] >= next_epoch and killed["interrupted"] is None
-    assert killed["history"]["steps_per_rank"][next_epoch - 1] == [14, 14]  # 2 datasets x 7 windows on rank 0
+    assert killed["epoch"] >= 1 and killed["interrupted"] is None
+    assert killed["history"]["steps_per_rank"][0] == [14, 14]  # 2 datasets x 7 windows on rank 0
 
     # the checkpoint left by the killed job resumes in one process
-    result = run_script(run_env(checkpoint, EPID_RESUME="1", EPID_CONTROL_POINTS="34", EPID_GAMMA_SAMPLES="0",
-                                EPID_STEPS_PER_EPOCH="2", EPID_EPOCHS=str(killed["epoch"] + 1)))
+    result = run_script(run_env(checkpoint, EPID_RESUME="1", EPID_STEPS_PER_EPOCH="2",
+                                EPID_EPOCHS=str(killed["epoch"] + 1), **longer))
     assert result.returncode == 0, result.stdout + result.stderr
+    assert "world size changes from 2 to 1" in result.stdout
     final = load_checkpoint(checkpoint)
-    assert final["epoch"] == killed["epoch"] + 1 and final["run_id"] == stopped["run_id"]
+    assert final["epoch"] == killed["epoch"] + 1 and final["run_id"] == killed["run_id"]
     assert len(final["history"]["train"]["total"]) == final["epoch"]
 
 
@@ -368,25 +363,6 @@ def test_non_finite_losses_stop_the_run_and_keep_the_last_good_checkpoint(two_ra
     assert "2 consecutive optimizer steps had a non-finite loss" in captured.err
     assert "checkpoint of epoch 2" in captured.err
     assert sha256(checkpoint) == before
-
-
-def test_early_stop_after_patience_epochs_without_a_better_validation_loss(tmp_path, monkeypatch, capsys):
-    checkpoint = tmp_path / "epid.pth"
-    validations = iter([1.0, 0.5, 0.7, 0.4])
-
-    def validate(self, epoch):
-        sums = torch.full((len(LOSS_TERMS),), next(validations) * 8)
-        return sums, torch.tensor(8.0), (torch.tensor(0.0), torch.tensor(0.0))
-
-    monkeypatch.setattr(train.Trainer, "_validate", validate)
-    config = load_config(run_env(checkpoint, EPID_EPOCHS="5", EPID_EARLY_STOP_PATIENCE="1", EPID_STEPS_PER_EPOCH="1",
-                                 EPID_GAMMA_SAMPLES="0"))
-    assert train.launch(config) == 0
-    saved = load_checkpoint(checkpoint)
-    assert saved["epoch"] == 3 and saved["best_epoch"] == 2 and saved["best_val_loss"] == pytest.approx(0.5)
-    assert saved["history"]["val"]["total"] == pytest.approx([1.0, 0.5, 0.7])
-    assert load_checkpoint(best_path(checkpoint))["epoch"] == 2
-    assert "Early stop after epoch 3" in capsys.readouterr().out
 
 
 def _bad_kernel(tmp_path: Path) -> str:
