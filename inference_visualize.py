@@ -29,7 +29,8 @@ from pathlib import Path
 from epid.cli import prepare_output_dir, resolve_device, run_main
 from epid.config import Config, load_config
 from epid.errors import InputError
-from epid.sharding import NUM_DATASETS, select_dataset_ids
+from epid.sequences import NUM_DATASETS
+from epid.sharding import select_dataset_ids
 
 PROGRAM = "inference_visualize.py"
 PROGRESS_BAR_MIN_ITEMS = 8

@@ -19,6 +19,7 @@ import torch
 
 from epid.dataset import EpidData, epoch_windows
 from epid.imaging import GRID_SIZE
+from epid.sequences import DEFAULT_CONTROL_POINTS
 
 MB = 1e6
 TARGET_BYTES = 2e9
@@ -38,7 +39,7 @@ def legacy_bytes_per_dataset(n_control_points: int) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--datasets", type=int, default=640, help="IDs 0..datasets-1")
-    parser.add_argument("--control-points", type=int, default=2050)
+    parser.add_argument("--control-points", type=int, default=DEFAULT_CONTROL_POINTS)
     parser.add_argument("--windows", type=int, default=3, help="batch windows to render")
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--device", default="cpu")

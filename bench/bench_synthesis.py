@@ -40,9 +40,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from epid.imaging import FrameRenderer, rasterize, render_frames, renderer_for
 from epid.kernel import default_kernel
-from epid.sequences import NUM_DATASETS, generate_control_points, pattern_for
+from epid.sequences import DEFAULT_CONTROL_POINTS, NUM_DATASETS, generate_control_points, pattern_for
 
-N_CONTROL_POINTS = 2050
 BATCH_SAMPLES = 128
 
 
@@ -64,7 +63,7 @@ def median_seconds(
 def bench_control_points(repeats: int) -> None:
     print("control points, one dataset of 2050 CPs (wall / CPU):")
     for dataset_id in (0, 100, 200, 500):
-        wall, cpu = median_seconds(lambda i=dataset_id: generate_control_points(i, N_CONTROL_POINTS), repeats)
+        wall, cpu = median_seconds(lambda i=dataset_id: generate_control_points(i, DEFAULT_CONTROL_POINTS), repeats)
         print(f"  id {dataset_id:3d} ({pattern_for(dataset_id):11s}) {wall * 1e3:6.0f} ms / {cpu * 1e3:4.0f} ms")
 
 
@@ -75,15 +74,15 @@ def bench_cpu_dataset(dataset_id: int, repeats: int) -> float:
     FrameRenderer(kernel, "cpu").render(generate_control_points(dataset_id, 3), [1], dataset_id=dataset_id)
     print(f"kernel preparation (SVD, operators) and a first frame: {time.perf_counter() - start:.2f} s")
     renderer_for(kernel, "cpu")
-    frames = np.arange(1, N_CONTROL_POINTS)
+    frames = np.arange(1, DEFAULT_CONTROL_POINTS)
 
     def full_dataset(noise_std: float) -> torch.Tensor:
-        control_points = generate_control_points(dataset_id, N_CONTROL_POINTS)
+        control_points = generate_control_points(dataset_id, DEFAULT_CONTROL_POINTS)
         return render_frames(control_points, frames, kernel, dataset_id=dataset_id, noise_std=noise_std)
 
     with_noise = median_seconds(lambda: full_dataset(0.005), repeats)
     without_noise = median_seconds(lambda: full_dataset(0.0), repeats)
-    control_points = generate_control_points(dataset_id, N_CONTROL_POINTS)
+    control_points = generate_control_points(dataset_id, DEFAULT_CONTROL_POINTS)
     window = np.arange(1, BATCH_SAMPLES + 2) + 700
     batch = median_seconds(lambda: render_frames(control_points, window, kernel, dataset_id=dataset_id), repeats)
     print(
@@ -103,8 +102,8 @@ def bench_cpu_dataset(dataset_id: int, repeats: int) -> float:
 
 def frame_masks(dataset_id: int, count: int) -> np.ndarray:
     """Summed sub-aperture masks (count, 256, 256) of frames spread over a dataset."""
-    control_points = generate_control_points(dataset_id, N_CONTROL_POINTS)
-    frames = np.linspace(1, N_CONTROL_POINTS - 1, count).astype(int)
+    control_points = generate_control_points(dataset_id, DEFAULT_CONTROL_POINTS)
+    frames = np.linspace(1, DEFAULT_CONTROL_POINTS - 1, count).astype(int)
     positions = (control_points.leaf_a, control_points.leaf_b, control_points.jaw_1, control_points.jaw_2)
     sums = np.zeros((count, 256, 256))
     for t in np.arange(7) / 6:
@@ -127,7 +126,7 @@ def bench_legacy(dataset_id: int, count: int, ours_per_frame: float) -> None:
     print(f"legacy direct 261 x 261 'same' convolution (scipy.signal.convolve2d), {count} frame(s):")
     print(
         f"  {statistics.median(seconds):.2f} s per sub-frame -> {per_frame:.1f} s per frame of 7 sub-frames, "
-        f"{per_frame * (N_CONTROL_POINTS - 1) / 3600:.1f} h per dataset"
+        f"{per_frame * (DEFAULT_CONTROL_POINTS - 1) / 3600:.1f} h per dataset"
     )
     print(
         f"  ours: {ours_per_frame * 1e3:.2f} ms per frame (full pipeline, noise on); "
@@ -142,8 +141,8 @@ def bench_cuda(dataset_id: int, repeats: int) -> None:
         return
     device = torch.device("cuda")
     kernel = default_kernel()
-    control_points = generate_control_points(dataset_id, N_CONTROL_POINTS)
-    frames = np.arange(1, N_CONTROL_POINTS)
+    control_points = generate_control_points(dataset_id, DEFAULT_CONTROL_POINTS)
+    frames = np.arange(1, DEFAULT_CONTROL_POINTS)
     renderer = renderer_for(kernel, device)
     renderer.render(control_points, frames[:64], dataset_id=dataset_id)
     wall, _ = median_seconds(

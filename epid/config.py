@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from epid import sharding
+from epid.sequences import DEFAULT_CONTROL_POINTS, NUM_DATASETS
 from epid.errors import InputError
 
 GLOBAL_BATCH = 128
@@ -136,7 +137,7 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("EPID_COLLECTIVE_TIMEOUT", "collective_timeout", 900, "seconds a rank waits in a collective for its peers before the job fails (a lost node, a hung rank)", "300", _integer(1), "an integer >= 1"),
     Variable("EPID_DRY_RUN", "dry_run", False, "print the resolved config and each rank's dataset IDs, then exit", "1", _boolean, "1/0, true/false or yes/no"),
     # Synthesis
-    Variable("EPID_CONTROL_POINTS", "control_points", 2050, "control points per synthetic arc (smaller values make quick smoke runs)", "66", _integer(4), "an integer >= 4"),
+    Variable("EPID_CONTROL_POINTS", "control_points", DEFAULT_CONTROL_POINTS, "control points per synthetic arc (smaller values make quick smoke runs)", "66", _integer(4), "an integer >= 4"),
     Variable("EPID_KERNEL", "kernel", "", "EPID response kernel from a MATLAB .mat file, optionally naming the variable; unset uses the built-in measured-profile kernel", "kernels/epid.mat:kernel", _text, "path.mat or path.mat:variable"),
     Variable("EPID_NOISE_STD", "noise_std", 0.005, "Gaussian noise std per sub-frame before MU scaling (0 = no noise)", "0", _real(0.0), "a finite number >= 0"),
     Variable("EPID_NOISE_SEED", "noise_seed", 0, "seed of the frame noise (a frame's noise depends only on this seed, the dataset ID, the frame and the device type: CPU and CUDA draw different, equally distributed noise)", "3", _integer(0), "an integer >= 0"),
@@ -169,9 +170,6 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("EPID_TIMING_MAX", "timing_max", 1, "most timing lines per epoch", "20", _integer(0), "an integer >= 0"),
 )
 
-_BY_NAME = {variable.name: variable for variable in VARIABLES}
-
-
 @dataclass(frozen=True)
 class Config:
     """The resolved run configuration. Field meanings: see ``VARIABLES``."""
@@ -182,13 +180,13 @@ class Config:
     dataset_seed: int = 12345
     dataset_range: str = ""
     dataset_ids_spec: str = ""
-    dataset_ids: tuple[int, ...] = tuple(range(sharding.NUM_DATASETS))
+    dataset_ids: tuple[int, ...] = tuple(range(NUM_DATASETS))
     device: str = "auto"
     backend: str = "auto"
     threads: int = 0
     collective_timeout: int = 900
     dry_run: bool = False
-    control_points: int = 2050
+    control_points: int = DEFAULT_CONTROL_POINTS
     kernel: str = ""
     noise_std: float = 0.005
     noise_seed: int = 0
@@ -365,11 +363,6 @@ def _selection_variable(values: Mapping[str, Any]) -> tuple[str, str]:
     if values["dataset_ids_spec"]:
         return "EPID_DATASET_IDS", values["dataset_ids_spec"]
     return "EPID_WORLD_SIZE", str(values["world_size"])
-
-
-def variable(name: str) -> Variable:
-    """The Variable called ``name`` (KeyError if there is none)."""
-    return _BY_NAME[name]
 
 
 def help_text() -> str:

@@ -589,7 +589,7 @@ class EpidData:
         self,
         dataset_ids: Sequence[int],
         *,
-        control_points: int = 2050,
+        control_points: int = sequences.DEFAULT_CONTROL_POINTS,
         kernel: np.ndarray | torch.Tensor | None = None,
         noise_std: float = 0.005,
         noise_seed: int = 0,
@@ -672,10 +672,6 @@ class EpidData:
             for dataset_id in self.dataset_ids
             for window in dataset_windows(dataset_id, self.n_control_points, split, batch_size)
         ]
-
-    def frames(self, dataset_id: int, first_frame: int, stop_frame: int, device: Device) -> torch.Tensor:
-        """Frames ``first_frame .. stop_frame - 1`` of a dataset, float32 (F, 256, 256) on ``device``."""
-        return self._frames(self.control_points_for(dataset_id), dataset_id, first_frame, stop_frame, device)
 
     def make_batch(self, window: Window, device: Device) -> Batch:
         """The samples of ``window`` with their frames on ``device``."""

@@ -31,7 +31,8 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from epid.models import LEAF_SCALE_MM, NUM_LEAF_PAIRS, SCALAR_SCALE
+from epid.models import LEAF_SCALE_MM, SCALAR_SCALE
+from epid.sequences import NUM_LEAF_PAIRS
 
 LOSS_TERMS = ("total", "forward", "leaf_a", "leaf_b", "scalars", "ordering", "consistency", "latent")
 LOSS_WEIGHTS = {

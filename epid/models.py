@@ -39,10 +39,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-NUM_LEAF_PAIRS = 52
+from epid.imaging import GRID_SIZE
+from epid.sequences import NUM_LEAF_PAIRS
+
 NUM_LEAVES = 2 * NUM_LEAF_PAIRS
 NUM_SCALARS = 5
-GRID_SIZE = 256
 LATENT_SIZE = 64
 LEAF_SCALE_MM = 130.0
 MU_SCALE = 40.0

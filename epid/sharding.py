@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 from collections.abc import Iterable
 
-NUM_DATASETS = 640
+from epid.sequences import NUM_DATASETS
 
 
 def _parse_int(text: str, what: str) -> int:
