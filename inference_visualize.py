@@ -26,8 +26,9 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
-from epid.cli import prepare_output_dir, resolve_device, run_main
+from epid.cli import prepare_output_dir, run_main
 from epid.config import Config, load_config
+from epid.devices import resolve_device
 from epid.errors import InputError
 from epid.sequences import NUM_DATASETS
 from epid.sharding import select_dataset_ids
@@ -151,7 +152,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     output_dir = prepare_output_dir(args.output_dir)
     if not os.path.isfile(args.checkpoint):
         raise InputError(f"--checkpoint {args.checkpoint!r}: no such file (train first, or pass --checkpoint)")
-    device = resolve_device(args.device)
+    device = resolve_device(args.device, given=f"--device {args.device!r}")
 
     from epid import evaluate, plots
 

@@ -35,8 +35,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from epid.dataset import Batch
 from epid.distributed import tune_host_allocator
-from epid.losses import cross_training_loss
 from epid.imaging import GRID_SIZE
+from epid.losses import cross_training_loss
 from epid.models import build_models
 from epid.sequences import NUM_LEAF_PAIRS
 from epid.side_by_side import SideBySide

@@ -47,8 +47,8 @@ from bench_models import (  # this folder: the step as bench_models times it
 from epid import side_by_side
 from epid.config import load_config
 from epid.dataset import EpidData
-from epid.distributed import available_cpus, resolve_device, tune_host_allocator
-from epid.train import resolve_precision
+from epid.devices import resolve_device, resolve_precision
+from epid.distributed import available_cpus, tune_host_allocator
 
 LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 TIMING = re.compile(r"^\[TIMING\]\[train\] epoch 2 steps \S+: data_wait (\S+) h2d (\S+) compute (\S+) iter (\S+)", re.MULTILINE)
@@ -87,7 +87,7 @@ def model_only_rate(variables: dict[str, str], steps: int, warmup: int = 3) -> f
     with the models placed and run as a single training rank runs them (``bench_models.TrainingStep``)."""
     tune_host_allocator()  # as in every training rank
     config = load_config({"EPID_PROGRESS": "0", **variables})
-    device = resolve_device(config.device, local_rank=0)  # as training's rank 0
+    device = resolve_device(config.device)  # as training's rank 0
     threads = config.threads or available_cpus()
     torch.set_num_threads(threads)
     data = EpidData.from_config(config, config.dataset_ids[:1])

@@ -1,4 +1,4 @@
-"""What the entry scripts share: one-line errors with exit 2, output folders, devices."""
+"""What the entry scripts share: one-line errors with exit 2, output folders."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from pathlib import Path
 from epid.errors import InputError
 
 USAGE_ERROR = 2
-DEVICE_CHOICES = "auto, cpu, cuda or cuda:N"
 
 
 def run_main(main: Callable[[], int | None], program: str) -> None:
@@ -36,22 +35,3 @@ def prepare_output_dir(path: str, argument: str = "--output-dir") -> Path:
     except OSError as error:
         raise InputError(f"{argument} {path!r}: cannot write there ({error.strerror or error})") from None
     return directory
-
-
-def resolve_device(name: str, argument: str = "--device"):
-    """A torch.device for ``name`` (``auto`` picks CUDA when available); InputError if absent or unknown."""
-    import torch
-
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise InputError(f"{argument} {name!r}: expected {DEVICE_CHOICES}") from None
-    if device.type not in ("cpu", "cuda"):
-        raise InputError(f"{argument} {name!r}: expected {DEVICE_CHOICES}")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise InputError(f"{argument} {name!r}: CUDA is not available on this machine")
-    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
-        raise InputError(f"{argument} {name!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
-    return device

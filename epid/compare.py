@@ -49,8 +49,9 @@ from epid.checkpoint import (
     build_models_from_checkpoint,
     load_checkpoint,
 )
-from epid.cli import prepare_output_dir, resolve_device
+from epid.cli import prepare_output_dir
 from epid.config import Config, load_config
+from epid.devices import resolve_device
 from epid.errors import InputError
 from epid.sharding import select_dataset_ids
 
@@ -990,7 +991,7 @@ class Comparison:
 def compare(options: CompareOptions) -> int:
     """Run the comparison, print the tables, write the files; 1 if any checkpoint failed, else 0."""
     paths = expand_checkpoint_patterns(options.checkpoints)
-    device = resolve_device(options.device) if options.evaluate else torch.device("cpu")
+    device = resolve_device(options.device, given=f"--device {options.device!r}") if options.evaluate else torch.device("cpu")
     dataset_ids = evaluation_dataset_ids(options) if options.evaluate else []
     output_dir = prepare_output_dir(options.output_dir)
 

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from epid import sharding
-from epid.sequences import DEFAULT_CONTROL_POINTS, NUM_DATASETS
 from epid.errors import InputError
+from epid.sequences import DEFAULT_CONTROL_POINTS, NUM_DATASETS
 
 GLOBAL_BATCH = 128
 TRUE_WORDS = ("1", "true", "yes", "on")

@@ -36,6 +36,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from epid.config import Config
+from epid.devices import resolve_device
 from epid.errors import InputError
 
 # glibc mallopt parameters and the values set in every rank (see tune_host_allocator)
@@ -82,24 +83,6 @@ Worker = Callable[[RankContext, Config], int]
 
 
 # --------------------------------------------------------------------------- placement
-
-
-def cuda_device_count() -> int:
-    """Visible CUDA devices (0 without CUDA)."""
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
-def resolve_device(spec: str, local_rank: int) -> torch.device:
-    """The device of a rank from EPID_DEVICE (auto|cpu|cuda|cuda:N).
-
-    ``auto`` and ``cuda`` give ``cuda:LOCAL_RANK`` (``auto`` falls back to the CPU without
-    CUDA); ``cuda:N`` gives ``cuda:(N + LOCAL_RANK)``, so a single process can pick its GPU
-    and several ranks of a node take consecutive GPUs from N.
-    """
-    if spec == "cpu" or (spec == "auto" and cuda_device_count() == 0):
-        return torch.device("cpu")
-    first = int(spec.split(":")[1]) if spec.startswith("cuda:") else 0
-    return torch.device("cuda", first + local_rank)
 
 
 def resolve_backend(spec: str, device: torch.device) -> str:
@@ -149,30 +132,15 @@ def tune_host_allocator() -> bool:
 
 
 def check_launch(config: Config) -> None:
-    """Raise LaunchError when the device or backend request cannot work on this node.
+    """Raise InputError when the device or backend request cannot work on this node.
 
     Runs before any process is spawned, so a wrong EPID_DEVICE / EPID_BACKEND exits with
     status 2 instead of failing inside every rank.
     """
     ranks_here = local_world_size(config)
-    count = cuda_device_count()
-    if config.device.startswith("cuda"):
-        if count == 0:
-            raise LaunchError(f"EPID_DEVICE={config.device!r}: CUDA is not available here; expected cpu or auto")
-        first = int(config.device.split(":")[1]) if ":" in config.device else 0
-        if first + ranks_here > count:
-            raise LaunchError(
-                f"EPID_DEVICE={config.device!r}: {ranks_here} rank(s) from cuda:{first} need "
-                f"{first + ranks_here} GPUs, {count} visible; expected fewer ranks or a lower index"
-            )
-    device = resolve_device(config.device, 0)
+    device = resolve_device(config.device, ranks_here - 1)  # the node's last rank needs the highest GPU index
     if config.backend == "nccl" and device.type != "cuda":
         raise LaunchError("EPID_BACKEND='nccl': nccl needs CUDA devices, training runs on the CPU; expected gloo or auto")
-    if device.type == "cuda" and config.device == "auto" and ranks_here > count:
-        raise LaunchError(
-            f"EPID_WORLD_SIZE={ranks_here}: {ranks_here} ranks on this node but {count} GPU(s); "
-            "expected at most one rank per GPU, or EPID_DEVICE=cpu"
-        )
 
 
 # --------------------------------------------------------------------------- launch

@@ -32,6 +32,7 @@ import numpy as np
 import scipy.fft
 import torch
 
+from epid.devices import device_of, resolve_device
 from epid.sequences import LEAF_WIDTH_MM, MLC_Y_MIN_MM, NUM_LEAF_PAIRS, ControlPoints
 
 GRID_SIZE = 256
@@ -72,7 +73,7 @@ def rasterize(
     leaf_a, leaf_b: (..., 52); jaw_1, jaw_2: (...). Accepts numpy arrays or tensors; the
     result is on ``device``, else on the device of a tensor input, else on the CPU.
     """
-    device = _resolve_device(device, leaf_a, leaf_b, jaw_1, jaw_2)
+    device = device_of(leaf_a, leaf_b, jaw_1, jaw_2) if device is None else resolve_device(device)
     leaf_a, leaf_b, jaw_1, jaw_2 = (_as_float64(v) for v in (leaf_a, leaf_b, jaw_1, jaw_2))
     batch_shape = np.broadcast_shapes(leaf_a.shape[:-1], leaf_b.shape[:-1], jaw_1.shape, jaw_2.shape)
     edges = _aperture_edges(
@@ -113,7 +114,7 @@ def render_frames(
     if isinstance(kernel, FrameRenderer):
         renderer = kernel if device is None or torch.device(device) == kernel.device else kernel.to(device)
     else:
-        renderer = renderer_for(kernel, _resolve_device(device))
+        renderer = renderer_for(kernel, resolve_device(device or "cpu"))
     return renderer.render(
         control_points, frame_indices, dataset_id=dataset_id, noise_std=noise_std, noise_seed=noise_seed
     )
@@ -138,7 +139,7 @@ class FrameRenderer:
 
     def __init__(self, kernel: np.ndarray | torch.Tensor, device: Device = None) -> None:
         self.kernel = _kernel_array(kernel)
-        self.device = _resolve_device(device)
+        self.device = resolve_device(device or "cpu")
         vertical, horizontal = _separable_terms(self.kernel)
         self.rank = len(vertical)
         self.method = "separable" if self.rank else "fft"
@@ -149,7 +150,7 @@ class FrameRenderer:
 
     def to(self, device: Device) -> FrameRenderer:
         """The same kernel prepared for another device."""
-        return renderer_for(self.kernel, _resolve_device(device))
+        return renderer_for(self.kernel, resolve_device(device or "cpu"))
 
     def convolve(self, images: torch.Tensor) -> torch.Tensor:
         """'same' convolution of (..., H, W) images (float32, on this renderer's device)."""
@@ -255,7 +256,7 @@ _RENDERER_CACHE_SIZE = 8
 def renderer_for(kernel: np.ndarray | torch.Tensor, device: Device = None) -> FrameRenderer:
     """A cached ``FrameRenderer`` for this kernel (by content) and device."""
     values = _kernel_array(kernel)
-    device = _resolve_device(device)
+    device = resolve_device(device or "cpu")
     digest = hashlib.sha256(repr(values.shape).encode() + values.tobytes()).hexdigest()
     key = (digest, str(device))
     renderer = _RENDERER_CACHE.get(key)
@@ -498,12 +499,3 @@ def _as_float64(values: np.ndarray | torch.Tensor) -> np.ndarray:
     if isinstance(values, torch.Tensor):
         values = values.detach().cpu().numpy()
     return np.asarray(values, dtype=np.float64)
-
-
-def _resolve_device(device: Device, *values: object) -> torch.device:
-    if device is not None:
-        return torch.device(device)
-    for value in values:
-        if isinstance(value, torch.Tensor):
-            return value.device
-    return torch.device("cpu")

@@ -73,6 +73,7 @@ from epid.dataset import (
     split_range,
     steps_per_epoch,
 )
+from epid.devices import autocast, resolve_device, resolve_precision
 from epid.distributed import RankContext, StopSignal
 from epid.errors import InputError
 from epid.losses import LOSS_TERMS, cross_training_loss
@@ -108,7 +109,7 @@ def check_inputs(config: Config) -> list[str]:
     """Validate what every rank would otherwise find out on its own; return resume notes."""
     distributed.check_launch(config)
     check_kernel(config)
-    resolve_precision(config.precision, distributed.resolve_device(config.device, 0))
+    resolve_precision(config.precision, resolve_device(config.device))
     check_checkpoint_folder(config)
     if not config.resume:
         return []
@@ -176,26 +177,6 @@ def _saved_base_lr(checkpoint: dict[str, Any]) -> float | None:
 
 
 # --------------------------------------------------------------------------- settings
-
-
-def resolve_precision(spec: str, device: torch.device) -> torch.dtype:
-    """Autocast dtype for EPID_PRECISION on ``device``: float32 means autocast off.
-
-    ``auto`` is bfloat16 on CUDA devices that support it and on CPUs with native bfloat16
-    (AMX or AVX512-BF16), float32 elsewhere.
-    """
-    if spec == "bf16":
-        if device.type == "cuda" and not torch.cuda.is_bf16_supported():
-            raise InputError(f"EPID_PRECISION='bf16': {torch.cuda.get_device_name(device)} has no bfloat16; expected fp16, fp32 or auto")
-        return torch.bfloat16
-    if spec == "fp16":
-        return torch.float16
-    if spec == "fp32":
-        return torch.float32
-    if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
-    native_bf16 = torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()
-    return torch.bfloat16 if device.type == "cpu" and native_bf16 else torch.float32
 
 
 def learning_rate(epoch_index: int, base_lr: float, warmup_epochs: int = 0) -> float:
@@ -656,9 +637,7 @@ class Trainer:
     # ----------------------------------------------------------------- training
 
     def _autocast(self) -> contextlib.AbstractContextManager:
-        if self.amp_dtype == torch.float32:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.amp_dtype)
+        return autocast(self.device, self.amp_dtype)
 
     def _resume_point(self, epoch: int) -> tuple[int, TrainPass]:
         """Batches already done in ``epoch`` by an interrupted run, and its carried sums."""

@@ -23,7 +23,7 @@ import pytest
 import torch
 from matplotlib.image import imread
 
-from epid import plots, train
+from epid import devices, plots, train
 from epid.checkpoint import CheckpointError, best_path, load_checkpoint, save_checkpoint
 from epid.config import load_config
 from epid.distributed import (
@@ -33,7 +33,6 @@ from epid.distributed import (
     free_port,
     launch,
     resolve_backend,
-    resolve_device,
     tune_host_allocator,
 )
 from epid.errors import InputError
@@ -143,9 +142,6 @@ def test_gamma_subset_is_spread_fixed_and_inside_validation():
 
 
 def test_placement_helpers():
-    assert resolve_device("cpu", 3) == torch.device("cpu")
-    assert resolve_device("cuda", 2) == torch.device("cuda", 2)
-    assert resolve_device("cuda:1", 2) == torch.device("cuda", 3)
     assert resolve_backend("auto", torch.device("cpu")) == "gloo"
     assert resolve_backend("auto", torch.device("cuda", 0)) == "nccl"
     assert resolve_backend("gloo", torch.device("cuda", 0)) == "gloo"
@@ -153,6 +149,22 @@ def test_placement_helpers():
         assert tune_host_allocator()
     port = free_port()
     assert 1024 <= port < 65536
+
+
+def test_device_requests_map_to_one_gpu_per_local_rank(monkeypatch):
+    monkeypatch.setattr(devices, "cuda_device_count", lambda: 4)
+    assert devices.resolve_device("cpu", 3) == torch.device("cpu")
+    assert devices.resolve_device("auto", 1) == torch.device("cuda", 1)
+    assert devices.resolve_device("cuda", 2) == torch.device("cuda", 2)
+    assert devices.resolve_device("cuda:1", 2) == torch.device("cuda", 3)
+    with pytest.raises(InputError, match=r"^EPID_DEVICE='cuda:1': local rank 3 would use cuda:4, this machine has 4"):
+        devices.resolve_device("cuda:1", 3)
+    with pytest.raises(InputError, match=r"^--device 'tpu': expected auto, cpu, cuda or cuda:N$"):
+        devices.resolve_device("tpu", given="--device 'tpu'")
+    monkeypatch.setattr(devices, "cuda_device_count", lambda: 0)
+    assert devices.resolve_device("auto", 1) == torch.device("cpu")
+    with pytest.raises(InputError, match="CUDA is not available on this machine"):
+        devices.resolve_device("cuda")
 
 
 def test_checkpoint_is_atomic_and_weights_only(tmp_path):
@@ -387,7 +399,7 @@ def test_launch_checks_reject_bad_input(case, two_rank_run, tmp_path):
         "bad kernel file": ({"EPID_KERNEL": _bad_kernel(tmp_path)}, InputError, "kernel.mat"),
         "other model size": ({"EPID_RESUME": "1", "EPID_MODEL_SIZE": "small"}, CheckpointError, "EPID_MODEL_SIZE"),
         "epochs already done": ({"EPID_RESUME": "1", "EPID_EPOCHS": "2"}, CheckpointError, "EPID_EPOCHS above 2"),
-        "cuda": ({"EPID_DEVICE": "cuda"}, LaunchError, "CUDA is not available"),
+        "cuda": ({"EPID_DEVICE": "cuda"}, InputError, "CUDA is not available"),
         "unwritable folder": ({"EPID_CHECKPOINT_PATH": str(blocker / "epid.pth")}, InputError, "cannot write there"),
     }[case]
     with pytest.raises(error, match=message):
