@@ -30,6 +30,7 @@ from epid.cli import prepare_output_dir, run_main
 from epid.config import Config, load_config
 from epid.devices import resolve_device
 from epid.errors import InputError
+from epid.gamma import GammaCriteria, gamma_maps
 from epid.sequences import NUM_DATASETS
 from epid.sharding import select_dataset_ids
 
@@ -62,11 +63,13 @@ def parse_arguments(argv: Sequence[str] | None, config: Config) -> argparse.Name
     parser.add_argument("--output-dir", default="inference_output", metavar="DIR",
                         help="folder for the PNGs and summary.csv (default %(default)s)")
     gamma = parser.add_argument_group("gamma criteria")
-    gamma.add_argument("--gamma-dose-percent", type=_positive_float, default=3.0, metavar="PERCENT",
+    default = GammaCriteria()
+    gamma.add_argument("--gamma-dose-percent", type=_positive_float, default=default.dose_percent, metavar="PERCENT",
                        help="dose difference criterion, percent (default %(default)s)")
-    gamma.add_argument("--gamma-distance-mm", type=_positive_float, default=3.0, metavar="MM",
+    gamma.add_argument("--gamma-distance-mm", type=_positive_float, default=default.distance_mm, metavar="MM",
                        help="distance to agreement criterion, mm (default %(default)s)")
-    gamma.add_argument("--gamma-cutoff-percent", type=_non_negative_float, default=10.0, metavar="PERCENT",
+    gamma.add_argument("--gamma-cutoff-percent", type=_non_negative_float, default=default.cutoff_percent,
+                       metavar="PERCENT",
                        help="lower dose cutoff, percent of the measured maximum (default %(default)s)")
     gamma.add_argument("--gamma-local", action="store_true",
                        help="local gamma (dose criterion relative to the local measured dose)")
@@ -167,7 +170,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         dataset_ids, args.samples_per_dataset, args.seed, settings.control_points,
         max_total=args.max_total_samples or None, split=args.split,
     )
-    criteria = evaluate.GammaCriteria(
+    criteria = GammaCriteria(
         dose_percent=args.gamma_dose_percent, distance_mm=args.gamma_distance_mm,
         cutoff_percent=args.gamma_cutoff_percent, local=args.gamma_local,
     )
@@ -183,7 +186,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     _stage(f"predicting both directions (batches of {args.batch_size})")
     predictions = evaluate.predict(models, samples, device, args.batch_size)
     _stage(f"gamma {criteria.describe()}")
-    gamma = evaluate.gamma_maps(samples.epid_curr, predictions.epid, criteria, device, args.batch_size)
+    gamma = gamma_maps(samples.epid_curr, predictions.epid, criteria, device, batch_size=args.batch_size)
     records = evaluate.sample_metrics(samples, predictions, gamma)
 
     _stage(f"writing {len(records)} sample figures, losses.png, summary.png and summary.csv to {output_dir}")

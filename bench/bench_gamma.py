@@ -37,9 +37,9 @@ import torch
 from scipy.ndimage import convolve1d, gaussian_filter, shift
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from epid.gamma import gamma_index, gamma_pass_rate
+from epid.gamma import GammaCriteria, gamma_index, gamma_pass_rate
 
-CRITERIA = {"dose_percent": 3.0, "distance_mm": 3.0, "lower_percent_cutoff": 10.0, "max_gamma": 2.0}
+CRITERIA = GammaCriteria()  # 3 %/3 mm global, 10 % cutoff, max_gamma 2
 PERTURBATIONS = ("shift", "scale", "blur", "noise", "all")
 
 
@@ -105,9 +105,8 @@ def time_pymedphys(references: np.ndarray, evaluations: np.ndarray) -> float:
 
     def run(reference: np.ndarray, evaluation: np.ndarray) -> None:
         pymedphys.gamma(
-            axes, reference, axes, evaluation, CRITERIA["dose_percent"], CRITERIA["distance_mm"],
-            lower_percent_dose_cutoff=CRITERIA["lower_percent_cutoff"],
-            max_gamma=CRITERIA["max_gamma"], interp_fraction=10,
+            axes, reference, axes, evaluation, CRITERIA.dose_percent, CRITERIA.distance_mm,
+            lower_percent_dose_cutoff=CRITERIA.cutoff_percent, max_gamma=CRITERIA.max_gamma, interp_fraction=10,
         )
 
     run(references[0], evaluations[0])
@@ -121,7 +120,7 @@ def time_torch(references: torch.Tensor, evaluations: torch.Tensor) -> float:
     if references.is_cuda:
         torch.cuda.synchronize()
     start = time.perf_counter()
-    gamma_index(references, evaluations, **CRITERIA)
+    gamma_index(references, evaluations, **CRITERIA.arguments())
     if references.is_cuda:
         torch.cuda.synchronize()
     return time.perf_counter() - start
@@ -142,7 +141,7 @@ def main() -> None:
     references, evaluations = make_maps(args.maps, args.severity)
     cpu_references = torch.as_tensor(references, dtype=torch.float32)
     cpu_evaluations = torch.as_tensor(evaluations, dtype=torch.float32)
-    gamma = gamma_index(cpu_references, cpu_evaluations, **CRITERIA)
+    gamma = gamma_index(cpu_references, cpu_evaluations, **CRITERIA.arguments())
     rates = gamma_pass_rate(gamma)
     counted = (~torch.isnan(gamma)).float().mean().item()
     print(f"{args.maps} maps of {references.shape[-2]}x{references.shape[-1]} at 1 mm "

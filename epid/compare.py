@@ -53,13 +53,13 @@ from epid.cli import prepare_output_dir
 from epid.config import Config, load_config
 from epid.devices import resolve_device
 from epid.errors import InputError
+from epid.gamma import DEFAULT_CRITERIA, GammaCriteria, gamma_maps
 from epid.sharding import select_dataset_ids
 
 MODEL_STATES = {"forward": "forward_model", "inverse": "inverse_model"}
 UNCOMPARED_KEYS = ("optimizer", "scheduler", "scaler", "rng")  # dropped after loading: memory
 DEFAULT_DATASET_RANGE = "0:640:80"
 GLOB_CHARACTERS = re.compile(r"[*?[]")
-DEFAULT_GAMMA = evaluate.GammaCriteria()  # 3 %/3 mm global, 10 % cutoff, as in training
 TOTAL = "total"
 LOWER, HIGHER = "lower", "higher"
 
@@ -452,7 +452,7 @@ class Evaluation:
 
     refs: list[evaluate.SampleRef]
     synthesis: evaluate.SynthesisSettings
-    criteria: evaluate.GammaCriteria
+    criteria: GammaCriteria
     gamma_samples: int
     records: dict[str, list[evaluate.SampleMetrics]]
     seconds: dict[str, float]
@@ -470,15 +470,6 @@ def _gamma_p5(records: Sequence[evaluate.SampleMetrics]) -> float:
     rates = np.array([record.gamma_pass_percent for record in records], dtype=float)
     rates = rates[np.isfinite(rates)]
     return float(np.percentile(rates, 5)) if rates.size else math.nan
-
-
-def gamma_subset(count: int, gamma_samples: int) -> list[int]:
-    """Indices of ``gamma_samples`` samples spread evenly over ``count`` (all when it is larger)."""
-    if gamma_samples <= 0:
-        return []
-    if gamma_samples >= count:
-        return list(range(count))
-    return np.unique(np.linspace(0, count - 1, gamma_samples).round().astype(int)).tolist()
 
 
 def synthesis_settings(checkpoints: Sequence[LoadedCheckpoint]) -> tuple[evaluate.SynthesisSettings, list[str]]:
@@ -504,7 +495,7 @@ def evaluate_checkpoints(
     synthesis: evaluate.SynthesisSettings,
     device: torch.device,
     gamma_samples: int,
-    criteria: evaluate.GammaCriteria = DEFAULT_GAMMA,
+    criteria: GammaCriteria = DEFAULT_CRITERIA,
 ) -> Evaluation:
     """Synthesise the frames of ``refs`` once, then predict and score every checkpoint on them.
 
@@ -514,14 +505,14 @@ def evaluate_checkpoints(
     kernel = evaluate.load_synthesis_kernel(synthesis)
     samples = evaluate.synthesise_samples(refs, synthesis, kernel, device)
     seconds = {"synthesis": time.perf_counter() - started}
-    with_gamma = gamma_subset(len(samples), gamma_samples)
+    with_gamma = evaluate.spread(range(len(samples)), gamma_samples)
     records = {}
     for checkpoint in checkpoints:
         started = time.perf_counter()
         predictions = evaluate.predict(checkpoint.models, samples, device)
         gamma = torch.full(samples.epid_curr.shape[:1] + samples.epid_curr.shape[-2:], math.nan)
         if with_gamma:
-            gamma[with_gamma] = evaluate.gamma_maps(
+            gamma[with_gamma] = gamma_maps(
                 samples.epid_curr[with_gamma], predictions.epid[with_gamma], criteria, device
             )
         records[checkpoint.name] = evaluate.sample_metrics(samples, predictions, gamma)

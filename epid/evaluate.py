@@ -5,8 +5,8 @@ The steps are separate so that several checkpoints can be judged on the same fra
 1. ``select_samples``: a deterministic choice of samples (dataset ID, sample index);
 2. ``synthesise_samples``: their control-point parameters and EPID frames, rendered once;
 3. ``predict``: both models in batches under ``torch.inference_mode``;
-4. ``gamma_maps`` and ``sample_metrics``: gamma of the forward prediction against the
-   measured (synthetic) frame, and the inverse model's leaf, jaw and MU errors.
+4. ``epid.gamma.gamma_maps`` and ``sample_metrics``: gamma of the forward prediction against
+   the measured (synthetic) frame, and the inverse model's leaf, jaw and MU errors.
 
 Sample ``s`` of a dataset pairs control point ``s + 1`` (prev) with ``s + 2`` (curr); the
 forward model predicts frame ``s + 2``. Layouts follow ``epid.dataset.Batch``: leaves
@@ -22,6 +22,7 @@ import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -30,8 +31,8 @@ from torch import Tensor
 from epid.config import Config
 from epid.dataset import Window, assemble_batch, num_samples, split_range
 from epid.errors import InputError
-from epid.gamma import gamma_index, gamma_pass_rate
-from epid.imaging import PIXEL_MM, render_frames
+from epid.gamma import gamma_pass_rate
+from epid.imaging import render_frames
 from epid.kernel import kernel_from_config
 from epid.sequences import (
     NUM_LEAF_PAIRS,
@@ -42,6 +43,7 @@ from epid.sequences import (
 )
 
 SPLITS = ("val", "train", "all")
+T = TypeVar("T")
 BATCH_FIELDS = ("leaf_a", "leaf_b", "scalars", "leaf_weight_a", "leaf_weight_b", "epid_prev", "epid_curr")
 SYNTHESIS_VARIABLES = {
     "control_points": "EPID_CONTROL_POINTS",
@@ -58,24 +60,6 @@ class SampleRef:
     dataset_id: int
     sample: int
     pattern: str
-
-
-@dataclass(frozen=True)
-class GammaCriteria:
-    """Gamma criteria: dose difference in percent (of the reference maximum, or of the local
-    reference dose when ``local``), distance to agreement in mm, lower dose cutoff in percent
-    of the reference maximum."""
-
-    dose_percent: float = 3.0
-    distance_mm: float = 3.0
-    cutoff_percent: float = 10.0
-    local: bool = False
-    max_gamma: float = 2.0
-
-    def describe(self) -> str:
-        """Short label, e.g. ``3 %/3 mm global, cutoff 10 %``."""
-        kind = "local" if self.local else "global"
-        return f"{self.dose_percent:g} %/{self.distance_mm:g} mm {kind}, cutoff {self.cutoff_percent:g} %"
 
 
 @dataclass(frozen=True)
@@ -204,6 +188,32 @@ def select_samples(
     return sorted(in_turn, key=lambda ref: (ref.dataset_id, ref.sample))
 
 
+def spread(items: Sequence[T], count: int) -> list[T]:
+    """``count`` of ``items`` spread evenly: the middle item of each of ``count`` equal parts
+    (all of them when there are not more than ``count``; none for ``count <= 0``)."""
+    if count >= len(items):
+        return list(items)
+    return [items[(2 * j + 1) * len(items) // (2 * count)] for j in range(max(count, 0))]
+
+
+def gamma_subset(dataset_ids: Sequence[int], n_control_points: int, count: int) -> list[tuple[int, int]]:
+    """A fixed set of ``count`` validation samples ``(dataset_id, sample)`` for training's gamma pass rate.
+
+    Spread over the sorted datasets (every ``len / count``-th dataset when there are more
+    datasets than samples) and evenly inside each dataset's validation split; the same set
+    for any world size. Fewer come back when the validation splits are shorter than asked.
+    """
+    ids = sorted(dataset_ids)
+    if count <= 0 or not ids:
+        return []
+    per_dataset: dict[int, int] = {}
+    for k in range(count):
+        dataset_id = ids[k * len(ids) // count]
+        per_dataset[dataset_id] = per_dataset.get(dataset_id, 0) + 1
+    val = split_range(n_control_points, "val")
+    return [(dataset_id, sample) for dataset_id, wanted in per_dataset.items() for sample in spread(val, wanted)]
+
+
 def resolve_synthesis(checkpoint_config: Mapping[str, object], config: Config,
                       environ: Mapping[str, str] | None = None) -> SynthesisSettings:
     """Synthesis settings for evaluating a checkpoint.
@@ -307,28 +317,6 @@ def predict(
     return Predictions(**{name: torch.cat(values) for name, values in outputs.items()})
 
 
-def gamma_maps(
-    reference: Tensor,
-    evaluation: Tensor,
-    criteria: GammaCriteria,
-    device: torch.device | str = "cpu",
-    batch_size: int = 16,
-) -> Tensor:
-    """Gamma of ``evaluation`` against ``reference`` (each (S, 1, 256, 256) or (S, 256, 256)),
-    computed on ``device`` in batches; (S, 256, 256) on the CPU, NaN below the cutoff."""
-    reference = reference.reshape(-1, *reference.shape[-2:])
-    evaluation = evaluation.reshape(-1, *evaluation.shape[-2:])
-    maps = []
-    for start in range(0, reference.shape[0], batch_size):
-        stop = start + batch_size
-        maps.append(gamma_index(
-            reference[start:stop].to(device), evaluation[start:stop].to(device),
-            pixel_mm=PIXEL_MM, dose_percent=criteria.dose_percent, distance_mm=criteria.distance_mm,
-            lower_percent_cutoff=criteria.cutoff_percent, local=criteria.local, max_gamma=criteria.max_gamma,
-        ).float().cpu())
-    return torch.cat(maps)
-
-
 def jaw_band(jaw_1: Tensor, jaw_2: Tensor) -> Tensor:
     """Boolean (..., 52) mask of the leaf pairs in the open jaw band ``[lo, hi)`` of
     ``epid.sequences.leaf_band`` (jaws in mm, any leading shape)."""
@@ -338,7 +326,7 @@ def jaw_band(jaw_1: Tensor, jaw_2: Tensor) -> Tensor:
 
 
 def sample_metrics(samples: SampleSet, predictions: Predictions, gamma: Tensor) -> list[SampleMetrics]:
-    """Per-sample errors of ``predictions`` against ``samples`` (gamma maps from ``gamma_maps``).
+    """Per-sample errors of ``predictions`` against ``samples`` (gamma maps from ``epid.gamma.gamma_maps``).
 
     Forward: MSE and MAE over the 256 x 256 pixels of the curr frame, gamma pass rate.
     Inverse: leaf MAE (mm) over both banks and both control points, overall and inside the

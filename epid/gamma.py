@@ -13,6 +13,10 @@ order of radius; the evaluated doses at the integer-pixel shifts around each poi
 are gathered once into a (shift, point) matrix, one shell's interpolated samples
 are one matrix product of that shell's bilinear weights with a slice of it, and
 points whose search is over are dropped from the working set as the radius grows.
+
+``GammaCriteria`` holds one set of criteria; ``gamma_maps`` and ``gamma_pass_rate`` are the
+one pipeline training's validation, ``epid.evaluate`` and ``epid.compare`` compute pass rates
+with.
 """
 
 from __future__ import annotations
@@ -23,6 +27,12 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+DOSE_PERCENT = 3.0
+DISTANCE_MM = 3.0
+LOWER_PERCENT_CUTOFF = 10.0
+MAX_GAMMA = 2.0
+"""Default criteria: 3 %/3 mm global, 10 % lower cutoff, gamma reported up to 2."""
 
 _FAR = 1.0e15
 """Evaluated dose (units of the dose criterion) standing for samples off the image."""
@@ -43,11 +53,11 @@ def gamma_index(
     evaluation,
     *,
     pixel_mm: float = 1.0,
-    dose_percent: float = 3.0,
-    distance_mm: float = 3.0,
-    lower_percent_cutoff: float = 10.0,
+    dose_percent: float = DOSE_PERCENT,
+    distance_mm: float = DISTANCE_MM,
+    lower_percent_cutoff: float = LOWER_PERCENT_CUTOFF,
     local: bool = False,
-    max_gamma: float = 2.0,
+    max_gamma: float = MAX_GAMMA,
     interp_fraction: float = 10,
     global_normalisation=None,
 ) -> torch.Tensor:
@@ -134,6 +144,56 @@ def gamma_pass_rate(gamma) -> torch.Tensor:
     count = evaluated.sum(dim=(-2, -1)).to(torch.float32)
     passed = (gamma <= 1).sum(dim=(-2, -1)).to(torch.float32)
     return torch.where(count > 0, 100 * passed / count, math.nan)
+
+
+@dataclass(frozen=True)
+class GammaCriteria:
+    """Gamma criteria: dose difference in percent (of the reference maximum, or of the local
+    reference dose when ``local``), distance to agreement in mm, lower dose cutoff in percent
+    of the reference maximum, and the largest gamma reported."""
+
+    dose_percent: float = DOSE_PERCENT
+    distance_mm: float = DISTANCE_MM
+    cutoff_percent: float = LOWER_PERCENT_CUTOFF
+    local: bool = False
+    max_gamma: float = MAX_GAMMA
+
+    def describe(self) -> str:
+        """Short label, e.g. ``3 %/3 mm global, cutoff 10 %``."""
+        kind = "local" if self.local else "global"
+        return f"{self.dose_percent:g} %/{self.distance_mm:g} mm {kind}, cutoff {self.cutoff_percent:g} %"
+
+    def arguments(self) -> dict[str, float | bool]:
+        """The criteria as ``gamma_index`` keyword arguments."""
+        return {"dose_percent": self.dose_percent, "distance_mm": self.distance_mm,
+                "lower_percent_cutoff": self.cutoff_percent, "local": self.local, "max_gamma": self.max_gamma}
+
+
+DEFAULT_CRITERIA = GammaCriteria()
+
+
+def gamma_maps(
+    reference: torch.Tensor,
+    evaluation: torch.Tensor,
+    criteria: GammaCriteria = DEFAULT_CRITERIA,
+    device: torch.device | str = "cpu",
+    *,
+    pixel_mm: float = 1.0,
+    batch_size: int = 16,
+) -> torch.Tensor:
+    """Gamma of ``evaluation`` against ``reference`` (each (S, 1, H, W) or (S, H, W) on a grid of
+    ``pixel_mm``, the EPID's 1 mm by default) under ``criteria``, computed on ``device``
+    ``batch_size`` images at a time; (S, H, W) float32 on the CPU, NaN below the cutoff.
+    ``gamma_pass_rate`` of the result gives each image's pass rate."""
+    reference = reference.reshape(-1, *reference.shape[-2:])
+    evaluation = evaluation.reshape(-1, *evaluation.shape[-2:])
+    maps = [torch.empty(0, *reference.shape[-2:])]
+    for start in range(0, reference.shape[0], batch_size):
+        stop = start + batch_size
+        gamma = gamma_index(reference[start:stop].to(device), evaluation[start:stop].to(device),
+                            pixel_mm=pixel_mm, **criteria.arguments())
+        maps.append(gamma.float().cpu())
+    return torch.cat(maps)
 
 
 def _check_options(

@@ -23,12 +23,12 @@ from matplotlib.patches import Patch
 
 from epid.evaluate import (
     METRIC_LABELS,
-    GammaCriteria,
     Predictions,
     SampleMetrics,
     SampleSet,
     by_pattern,
 )
+from epid.gamma import GammaCriteria
 from epid.imaging import GRID_SIZE, PIXEL_MM
 from epid.sequences import LEAF_WIDTH_MM, MLC_Y_MIN_MM, NUM_LEAF_PAIRS
 

@@ -53,7 +53,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
-from epid import distributed, metrics_log, sharding, side_by_side
+from epid import distributed, evaluate, metrics_log, sharding, side_by_side
 from epid.checkpoint import (
     FORMAT_VERSION,
     CheckpointError,
@@ -70,12 +70,12 @@ from epid.dataset import (
     EpidData,
     Window,
     epoch_windows,
-    split_range,
     steps_per_epoch,
 )
 from epid.devices import autocast, resolve_device, resolve_precision
 from epid.distributed import RankContext, StopSignal
 from epid.errors import InputError
+from epid.gamma import gamma_maps, gamma_pass_rate
 from epid.losses import LOSS_TERMS, cross_training_loss
 from epid.models import ForwardModel, InverseModel, build_models
 
@@ -84,7 +84,6 @@ RESTART_PERIOD_FACTOR = 2
 MIN_LR = 1e-6
 PROGRESS_LINES_PER_EPOCH = 10
 PROGRESS_LINES_MIN_STEPS = 100
-GAMMA_CRITERIA = {"dose_percent": 3.0, "distance_mm": 3.0, "lower_percent_cutoff": 10.0}
 NUM_TERMS = len(LOSS_TERMS)
 
 
@@ -195,28 +194,6 @@ def learning_rate(epoch_index: int, base_lr: float, warmup_epochs: int = 0) -> f
         position -= period
         period *= RESTART_PERIOD_FACTOR
     return MIN_LR + (base_lr - MIN_LR) * (1 + math.cos(math.pi * position / period)) / 2
-
-
-def gamma_subset(dataset_ids: Sequence[int], n_control_points: int, count: int) -> list[tuple[int, int]]:
-    """A fixed set of ``count`` validation samples ``(dataset_id, sample)`` for the gamma pass rate.
-
-    Spread over the sorted datasets (every ``len / count``-th dataset when there are more
-    datasets than samples) and evenly inside each dataset's validation split; the same set
-    for any world size. Fewer come back when the validation splits are shorter than asked.
-    """
-    ids = sorted(dataset_ids)
-    if count <= 0 or not ids:
-        return []
-    per_dataset: dict[int, int] = {}
-    for k in range(count):
-        dataset_id = ids[k * len(ids) // count]
-        per_dataset[dataset_id] = per_dataset.get(dataset_id, 0) + 1
-    val = split_range(n_control_points, "val")
-    chosen = []
-    for dataset_id, wanted in per_dataset.items():
-        wanted = min(wanted, len(val))
-        chosen += [(dataset_id, val.start + (2 * j + 1) * len(val) // (2 * wanted)) for j in range(wanted)]
-    return chosen
 
 
 # --------------------------------------------------------------------------- models
@@ -523,7 +500,7 @@ class Trainer:
         self.val_windows = self._capped(self.data.windows("val", config.batch_size))
         own = set(self.dataset_ids)
         self.gamma_items = [
-            item for item in gamma_subset(config.dataset_ids, config.control_points, config.gamma_samples)
+            item for item in evaluate.gamma_subset(config.dataset_ids, config.control_points, config.gamma_samples)
             if item[0] in own
         ]
         self.gamma_inputs: dict[str, Tensor] | None = None
@@ -845,8 +822,6 @@ class Trainer:
         zero = torch.zeros((), device=self.device)
         if not self.gamma_items:
             return zero, zero.clone()
-        from epid.gamma import gamma_index, gamma_pass_rate
-
         inputs = self._gamma_inputs()
         predictions = []
         for start in range(0, len(self.gamma_items), self.config.batch_size):
@@ -854,10 +829,9 @@ class Trainer:
             with self._autocast():
                 epid, _ = self.model.forward_model(inputs["leaf_a"][chunk], inputs["leaf_b"][chunk], inputs["scalars"][chunk])
             predictions.append(epid[:, 0].float())
-        gamma = gamma_index(inputs["epid_curr"], torch.cat(predictions), **GAMMA_CRITERIA)
-        rates = gamma_pass_rate(gamma)
+        rates = gamma_pass_rate(gamma_maps(inputs["epid_curr"], torch.cat(predictions), device=self.device))
         counted = ~torch.isnan(rates)
-        return torch.where(counted, rates, 0.0).sum(), counted.sum().float()
+        return torch.where(counted, rates, 0.0).sum().to(self.device), counted.sum().float().to(self.device)
 
     def _gamma_inputs(self) -> dict[str, Tensor]:
         """The gamma samples' inputs and measured frames, synthesised once and kept on the device."""

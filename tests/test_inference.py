@@ -19,7 +19,7 @@ from epid import evaluate, plots
 from epid.checkpoint import load_checkpoint, save_checkpoint
 from epid.config import Config, load_config
 from epid.errors import InputError
-from epid.gamma import gamma_index
+from epid.gamma import gamma_index, gamma_maps
 from epid.imaging import render_frames
 from epid.kernel import default_kernel
 from epid.losses import LOSS_TERMS
@@ -154,7 +154,7 @@ def test_metrics_of_hand_worked_errors():
     epid[0, 0, 100:150, 90:170] = 5.1  # +2 %: passes 3 %/3 mm everywhere
     epid[1, 0, 120:130, 120:130] = 0.0  # a hole in the field fails there
     predictions = evaluate.Predictions(epid=epid, leaf_a=leaf_a, leaf_b=leaf_b, scalars=scalars)
-    gamma = evaluate.gamma_maps(samples.epid_curr, epid, evaluate.GammaCriteria())
+    gamma = gamma_maps(samples.epid_curr, epid)
     first, second = evaluate.sample_metrics(samples, predictions, gamma)
 
     assert first.leaf_mae_band_mm == pytest.approx(3.0 / 16)

@@ -23,7 +23,7 @@ import pytest
 import torch
 from matplotlib.image import imread
 
-from epid import devices, plots, train
+from epid import devices, evaluate, plots, train
 from epid.checkpoint import CheckpointError, best_path, load_checkpoint, save_checkpoint
 from epid.config import load_config
 from epid.distributed import (
@@ -131,14 +131,21 @@ def test_learning_rate_warm_up_is_linear_then_cosine_starts_at_base():
 
 def test_gamma_subset_is_spread_fixed_and_inside_validation():
     ids = list(range(640))
-    chosen = train.gamma_subset(ids, 2050, 64)
+    chosen = evaluate.gamma_subset(ids, 2050, 64)
     assert len(chosen) == 64 and len(set(chosen)) == 64
     assert [d for d, _ in chosen] == list(range(0, 640, 10))
     assert all(1664 <= s < 2048 for _, s in chosen)
-    several = train.gamma_subset([3, 1, 2], 2050, 7)
+    several = evaluate.gamma_subset([3, 1, 2], 2050, 7)
     assert sorted({d for d, _ in several}) == [1, 2, 3] and len(several) == 7
-    assert train.gamma_subset([5], 12, 10) == [(5, 8), (5, 9)]  # only 2 validation samples
-    assert train.gamma_subset(ids, 2050, 0) == []
+    assert evaluate.gamma_subset([5], 12, 10) == [(5, 8), (5, 9)]  # only 2 validation samples
+    assert evaluate.gamma_subset(ids, 2050, 0) == []
+
+
+def test_spread_takes_the_middle_of_equal_parts():
+    assert evaluate.spread(range(6), 4) == [0, 2, 3, 5]
+    assert evaluate.spread(range(100, 110), 2) == [102, 107]
+    assert evaluate.spread(["a", "b"], 5) == ["a", "b"]
+    assert evaluate.spread(range(10), 0) == []
 
 
 def test_placement_helpers():
