@@ -33,6 +33,7 @@ from epid.errors import InputError
 from epid.gamma import GammaCriteria, gamma_maps
 from epid.sequences import NUM_DATASETS
 from epid.sharding import select_dataset_ids
+from epid.tables import format_table
 
 PROGRAM = "inference_visualize.py"
 PROGRESS_BAR_MIN_ITEMS = 8
@@ -200,12 +201,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         figure = plots.sample_figure(samples, predictions, gamma[index].numpy(), records[index], index, criteria)
         plots.save_figure(figure, output_dir / f"dataset_{ref.dataset_id:03d}_sample_{ref.sample:04d}.png")
 
-    print(format_table(evaluate.pattern_means(records)))
+    print(pattern_table(evaluate.pattern_means(records)))
     _stage(f"done in {time.perf_counter() - started:.1f} s")
     return 0
 
 
-def format_table(means: dict[str, dict[str, float]]) -> str:
+def pattern_table(means: dict[str, dict[str, float]]) -> str:
     """Per-pattern means as an aligned text table."""
     columns = (
         ("n", "count", "{:.0f}"), ("gamma %", "gamma_pass_percent", "{:.1f}"),
@@ -213,14 +214,8 @@ def format_table(means: dict[str, dict[str, float]]) -> str:
         ("jaw mm", "jaw_mae_mm", "{:.2f}"), ("MU err", "mu_abs_error", "{:.2f}"),
         ("fwd MSE", "forward_mse", "{:.3g}"),
     )
-    header = [("pattern", 12)] + [(title, max(len(title), 8)) for title, _, _ in columns]
-    lines = ["  ".join(f"{title:>{width}}" if k else f"{title:<{width}}" for k, (title, width) in enumerate(header))]
-    for pattern, row in means.items():
-        cells = [f"{pattern:<12}"] + [
-            f"{fmt.format(row[key]):>{width}}" for (_, key, fmt), (_, width) in zip(columns, header[1:])
-        ]
-        lines.append("  ".join(cells))
-    return "Mean per pattern:\n" + "\n".join(lines)
+    rows = [[pattern, *(form.format(row[key]) for _, key, form in columns)] for pattern, row in means.items()]
+    return "Mean per pattern:\n" + format_table(["pattern", *(title for title, _, _ in columns)], rows)
 
 
 if __name__ == "__main__":

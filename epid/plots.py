@@ -11,6 +11,7 @@ import math
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from matplotlib import colormaps, ticker
@@ -21,6 +22,7 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
+from epid.compare_report import Column, best_in_columns
 from epid.evaluate import (
     METRIC_LABELS,
     Predictions,
@@ -42,6 +44,8 @@ EXTRA_SERIES = {  # history series beside the loss terms: (legend label, panel t
     "samples_per_s": ("train", "training samples/s", False),
 }
 SUMMARY_FIGSIZE = (15.0, 9.0)
+MARKED_EPOCHS = 30
+COMPARISON_MARKERS = "osD^vP"
 HALF_FIELD_MM = GRID_SIZE * PIXEL_MM / 2
 LEAF_EDGES_MM = MLC_Y_MIN_MM + LEAF_WIDTH_MM * np.arange(NUM_LEAF_PAIRS + 1)
 PIXEL_CENTRES_MM = (np.arange(GRID_SIZE) + 0.5) * PIXEL_MM - HALF_FIELD_MM
@@ -324,7 +328,7 @@ def _curve(axes: Axes, series: Mapping[str, Sequence[float] | None], log: bool) 
         if not values:
             continue
         y = np.asarray(values, dtype=float)
-        axes.plot(np.arange(1, len(y) + 1), y, marker="o" if len(y) <= 20 else None, markersize=4, label=name)
+        epoch_line(axes, y, markersize=4, label=name)
         shown.append(y)
     epochs = max((len(y) for y in shown), default=1)
     if epochs < 5:
@@ -338,6 +342,12 @@ def _curve(axes: Axes, series: Mapping[str, Sequence[float] | None], log: bool) 
     axes.grid(alpha=0.3, which="both")
     if shown:
         axes.legend(fontsize=8)
+
+
+def epoch_line(axes: Axes, values: np.ndarray, marker: str = "o", **style: Any) -> None:
+    """One per-epoch series, epochs numbered from 1; a marker per epoch while they are few enough
+    (``MARKED_EPOCHS``) to tell apart."""
+    axes.plot(np.arange(1, len(values) + 1), values, marker=marker if len(values) <= MARKED_EPOCHS else None, **style)
 
 
 def _log_axis(axes: Axes, positive: np.ndarray) -> None:
@@ -383,4 +393,95 @@ def summary_figure(records: Sequence[SampleMetrics], title: str) -> Figure:
         axes.set_xticks(positions, [f"{pattern}\n(n={len(group)})" for pattern, group in groups.items()])
         axes.set_title(METRIC_LABELS[metric], fontsize=11)
         axes.grid(alpha=0.3, axis="y")
+    return figure
+
+
+# --------------------------------------------------------------------------- checkpoint comparison
+
+
+def _comparison_styles(names: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """Colour, hollow marker and line width per checkpoint. Later checkpoints are drawn thinner
+    and with smaller markers, so identical curves stay visible on top of each other."""
+    return {
+        name: {"color": f"C{i % 10}", "marker": COMPARISON_MARKERS[i % len(COMPARISON_MARKERS)],
+               "markersize": max(4.0, 9.0 - 1.5 * i), "linewidth": max(1.0, 3.0 - 0.6 * i), "markerfacecolor": "none"}
+        for i, name in enumerate(names)
+    }
+
+
+def histories_figure(curves: Mapping[str, tuple[np.ndarray, np.ndarray, np.ndarray]], log_y: bool) -> Figure:
+    """Total loss per epoch of each checkpoint (``curves``: name -> (train, validation, gamma pass
+    rate %) per epoch): validation solid, train dashed, best validation epoch starred; and, when
+    recorded, the validation gamma pass rate."""
+    with_gamma = any(gamma.size for _, _, gamma in curves.values())
+    figure = new_figure((14 if with_gamma else 8, 5.5))
+    axes = figure.subplots(1, 2 if with_gamma else 1, squeeze=False)[0]
+    styles = _comparison_styles(list(curves))
+    loss_axis = axes[0]
+    for name, (train, val, _) in curves.items():
+        style = styles[name]
+        epoch_line(loss_axis, train, linestyle="--", alpha=0.7, **style)
+        epoch_line(loss_axis, val, linestyle="-", label=name, **style)
+        if np.isfinite(val).any():
+            best = int(np.nanargmin(np.where(np.isfinite(val), val, np.nan)))
+            loss_axis.plot(best + 1, val[best], "*", color=style["color"], markersize=17, markeredgecolor="black",
+                           zorder=5)
+            loss_axis.annotate(f"best {val[best]:.3g} @ {best + 1}", (best + 1, val[best]), xytext=(0, 11),
+                               textcoords="offset points", ha="center", fontsize=8, color=style["color"])
+    loss_axis.set_title("Total loss per epoch (lower is better)", fontsize=11)
+    loss_axis.set_ylabel("total loss" + (" (log scale)" if log_y else ""))
+    if log_y:
+        loss_axis.set_yscale("log")
+    handles, _ = loss_axis.get_legend_handles_labels()
+    handles += [Line2D([], [], color="black", linestyle="-", label="validation"),
+                Line2D([], [], color="black", linestyle="--", label="train"),
+                Line2D([], [], color="white", marker="*", markersize=13, markeredgecolor="black",
+                       markerfacecolor="0.6", label="best validation")]
+    loss_axis.legend(handles=handles, fontsize=8)
+    if with_gamma:
+        gamma_axis = axes[1]
+        for name, (_, _, gamma) in curves.items():
+            epoch_line(gamma_axis, gamma, linestyle="-", label=name, **styles[name])
+        gamma_axis.set_title("Validation gamma pass rate (higher is better)", fontsize=11)
+        gamma_axis.set_ylabel("gamma pass (%)")
+        gamma_axis.legend(fontsize=8)
+    for axis in axes:
+        axis.set_xlabel("epoch")
+        axis.xaxis.set_major_locator(ticker.MaxNLocator(integer=True))
+        axis.margins(x=0.08, y=0.1)
+        axis.grid(True, which="both", alpha=0.3)
+    return figure
+
+
+def metrics_figure(summaries: Mapping[str, Mapping[str, Mapping[str, float]]], columns: Sequence[Column],
+                   title: str) -> Figure:
+    """One panel per evaluation metric (``columns``), bars per checkpoint grouped by sample group
+    (all samples, then each pattern); the best bar of each group has a black edge. ``summaries``:
+    checkpoint name -> group -> metric -> value (and the group's sample ``count``)."""
+    names = list(summaries)
+    groups = list(dict.fromkeys(group for table in summaries.values() for group in table))
+    counts = [int(summaries[names[0]][group].get("count", 0)) for group in groups]
+    styles = _comparison_styles(names)
+    per_row = 4
+    rows = math.ceil(len(columns) / per_row)
+    figure = new_figure((4.4 * per_row, 3.6 * rows + 0.8))
+    axes = figure.subplots(rows, per_row, squeeze=False).flatten()
+    width = 0.8 / len(names)
+    x = np.arange(len(groups))
+    for axis, column in zip(axes, columns):
+        heights = np.array([[summaries[name][group].get(column.key, math.nan) for group in groups] for name in names])
+        best = best_in_columns(heights, column.better)
+        for i, name in enumerate(names):
+            axis.bar(x - 0.4 + width * (i + 0.5), np.nan_to_num(heights[i], nan=0.0), width,
+                     color=styles[name]["color"], linewidth=1.8,
+                     edgecolor=["black" if flag else "none" for flag in best[i]])
+        axis.set_xticks(x, [f"{group}\n({count})" for group, count in zip(groups, counts)], fontsize=8)
+        axis.set_title(f"{column.label} ({column.better} is better)", fontsize=9)
+        axis.grid(True, axis="y", alpha=0.3)
+    for axis in axes[len(columns):]:
+        axis.set_visible(False)
+    handles = [Patch(color=styles[name]["color"], label=name) for name in names]
+    handles.append(Patch(facecolor="white", edgecolor="black", linewidth=1.8, label="best in its group"))
+    figure.suptitle(f"{title}\nx axis: sample group (number of samples)", fontsize=10)
+    figure.legend(handles=handles, loc="outside lower center", ncols=min(len(handles), 7), fontsize=9)
     return figure

@@ -18,7 +18,7 @@ from matplotlib.image import imread
 from scipy import stats
 
 import compare_checkpoints
-from epid import compare, evaluate
+from epid import compare, compare_report, evaluate, histories, weights_diff
 from epid.checkpoint import (
     build_models_from_checkpoint,
     load_checkpoint,
@@ -125,15 +125,15 @@ def names_of(report: dict) -> list[str]:
 
 def test_rank_orders_by_direction_shares_ties_and_skips_nan():
     values = {"a": 0.3, "b": 0.1, "c": 0.3, "d": math.nan}
-    assert compare.rank(values, "lower") == {"a": 2, "b": 1, "c": 2, "d": None}
-    assert compare.rank(values, "higher") == {"a": 1, "b": 3, "c": 1, "d": None}
+    assert compare_report.rank(values, "lower") == {"a": 2, "b": 1, "c": 2, "d": None}
+    assert compare_report.rank(values, "higher") == {"a": 1, "b": 3, "c": 1, "d": None}
 
 
 def test_history_summary_against_hand_computation():
     val = [3.0, 2.0, 2.5, 1.5, 1.7, 1.6]
     train = [2.0, 1.5, 1.2, 1.0, 0.9, 0.8]
     payload = {"history": history(val, train, gamma=[10.0, 20.0, 25.0, 30.0, 40.0, 45.0])}
-    summary = compare.summarize_history(payload, common_epochs=4, tail=3)
+    summary = histories.summarize_history(payload, common_epochs=4, tail=3)
     fit = stats.linregress(np.arange(3), val[-3:])
     assert summary["epochs"] == 6
     assert summary["last_train_loss"] == 0.8 and summary["last_val_loss"] == 1.6
@@ -146,24 +146,24 @@ def test_history_summary_against_hand_computation():
 
 
 def test_history_summary_ignores_non_finite_epochs_and_empty_histories():
-    summary = compare.summarize_history({"history": history([2.0, math.nan, 1.0, math.inf])}, 4, 4)
+    summary = histories.summarize_history({"history": history([2.0, math.nan, 1.0, math.inf])}, 4, 4)
     assert summary["best_val_loss"] == 1.0 and summary["best_epoch"] == 3
     assert summary["mean_val_common"] == pytest.approx(1.5)
-    empty = compare.summarize_history({"history": {}}, 0, 5)
+    empty = histories.summarize_history({"history": {}}, 0, 5)
     assert empty["epochs"] == 0 and math.isnan(empty["best_val_loss"]) and math.isnan(empty["slope_val_tail"])
 
 
 def test_weight_delta_matches_direct_computation():
     torch.manual_seed(1)
     a, b = torch.randn(5, 7), torch.randn(5, 7)
-    delta = compare.WeightDelta.of(a, b)
+    delta = weights_diff.WeightDelta.of(a, b)
     assert delta.l2_difference == pytest.approx(float(np.linalg.norm((b - a).numpy())), rel=1e-6)
     assert delta.relative_change == pytest.approx(float(np.linalg.norm((b - a).numpy()) / np.linalg.norm(a.numpy())),
                                                   rel=1e-6)
     cosine = float(np.dot(a.flatten().numpy(), b.flatten().numpy())
                    / np.linalg.norm(a.numpy()) / np.linalg.norm(b.numpy()))
     assert delta.cosine == pytest.approx(cosine, rel=1e-6)
-    zeros = compare.WeightDelta.of(torch.zeros(3), torch.zeros(3))
+    zeros = weights_diff.WeightDelta.of(torch.zeros(3), torch.zeros(3))
     assert (zeros.l2_difference, zeros.relative_change, zeros.cosine) == (0.0, 0.0, 1.0)
 
 
