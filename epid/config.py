@@ -1,9 +1,11 @@
 """Every ``EPID_*`` environment variable, read once into a frozen, typed ``Config``.
 
-``VARIABLES`` is the single table of variables: name, default, meaning, example and
-parser. ``load_config`` reads them from an environment mapping, validates each value
-and the combinations, and raises ``ConfigError`` with one line naming the variable,
-the value and the expected form. Defaults reproduce the legacy behaviour.
+Each variable is declared once, as a ``Config`` field made by ``setting``: its name, default,
+meaning, example and parser (which also states the expected form). ``VARIABLES``, ``--help``
+(``help_text``), the README's table (``markdown_table``) and ``describe`` are derived from
+these fields. ``load_config`` reads the variables from an environment mapping, validates each
+value and the combinations, and raises ``ConfigError`` with one line naming the variable, the
+value and the expected form. Defaults reproduce the legacy behaviour.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,198 +24,273 @@ from epid.sequences import DEFAULT_CONTROL_POINTS, NUM_DATASETS
 GLOBAL_BATCH = 128
 TRUE_WORDS = ("1", "true", "yes", "on")
 FALSE_WORDS = ("0", "false", "no", "off")
+VARIABLE = "variable"  # the metadata key of a Config field read from the environment
 
 
 class ConfigError(InputError):
     """A bad EPID_* value; the message is one line fit to show the user as is."""
 
 
+# --------------------------------------------------------------------------- parsers
+
+
+class Integer:
+    """An integer, at least ``minimum`` when given."""
+
+    def __init__(self, minimum: int | None = None) -> None:
+        self.minimum = minimum
+        self.expected = "an integer" if minimum is None else f"an integer >= {minimum}"
+
+    def __call__(self, text: str) -> int:
+        try:
+            value = int(text.strip())
+        except ValueError:
+            raise ValueError("not an integer") from None
+        if self.minimum is not None and value < self.minimum:
+            raise ValueError
+        return value
+
+
+class Real:
+    """A finite number, at least ``minimum`` (above it when ``above``)."""
+
+    def __init__(self, minimum: float = 0.0, above: bool = False) -> None:
+        self.minimum, self.above = minimum, above
+        self.expected = f"a number {'>' if above else '>='} {minimum:g}"
+
+    def __call__(self, text: str) -> float:
+        try:
+            value = float(text.strip())
+        except ValueError:
+            raise ValueError("not a number") from None
+        if not math.isfinite(value) or value < self.minimum or (self.above and value <= self.minimum):
+            raise ValueError
+        return value
+
+
+class Boolean:
+    """1/0, true/false, yes/no or on/off, in any case."""
+
+    expected = "1/0, true/false or yes/no"
+
+    def __call__(self, text: str) -> bool:
+        word = text.strip().lower()
+        if word in TRUE_WORDS:
+            return True
+        if word in FALSE_WORDS:
+            return False
+        raise ValueError
+
+
+class Choice:
+    """One of ``words``, in any case."""
+
+    def __init__(self, *words: str) -> None:
+        self.words = words
+        self.expected = f"{', '.join(words[:-1])} or {words[-1]}"
+
+    def __call__(self, text: str) -> str:
+        word = text.strip().lower()
+        if word not in self.words:
+            raise ValueError
+        return word
+
+
+class Device:
+    """auto, cpu, cuda or cuda:N (whether the device exists is checked before the launch)."""
+
+    expected = "auto, cpu, cuda or cuda:N"
+
+    def __call__(self, text: str) -> str:
+        word = text.strip().lower()
+        if word in ("auto", "cpu", "cuda") or (word.startswith("cuda:") and word[5:].isdigit()):
+            return word
+        raise ValueError
+
+
+class Text:
+    """Any text, stripped; ``check`` (which raises ValueError) validates it when given."""
+
+    def __init__(self, expected: str, check: Any = None) -> None:
+        self.expected, self.check = expected, check
+
+    def __call__(self, text: str) -> str:
+        if self.check is not None:
+            self.check(text)
+        return text.strip()
+
+
+Parser = Integer | Real | Boolean | Choice | Device | Text
+
+
+# --------------------------------------------------------------------------- declarations
+
+
 @dataclass(frozen=True)
 class Variable:
-    """One ``EPID_*`` variable: how to read it and how to document it."""
+    """One ``EPID_*`` variable: the ``Config`` field it sets, how to read it and how to document it.
+
+    ``derived_when_unset``: unset, the value follows from other settings (``load_config``), and
+    the field's default is the one for a single rank.
+    """
 
     name: str
     field: str
     default: Any
     meaning: str
     example: str
-    parse: Callable[[str], Any]
-    expected: str
+    parse: Parser
+    derived_when_unset: bool = False
+
+    @property
+    def expected(self) -> str:
+        return self.parse.expected
 
     @property
     def shown_default(self) -> str:
-        if self.default is None or self.default == "":
+        if self.derived_when_unset or self.default is None or self.default == "":
             return "(unset)"
         if isinstance(self.default, bool):
             return "1" if self.default else "0"
         return str(self.default)
 
 
-def _integer(minimum: int | None = None, maximum: int | None = None) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        try:
-            value = int(text.strip())
-        except ValueError:
-            raise ValueError("not an integer") from None
-        if minimum is not None and value < minimum:
-            raise ValueError
-        if maximum is not None and value > maximum:
-            raise ValueError
-        return value
-
-    return parse
+def setting(name: str, default: Any, parse: Parser, *, example: str, meaning: str,
+            derived_when_unset: bool = False) -> Any:
+    """A ``Config`` field read from the environment variable ``name`` (see ``Variable``)."""
+    spec = {"name": name, "meaning": meaning, "example": example, "parse": parse,
+            "derived_when_unset": derived_when_unset}
+    return dataclasses.field(default=default, metadata={VARIABLE: spec})
 
 
-def _real(minimum: float = 0.0, strictly_positive: bool = False) -> Callable[[str], float]:
-    def parse(text: str) -> float:
-        try:
-            value = float(text.strip())
-        except ValueError:
-            raise ValueError("not a number") from None
-        if not math.isfinite(value) or value < minimum or (strictly_positive and value <= 0):
-            raise ValueError
-        return value
-
-    return parse
-
-
-def _boolean(text: str) -> bool:
-    word = text.strip().lower()
-    if word in TRUE_WORDS:
-        return True
-    if word in FALSE_WORDS:
-        return False
-    raise ValueError
-
-
-def _choice(*choices: str) -> Callable[[str], str]:
-    def parse(text: str) -> str:
-        word = text.strip().lower()
-        if word not in choices:
-            raise ValueError
-        return word
-
-    return parse
-
-
-def _device(text: str) -> str:
-    word = text.strip().lower()
-    if word in ("auto", "cpu", "cuda"):
-        return word
-    if word.startswith("cuda:") and word[5:].isdigit():
-        return word
-    raise ValueError
-
-
-def _text(text: str) -> str:
-    return text.strip()
-
-
-def _range_spec(text: str) -> str:
+def _range_spec(text: str) -> None:
     sharding.parse_range(text)
-    return text.strip()
 
 
-def _ids_spec(text: str) -> str:
+def _ids_spec(text: str) -> None:
     sharding.parse_id_list(text)
-    return text.strip()
 
-
-def _optional_batch(text: str) -> int:
-    return _integer(1)(text)
-
-
-VARIABLES: tuple[Variable, ...] = (
-    # Launch and data selection
-    Variable("EPID_WORLD_SIZE", "world_size", 1, "number of ranks spawned on this node (ignored under torchrun, which sets WORLD_SIZE)", "2", _integer(1), "an integer >= 1"),
-    Variable("EPID_BATCH_SIZE", "batch_size", None, "per-rank batch size (samples); unset means 128 // world size", "64", _optional_batch, "an integer >= 1"),
-    Variable("EPID_DATASET_SHUFFLE", "dataset_shuffle", True, "shuffle dataset IDs before the strided rank split", "0", _boolean, "1/0, true/false or yes/no"),
-    Variable("EPID_DATASET_SEED", "dataset_seed", 12345, "seed of the dataset ID shuffle", "7", _integer(), "an integer"),
-    Variable("EPID_DATASET_RANGE", "dataset_range", "", "select dataset IDs by a Python-style range", "0:640:80", _range_spec, "start:stop[:step] with IDs in 0..639"),
-    Variable("EPID_DATASET_IDS", "dataset_ids_spec", "", "select dataset IDs by a comma-separated list", "0,80,160", _ids_spec, "comma-separated IDs in 0..639"),
-    Variable("EPID_DEVICE", "device", "auto", "device to train on: auto picks cuda:LOCAL_RANK when CUDA is available, else cpu", "cpu", _device, "auto, cpu, cuda or cuda:N"),
-    Variable("EPID_BACKEND", "backend", "auto", "process-group backend: auto is nccl on CUDA, gloo on CPU", "gloo", _choice("auto", "nccl", "gloo"), "auto, nccl or gloo"),
-    Variable("EPID_THREADS", "threads", 0, "CPU threads per rank; 0 divides the machine's cores among the node's ranks", "1", _integer(0), "an integer >= 0"),
-    Variable("EPID_COLLECTIVE_TIMEOUT", "collective_timeout", 900, "seconds a rank waits in a collective for its peers before the job fails (a lost node, a hung rank)", "300", _integer(1), "an integer >= 1"),
-    Variable("EPID_DRY_RUN", "dry_run", False, "print the resolved config and each rank's dataset IDs, then exit", "1", _boolean, "1/0, true/false or yes/no"),
-    # Synthesis
-    Variable("EPID_CONTROL_POINTS", "control_points", DEFAULT_CONTROL_POINTS, "control points per synthetic arc (smaller values make quick smoke runs)", "66", _integer(4), "an integer >= 4"),
-    Variable("EPID_KERNEL", "kernel", "", "EPID response kernel from a MATLAB .mat file, optionally naming the variable; unset uses the built-in measured-profile kernel", "kernels/epid.mat:kernel", _text, "path.mat or path.mat:variable"),
-    Variable("EPID_NOISE_STD", "noise_std", 0.005, "Gaussian noise std per sub-frame before MU scaling (0 = no noise)", "0", _real(0.0), "a finite number >= 0"),
-    Variable("EPID_NOISE_SEED", "noise_seed", 0, "seed of the frame noise (a frame's noise depends only on this seed, the dataset ID, the frame and the device type: CPU and CUDA draw different, equally distributed noise)", "3", _integer(0), "an integer >= 0"),
-    Variable("EPID_CACHE_DIR", "cache_dir", "", "directory for a float16 frame cache, written once per dataset and reused; unset synthesises on the fly", "/scratch/epid_cache", _text, "a directory path"),
-    # Loader
-    Variable("EPID_NUM_WORKERS", "num_workers", 0, "DataLoader worker processes per rank (0 = synthesise in the training process, on its device)", "2", _integer(0), "an integer >= 0"),
-    Variable("EPID_PIN_MEMORY", "pin_memory", True, "pin host batches for non-blocking copies to the GPU", "0", _boolean, "1/0, true/false or yes/no"),
-    Variable("EPID_PREFETCH_FACTOR", "prefetch_factor", 2, "batches prefetched per worker (only with EPID_NUM_WORKERS > 0)", "4", _integer(1), "an integer >= 1"),
-    Variable("EPID_BATCH_ORDER", "batch_order", "sequential", "order of batch windows: sequential (legacy) or shuffled each epoch from EPID_SEED and the epoch", "shuffled", _choice("sequential", "shuffled"), "sequential or shuffled"),
-    # Model and optimisation
-    Variable("EPID_MODEL_SIZE", "model_size", "full", "model size preset: full (design sizes), small or tiny (smoke tests)", "tiny", _choice("full", "small", "tiny"), "full, small or tiny"),
-    Variable("EPID_EPOCHS", "epochs", 2000, "number of epochs", "10", _integer(1), "an integer >= 1"),
-    Variable("EPID_STEPS_PER_EPOCH", "steps_per_epoch", 0, "cap on optimizer steps per epoch (0 = every batch window)", "20", _integer(0), "an integer >= 0"),
-    Variable("EPID_LR", "lr", 1e-4, "AdamW learning rate at global batch 128 (before EPID_LR_SCALING)", "3e-4", _real(0.0, strictly_positive=True), "a number > 0"),
-    Variable("EPID_WEIGHT_DECAY", "weight_decay", 1e-4, "AdamW weight decay", "0.01", _real(0.0), "a number >= 0"),
-    Variable("EPID_LR_SCALING", "lr_scaling", "none", "scale the learning rate with the global batch relative to 128", "sqrt", _choice("none", "linear", "sqrt"), "none, linear or sqrt"),
-    Variable("EPID_WARMUP_EPOCHS", "warmup_epochs", 0, "epochs of linear learning-rate warm-up before the cosine restarts", "2", _integer(0), "an integer >= 0"),
-    Variable("EPID_GRAD_ACCUM", "grad_accum", 1, "batches accumulated per optimizer step", "4", _integer(1), "an integer >= 1"),
-    Variable("EPID_PRECISION", "precision", "auto", "autocast precision: auto is bf16 where the device supports it, else fp32", "fp32", _choice("auto", "bf16", "fp16", "fp32"), "auto, bf16, fp16 or fp32"),
-    Variable("EPID_COMPILE", "compile", False, "compile the models with torch.compile", "1", _boolean, "1/0, true/false or yes/no"),
-    Variable("EPID_SEED", "seed", 0, "seed of model initialisation and of the shuffled batch order", "1", _integer(0), "an integer >= 0"),
-    Variable("EPID_MAX_NONFINITE_STEPS", "max_nonfinite_steps", 5, "consecutive non-finite losses (each skipped) that stop the run", "10", _integer(1), "an integer >= 1"),
-    Variable("EPID_EARLY_STOP_PATIENCE", "early_stop_patience", 0, "stop after this many epochs without a new best validation loss (0 = off)", "50", _integer(0), "an integer >= 0"),
-    Variable("EPID_GAMMA_SAMPLES", "gamma_samples", 64, "validation samples whose forward-model gamma pass rate (3 %/3 mm) is reported each epoch (0 = off)", "16", _integer(0), "an integer >= 0"),
-    # Checkpoints and logging
-    Variable("EPID_CHECKPOINT_PATH", "checkpoint_path", "checkpoints/epid_checkpoint.pth", "checkpoint written every epoch (best one beside it as *_best.pth; metrics.csv and losses.png in its folder)", "runs/a/epid.pth", _text, "a file path"),
-    Variable("EPID_RESUME", "resume", False, "continue from EPID_CHECKPOINT_PATH (next epoch, same schedule position and histories)", "1", _boolean, "1/0, true/false or yes/no"),
-    Variable("EPID_PROGRESS", "progress", True, "progress bar on rank 0 when attached to a terminal", "0", _boolean, "1/0, true/false or yes/no"),
-    Variable("EPID_TIMING_EVERY", "timing_every", 0, "print a timing line every N batches (0 = one line per epoch)", "50", _integer(0), "an integer >= 0"),
-    Variable("EPID_TIMING_MAX", "timing_max", 1, "most timing lines per epoch", "20", _integer(0), "an integer >= 0"),
-)
 
 @dataclass(frozen=True)
 class Config:
-    """The resolved run configuration. Field meanings: see ``VARIABLES``."""
+    """The resolved run configuration: one field per ``EPID_*`` variable (see each ``setting``),
+    plus ``dataset_ids`` (the selected IDs) and ``launched_by_torchrun``."""
 
-    world_size: int = 1
-    batch_size: int = GLOBAL_BATCH
-    dataset_shuffle: bool = True
-    dataset_seed: int = 12345
-    dataset_range: str = ""
-    dataset_ids_spec: str = ""
+    # Launch and data selection
+    world_size: int = setting(
+        "EPID_WORLD_SIZE", 1, Integer(1), example="2",
+        meaning="number of ranks spawned on this node (ignored under torchrun, which sets WORLD_SIZE)")
+    batch_size: int = setting(
+        "EPID_BATCH_SIZE", GLOBAL_BATCH, Integer(1), example="64", derived_when_unset=True,
+        meaning="per-rank batch size (samples); unset means 128 // world size")
+    dataset_shuffle: bool = setting(
+        "EPID_DATASET_SHUFFLE", True, Boolean(), example="0",
+        meaning="shuffle dataset IDs before the strided rank split")
+    dataset_seed: int = setting("EPID_DATASET_SEED", 12345, Integer(), example="7", meaning="seed of the dataset ID shuffle")
+    dataset_range: str = setting(
+        "EPID_DATASET_RANGE", "", Text("start:stop[:step] with IDs in 0..639", _range_spec), example="0:640:80",
+        meaning="select dataset IDs by a Python-style range")
+    dataset_ids_spec: str = setting(
+        "EPID_DATASET_IDS", "", Text("comma-separated IDs in 0..639", _ids_spec), example="0,80,160",
+        meaning="select dataset IDs by a comma-separated list")
     dataset_ids: tuple[int, ...] = tuple(range(NUM_DATASETS))
-    device: str = "auto"
-    backend: str = "auto"
-    threads: int = 0
-    collective_timeout: int = 900
-    dry_run: bool = False
-    control_points: int = DEFAULT_CONTROL_POINTS
-    kernel: str = ""
-    noise_std: float = 0.005
-    noise_seed: int = 0
-    cache_dir: str = ""
-    num_workers: int = 0
-    pin_memory: bool = True
-    prefetch_factor: int = 2
-    batch_order: str = "sequential"
-    model_size: str = "full"
-    epochs: int = 2000
-    steps_per_epoch: int = 0
-    lr: float = 1e-4
-    weight_decay: float = 1e-4
-    lr_scaling: str = "none"
-    warmup_epochs: int = 0
-    grad_accum: int = 1
-    precision: str = "auto"
-    compile: bool = False
-    seed: int = 0
-    max_nonfinite_steps: int = 5
-    early_stop_patience: int = 0
-    gamma_samples: int = 64
-    checkpoint_path: str = "checkpoints/epid_checkpoint.pth"
-    resume: bool = False
-    progress: bool = True
-    timing_every: int = 0
-    timing_max: int = 1
+    device: str = setting(
+        "EPID_DEVICE", "auto", Device(), example="cpu",
+        meaning="device to train on: auto picks cuda:LOCAL_RANK when CUDA is available, else cpu")
+    backend: str = setting(
+        "EPID_BACKEND", "auto", Choice("auto", "nccl", "gloo"), example="gloo",
+        meaning="process-group backend: auto is nccl on CUDA, gloo on CPU")
+    threads: int = setting(
+        "EPID_THREADS", 0, Integer(0), example="1",
+        meaning="CPU threads per rank; 0 divides the machine's cores among the node's ranks")
+    collective_timeout: int = setting(
+        "EPID_COLLECTIVE_TIMEOUT", 900, Integer(1), example="300",
+        meaning="seconds a rank waits in a collective for its peers before the job fails (a lost node, a hung rank)")
+    dry_run: bool = setting(
+        "EPID_DRY_RUN", False, Boolean(), example="1",
+        meaning="print the resolved config and each rank's dataset IDs, then exit")
+    # Synthesis
+    control_points: int = setting(
+        "EPID_CONTROL_POINTS", DEFAULT_CONTROL_POINTS, Integer(4), example="66",
+        meaning="control points per synthetic arc (smaller values make quick smoke runs)")
+    kernel: str = setting(
+        "EPID_KERNEL", "", Text("path.mat or path.mat:variable"), example="kernels/epid.mat:kernel",
+        meaning="EPID response kernel from a MATLAB .mat file, optionally naming the variable; "
+                "unset uses the built-in measured-profile kernel")
+    noise_std: float = setting(
+        "EPID_NOISE_STD", 0.005, Real(0.0), example="0",
+        meaning="Gaussian noise std per sub-frame before MU scaling (0 = no noise)")
+    noise_seed: int = setting(
+        "EPID_NOISE_SEED", 0, Integer(0), example="3",
+        meaning="seed of the frame noise (a frame's noise depends only on this seed, the dataset ID, the frame and "
+                "the device type: CPU and CUDA draw different, equally distributed noise)")
+    cache_dir: str = setting(
+        "EPID_CACHE_DIR", "", Text("a directory path"), example="/scratch/epid_cache",
+        meaning="directory for a float16 frame cache, written once per dataset and reused; "
+                "unset synthesises on the fly")
+    # Loader
+    num_workers: int = setting(
+        "EPID_NUM_WORKERS", 0, Integer(0), example="2",
+        meaning="DataLoader worker processes per rank (0 = synthesise in the training process, on its device)")
+    pin_memory: bool = setting(
+        "EPID_PIN_MEMORY", True, Boolean(), example="0", meaning="pin host batches for non-blocking copies to the GPU")
+    prefetch_factor: int = setting(
+        "EPID_PREFETCH_FACTOR", 2, Integer(1), example="4",
+        meaning="batches prefetched per worker (only with EPID_NUM_WORKERS > 0)")
+    batch_order: str = setting(
+        "EPID_BATCH_ORDER", "sequential", Choice("sequential", "shuffled"), example="shuffled",
+        meaning="order of batch windows: sequential (legacy) or shuffled each epoch from EPID_SEED and the epoch")
+    # Model and optimisation
+    model_size: str = setting(
+        "EPID_MODEL_SIZE", "full", Choice("full", "small", "tiny"), example="tiny",
+        meaning="model size preset: full (design sizes), small or tiny (smoke tests)")
+    epochs: int = setting("EPID_EPOCHS", 2000, Integer(1), example="10", meaning="number of epochs")
+    steps_per_epoch: int = setting(
+        "EPID_STEPS_PER_EPOCH", 0, Integer(0), example="20",
+        meaning="cap on optimizer steps per epoch (0 = every batch window)")
+    lr: float = setting(
+        "EPID_LR", 1e-4, Real(0.0, above=True), example="3e-4",
+        meaning="AdamW learning rate at global batch 128 (before EPID_LR_SCALING)")
+    weight_decay: float = setting("EPID_WEIGHT_DECAY", 1e-4, Real(0.0), example="0.01", meaning="AdamW weight decay")
+    lr_scaling: str = setting(
+        "EPID_LR_SCALING", "none", Choice("none", "linear", "sqrt"), example="sqrt",
+        meaning="scale the learning rate with the global batch relative to 128")
+    warmup_epochs: int = setting(
+        "EPID_WARMUP_EPOCHS", 0, Integer(0), example="2",
+        meaning="epochs of linear learning-rate warm-up before the decay")
+    grad_accum: int = setting(
+        "EPID_GRAD_ACCUM", 1, Integer(1), example="4", meaning="batches accumulated per optimizer step")
+    precision: str = setting(
+        "EPID_PRECISION", "auto", Choice("auto", "bf16", "fp16", "fp32"), example="fp32",
+        meaning="autocast precision: auto is bf16 where the device supports it, else fp32")
+    compile: bool = setting(
+        "EPID_COMPILE", False, Boolean(), example="1", meaning="compile the models with torch.compile")
+    seed: int = setting(
+        "EPID_SEED", 0, Integer(0), example="1",
+        meaning="seed of model initialisation, of the random generators and of the shuffled batch order")
+    max_nonfinite_steps: int = setting(
+        "EPID_MAX_NONFINITE_STEPS", 5, Integer(1), example="10",
+        meaning="consecutive non-finite losses (each skipped) that stop the run")
+    early_stop_patience: int = setting(
+        "EPID_EARLY_STOP_PATIENCE", 0, Integer(0), example="50",
+        meaning="stop after this many epochs without a new best validation loss (0 = off)")
+    gamma_samples: int = setting(
+        "EPID_GAMMA_SAMPLES", 64, Integer(0), example="16",
+        meaning="validation samples whose forward-model gamma pass rate (3 %/3 mm) is reported each epoch (0 = off)")
+    # Checkpoints and logging
+    checkpoint_path: str = setting(
+        "EPID_CHECKPOINT_PATH", "checkpoints/epid_checkpoint.pth", Text("a file path"), example="runs/a/epid.pth",
+        meaning="checkpoint written every epoch (best one beside it as *_best.pth; metrics.csv and losses.png in "
+                "its folder)")
+    resume: bool = setting(
+        "EPID_RESUME", False, Boolean(), example="1",
+        meaning="continue from EPID_CHECKPOINT_PATH (next epoch, same schedule position and histories)")
+    progress: bool = setting(
+        "EPID_PROGRESS", True, Boolean(), example="0", meaning="progress bar on rank 0 when attached to a terminal")
+    timing_every: int = setting(
+        "EPID_TIMING_EVERY", 0, Integer(0), example="50",
+        meaning="print a timing line every N batches (0 = one line per epoch)")
+    timing_max: int = setting("EPID_TIMING_MAX", 1, Integer(0), example="20", meaning="most timing lines per epoch")
     launched_by_torchrun: bool = False
 
     @property
@@ -260,6 +337,14 @@ class Config:
         return cls(**kept)
 
 
+VARIABLES: tuple[Variable, ...] = tuple(
+    Variable(field=field.name, default=field.default, **field.metadata[VARIABLE])
+    for field in dataclasses.fields(Config)
+    if VARIABLE in field.metadata
+)
+VARIABLE_OF_FIELD = {variable.field: variable for variable in VARIABLES}
+
+
 def _split_kernel(spec: str) -> tuple[str, str | None]:
     """``path.mat:variable`` -> (path, variable); a Windows drive colon is not a separator."""
     if not spec:
@@ -279,7 +364,7 @@ def _fail(variable: Variable | str, value: str, problem: str, expected: str) -> 
 def _read(variable: Variable, environ: Mapping[str, str]) -> Any:
     raw = environ.get(variable.name)
     if raw is None or raw.strip() == "":
-        return variable.default
+        return None if variable.derived_when_unset else variable.default
     try:
         return variable.parse(raw)
     except ValueError as error:

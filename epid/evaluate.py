@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from epid.config import Config
+from epid.config import VARIABLE_OF_FIELD, Config
 from epid.dataset import Window, assemble_batch, num_samples, split_range
 from epid.errors import InputError
 from epid.gamma import gamma_pass_rate
@@ -46,10 +46,7 @@ SPLITS = ("val", "train", "all")
 T = TypeVar("T")
 BATCH_FIELDS = ("leaf_a", "leaf_b", "scalars", "leaf_weight_a", "leaf_weight_b", "epid_prev", "epid_curr")
 SYNTHESIS_VARIABLES = {
-    "control_points": "EPID_CONTROL_POINTS",
-    "kernel": "EPID_KERNEL",
-    "noise_std": "EPID_NOISE_STD",
-    "noise_seed": "EPID_NOISE_SEED",
+    field: VARIABLE_OF_FIELD[field].name for field in ("control_points", "kernel", "noise_std", "noise_seed")
 }
 
 
