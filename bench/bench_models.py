@@ -35,12 +35,11 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from epid.dataset import Batch
 from epid.distributed import tune_host_allocator
+from epid.families import CrossModel, build_models
 from epid.imaging import GRID_SIZE
 from epid.losses import cross_training_loss
-from epid.models import build_models
 from epid.sequences import NUM_LEAF_PAIRS
 from epid.side_by_side import SideBySide
-from epid.train import CrossModel
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -209,7 +208,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--variants", nargs="+", default=["fp32", "bf16", "bf16+side"],
         help="PRECISION[+side][+compile], PRECISION in fp32|bf16|fp16 (side = the models side by side)",
     )
-    parser.add_argument("--size", default="full", help="model size preset (epid.models.MODEL_SIZES)")
+    parser.add_argument("--size", default="full", help="model size preset (epid.models.SIZES)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
     parser.add_argument("--steps", type=int, default=7, help="timed steps per variant")

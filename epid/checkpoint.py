@@ -1,16 +1,22 @@
 """Training checkpoints: plain containers, written atomically, loadable with weights_only.
 
 A checkpoint is a dict of tensors, numbers, strings, lists and dicts only, so
-``torch.load(path, weights_only=True)`` reads it without running pickled code. Keys:
+``torch.load(path, weights_only=True)`` reads it without running pickled code. Keys (format 2):
 
   format_version, run_id, epoch (last completed, 1-based), forward_model, inverse_model
   (state dicts without ``module.`` / ``_orig_mod.`` prefixes), model_config
-  {"forward": kwargs, "inverse": kwargs}, optimizer, scheduler, scaler (or None), rng,
+  (``epid.families.PairConfig.to_dict()``: {"family", "forward": config, "inverse": config}),
+  optimizer, scheduler, scaler (or None), rng,
   history {"train": {term: [...]}, "val": {term: [...]}, "gamma_pass": [...], "lr": [...],
   "samples_per_s": [...], ...}, best_val_loss, best_epoch, config (Config.to_dict()),
   dataset_ids, world_size, torch_version, and ``interrupted`` (None, or where an epoch was
   stopped by a signal: {"epoch", "batches_done", "rank_train_sums", "rank_train_samples", ...},
-  the loss sums and sample counts of every rank so far).
+  the loss sums and sample counts of every rank so far). ``epid.run_state`` writes and reads
+  the training state in it.
+
+Format 1 (written before model configs named their family) is read as format 2: its
+model_config {"forward": kwargs, "inverse": kwargs} is a legacy pair with those configs, and
+an interrupted epoch's summed loss sums are carried on by rank 0.
 
 Writes go to a temporary file in the same folder, are fsynced, renamed over the target and
 the folder is fsynced, so a crash at any moment leaves the previous checkpoint loadable.
@@ -28,10 +34,10 @@ from typing import Any
 import torch
 
 from epid.errors import InputError
+from epid.families import LEGACY, PairConfig
 from epid.files import fsync_directory
-from epid.models import ForwardModel, InverseModel
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 REQUIRED_KEYS = ("format_version", "epoch", "forward_model", "inverse_model", "model_config")
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 
@@ -109,19 +115,21 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
         )
     for key in ("forward_model", "inverse_model"):
         payload[key] = strip_wrapper_prefixes(payload[key])
-    _per_rank_sums(payload)
+    if payload["format_version"] == 1:
+        _read_format_1(payload)
     return payload
 
 
-def _per_rank_sums(payload: dict[str, Any]) -> None:
-    """An interrupted epoch saved with the sums of all ranks added up: rank 0 carries them on."""
+def _read_format_1(payload: dict[str, Any]) -> None:
+    """Turn a format-1 checkpoint into format 2, in place."""
+    payload["model_config"] = {"family": LEGACY, **payload["model_config"]}
     interrupted = payload.get("interrupted")
-    if not interrupted or "train_sums" not in interrupted:
-        return
-    others = int(payload.get("world_size", 1)) - 1
-    sums = interrupted.pop("train_sums")
-    interrupted["rank_train_sums"] = [sums] + [[0.0] * len(sums)] * others
-    interrupted["rank_train_samples"] = [interrupted.pop("train_samples")] + [0.0] * others
+    if interrupted and "train_sums" in interrupted:  # the sums of all ranks added up: rank 0 carries them on
+        others = int(payload.get("world_size", 1)) - 1
+        sums = interrupted.pop("train_sums")
+        interrupted["rank_train_sums"] = [sums] + [[0.0] * len(sums)] * others
+        interrupted["rank_train_samples"] = [interrupted.pop("train_samples")] + [0.0] * others
+    payload["format_version"] = 2
 
 
 def _unsafe_reason(error: Exception) -> str:
@@ -132,14 +140,13 @@ def _unsafe_reason(error: Exception) -> str:
 
 def build_models_from_checkpoint(
     checkpoint: Mapping[str, Any], device: str | torch.device = "cpu"
-) -> tuple[ForwardModel, InverseModel]:
-    """The (forward, inverse) models a checkpoint describes, weights loaded, in eval mode on ``device``."""
-    config = checkpoint["model_config"]
+) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """The (forward, inverse) models a checkpoint (from ``load_checkpoint``) describes, of any
+    family and size, weights loaded, in eval mode on ``device``."""
     try:
-        forward_model = ForwardModel(**config["forward"])
-        inverse_model = InverseModel(**config["inverse"])
-        forward_model.load_state_dict(strip_wrapper_prefixes(checkpoint["forward_model"]))
-        inverse_model.load_state_dict(strip_wrapper_prefixes(checkpoint["inverse_model"]))
+        forward_model, inverse_model = PairConfig.from_dict(checkpoint["model_config"]).build()
+        forward_model.load_state_dict(checkpoint["forward_model"])
+        inverse_model.load_state_dict(checkpoint["inverse_model"])
     except (TypeError, KeyError, RuntimeError, ValueError) as error:
         reason = str(error).strip().splitlines()[0]
         raise CheckpointError(f"checkpoint model does not match its model_config ({reason})") from None

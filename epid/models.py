@@ -19,26 +19,32 @@ Initialisation (in the constructors): Kaiming normal (fan_in, ReLU) for convolut
 uniform for linear layers, zero biases, norms with weight 1 and bias 0, normal(std 0.02) for
 learned tokens, queries and embeddings.
 
-On the CPU the convolutional paths keep feature maps in channels_last and run the layers that
-oneDNN handles poorly (1x1 convolutions, 3x3 convolutions of one-channel images, 2x2 transposed
-convolutions) as matrix products, and the forward model's last upsampling stage and head on the
-grid of 2x2 blocks (``upsample_head``); in bf16/fp16 attention is an explicit softmax(q k^T) v.
-The results equal torch's own layers, which every other device uses. Fastest CPU training step
-measured (bench/bench_models.py): bf16 autocast in eager mode, the two models side by side
-(``epid.side_by_side``); torch.compile (inductor) was slower on the 2-core CPU (16.8 vs 19.5
-samples/s at batch 8, after about 5 minutes of compilation).
+Sizes: ``ForwardConfig`` and ``InverseConfig``, with the named ``SIZES`` full, small and tiny;
+``epid.families`` builds and rebuilds model pairs from them. The layers that a CPU runs slowly
+in torch's own form come from ``epid.cpu_layers`` (same parameters and results); the split
+points ``InverseModel.encode`` / ``decode`` let ``epid.side_by_side`` run the two encoder towers
+in different threads.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from epid.cpu_layers import (
+    PointwiseConv,
+    SingleChannelConv3x3,
+    TransposedConv2x2,
+    block_head_index,
+    cpu_channels_last,
+    scaled_dot_product_attention,
+    upsample_head,
+)
 from epid.imaging import GRID_SIZE
 from epid.sequences import NUM_LEAF_PAIRS
 
@@ -70,122 +76,6 @@ def learned_tokens(*shape: int) -> nn.Parameter:
     """A learned token/query/embedding tensor, initialised normal(0, 0.02)."""
     return nn.Parameter(torch.randn(*shape) * TOKEN_INIT_STD)
 
-
-# --------------------------------------------------------------------------- convolutional parts
-
-
-def cpu_channels_last(x: Tensor) -> Tensor:
-    """Feature maps (B, C, H, W) in channels_last on the CPU, unchanged elsewhere.
-
-    oneDNN's CPU convolutions are several times faster in channels_last than in NCHW, the
-    backward pass of the few-channel 256 x 256 layers by 5x or more; convolutions, norms,
-    pooling and concatenation keep the format, so one conversion per block suffices. On GPUs
-    the caller picks the format with ``model.to(memory_format=...)``.
-    """
-    return x.contiguous(memory_format=torch.channels_last) if x.device.type == "cpu" else x
-
-
-def pixels_last(x: Tensor) -> Tensor:
-    """(B, C, H, W) -> (B, H, W, C) view; contiguous when ``x`` is channels_last."""
-    return x.permute(0, 2, 3, 1)
-
-
-def channels_first(x: Tensor) -> Tensor:
-    """(B, H, W, C) -> (B, C, H, W) view, which is channels_last in memory."""
-    return x.permute(0, 3, 1, 2)
-
-
-class PointwiseConv(nn.Conv2d):
-    """1x1 convolution; on the CPU one matrix product over the pixels (faster than oneDNN's
-    1x1 convolution backward pass here). Same parameters and result as ``nn.Conv2d(c_in, c_out, 1)``."""
-
-    def __init__(self, in_channels: int, out_channels: int) -> None:
-        super().__init__(in_channels, out_channels, 1)
-
-    def forward(self, x: Tensor) -> Tensor:
-        if x.device.type != "cpu":
-            return super().forward(x)
-        return channels_first(F.linear(pixels_last(x), self.weight.flatten(1), self.bias))
-
-
-class SingleChannelConv3x3(nn.Conv2d):
-    """3x3 convolution (padding 1) of a one-channel image; on the CPU a matrix product over
-    the 9 neighbours of each pixel, since oneDNN runs one-channel inputs far below its speed
-    on wider ones. Same parameters and result as ``nn.Conv2d(1, c_out, 3, padding=1)``."""
-
-    def __init__(self, out_channels: int) -> None:
-        super().__init__(1, out_channels, 3, padding=1)
-
-    def forward(self, x: Tensor) -> Tensor:
-        if x.device.type != "cpu":
-            return super().forward(x)
-        batch, _, height, width = x.shape
-        neighbours = F.unfold(x, 3, padding=1).transpose(1, 2)  # (B, H*W, 9)
-        y = F.linear(neighbours, self.weight.flatten(1), self.bias)
-        return channels_first(y.view(batch, height, width, self.out_channels))
-
-
-class TransposedConv2x2(nn.ConvTranspose2d):
-    """2x2, stride-2 transposed convolution (B, C_in, H, W) -> (B, C_out, 2H, 2W).
-
-    On the CPU one matrix product per input pixel (C_in -> 2 x 2 x C_out) and a pixel shuffle,
-    2-4x faster than oneDNN's transposed convolution, backward pass included. Same parameters
-    and result as ``nn.ConvTranspose2d(c_in, c_out, 2, stride=2)``.
-    """
-
-    def __init__(self, in_channels: int, out_channels: int) -> None:
-        super().__init__(in_channels, out_channels, 2, stride=2)
-
-    def blocks(self, x: Tensor) -> Tensor:
-        """(B, C_in, H, W) -> (B, H, W, 4 * C_out): each input pixel's 2x2 output block, channels
-        ordered (row in block, column in block, output channel). Any device."""
-        weight = self.weight.permute(0, 2, 3, 1).reshape(self.in_channels, 4 * self.out_channels)
-        return F.linear(pixels_last(x), weight.t(), self.bias.repeat(4))
-
-    def forward(self, x: Tensor) -> Tensor:
-        if x.device.type != "cpu":
-            return super().forward(x)
-        batch, _, height, width = x.shape
-        y = self.blocks(x).view(batch, height, width, 2, 2, self.out_channels).permute(0, 1, 3, 2, 4, 5)
-        return channels_first(y.reshape(batch, 2 * height, 2 * width, self.out_channels))
-
-
-def block_head_index(channels: int) -> Tensor:
-    """Where each weight of ``upsample_head``'s conv comes from in a 3x3 head's flattened weight.
-
-    The conv runs on the grid of 2x2 blocks: output channel (a, b) is the sub-pixel, input channel
-    (a', b', c) the block's sub-pixel and channel, kernel offset (i, j) the neighbouring block.
-    Full-resolution row offset ``2 i + a' - a`` (and the same for columns) must lie in -1..1 to
-    reach the head's 3x3 window; elsewhere the index points past the weight, at an appended zero.
-    (4, 4 * channels, 3, 3) int64.
-    """
-    a, b, a_in, b_in, c, i, j = torch.meshgrid(
-        *(torch.arange(n) for n in (2, 2, 2, 2, channels, 3, 3)), indexing="ij"
-    )
-    dy, dx = 2 * (i - 1) + a_in - a, 2 * (j - 1) + b_in - b
-    inside = (dy.abs() <= 1) & (dx.abs() <= 1)
-    index = torch.where(inside, c * 9 + (dy + 1) * 3 + (dx + 1), 9 * channels)
-    return index.reshape(4, 4 * channels, 3, 3)
-
-
-def upsample_head(upsample: TransposedConv2x2, head: nn.Conv2d, index: Tensor, x: Tensor) -> Tensor:
-    """``head(relu(upsample(x)))`` for a 3x3 (padding 1) head with one output channel:
-    (B, C_in, H, W) -> (B, 1, 2H, 2W).
-
-    On the CPU the 2H x 2W feature map is never formed: the upsampled pixels stay in their 2x2
-    blocks (``TransposedConv2x2.blocks``, 4 * C channels at H x W), the head becomes a 3x3 conv
-    on that grid with one output channel per sub-pixel (its weight gathered from the head's), and
-    only the one-channel result is shuffled to 2H x 2W. ``index`` is
-    ``block_head_index(upsample.out_channels)`` on the CPU. Same parameters and result.
-    """
-    if x.device.type != "cpu":
-        return head(F.relu(upsample(x)))
-    batch, _, height, width = x.shape
-    blocks = channels_first(F.relu(upsample.blocks(x)))
-    weight = torch.cat([head.weight.flatten(), head.weight.new_zeros(1)])[index]
-    y = F.conv2d(blocks, weight, head.bias.expand(4), padding=1)  # (B, 4, H, W), channels_last
-    y = pixels_last(y).reshape(batch, height, width, 2, 2).permute(0, 1, 3, 2, 4)
-    return y.reshape(batch, 1, 2 * height, 2 * width)
 
 
 class ResidualBlock(nn.Module):
@@ -260,18 +150,6 @@ class Decoder(nn.Module):
 
 
 # --------------------------------------------------------------------------- transformer parts
-
-
-def scaled_dot_product_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-    """softmax(q k^T / sqrt(head_dim)) v over (B, heads, length, head_dim) tensors.
-
-    On the CPU in bf16/fp16 the explicit product is several times faster than the fused
-    CPU kernel (its backward pass especially) at these sequence lengths (<= 336 tokens).
-    """
-    if q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16):
-        logits = (q * q.shape[-1] ** -0.5) @ k.transpose(-2, -1)
-        return torch.softmax(logits, dim=-1) @ v
-    return F.scaled_dot_product_attention(q, k, v)
 
 
 class Attention(nn.Module):
@@ -372,6 +250,50 @@ def merge_banks(pairs: Tensor) -> Tensor:
 # --------------------------------------------------------------------------- models
 
 
+@dataclass(frozen=True)
+class ForwardConfig:
+    """Sizes of the forward model (``ForwardModel`` names what each one sets); the defaults are
+    the design's. Sequences are kept as tuples (lists from a stored config are converted)."""
+
+    d_model: int = 128
+    num_heads: int = 4
+    ff_dim: int = 256
+    num_layers: int = 3
+    unet_widths: tuple[int, ...] = (32, 64, 128)
+    bottleneck_width: int = 256
+    upsample_widths: tuple[int, ...] = (16, 8)
+
+    def __post_init__(self) -> None:
+        _as_tuples(self, "unet_widths", "upsample_widths")
+        if len(self.upsample_widths) != 2:
+            raise ValueError("upsample_widths must name the two 2x stages from 64 to 256 pixels")
+
+
+@dataclass(frozen=True)
+class InverseConfig:
+    """Sizes of the inverse model (``InverseModel`` names what each one sets); the defaults are
+    the design's. Sequences are kept as tuples (lists from a stored config are converted)."""
+
+    unet_widths: tuple[int, ...] = (32, 64, 128)
+    bottleneck_width: int = 256
+    d_model: int = 128
+    num_heads: int = 2
+    ff_dim: int = 256
+    num_encoder_layers: int = 2
+    num_decoder_layers: int = 2
+    patch_size: int = 4
+
+    def __post_init__(self) -> None:
+        _as_tuples(self, "unet_widths")
+        if (LATENT_SIZE // 4) % self.patch_size:
+            raise ValueError(f"patch_size {self.patch_size} must divide {LATENT_SIZE // 4}")
+
+
+def _as_tuples(config: object, *names: str) -> None:
+    for name in names:
+        object.__setattr__(config, name, tuple(getattr(config, name)))
+
+
 class ForwardModel(nn.Module):
     """Control-point parameters -> EPID frame.
 
@@ -384,34 +306,15 @@ class ForwardModel(nn.Module):
     one channel and ReLU give the frame per MU, scaled by ``mu_curr``.
     """
 
-    def __init__(
-        self,
-        d_model: int = 128,
-        num_heads: int = 4,
-        ff_dim: int = 256,
-        num_layers: int = 3,
-        unet_widths: Sequence[int] = (32, 64, 128),
-        bottleneck_width: int = 256,
-        upsample_widths: Sequence[int] = (16, 8),
-    ) -> None:
+    def __init__(self, config: ForwardConfig | None = None) -> None:
         super().__init__()
-        if len(upsample_widths) != 2:
-            raise ValueError("upsample_widths must name the two 2x stages from 64 to 256 pixels")
-        self.config: dict[str, Any] = {
-            "d_model": d_model,
-            "num_heads": num_heads,
-            "ff_dim": ff_dim,
-            "num_layers": num_layers,
-            "unet_widths": list(unet_widths),
-            "bottleneck_width": bottleneck_width,
-            "upsample_widths": list(upsample_widths),
-        }
+        self.config = config = config or ForwardConfig()
+        d_model, num_heads, ff_dim = config.d_model, config.num_heads, config.ff_dim
+        unet_widths, bottleneck_width, upsample_widths = config.unet_widths, config.bottleneck_width, config.upsample_widths
         self.mu_embedding = nn.Linear(1, d_model)
         self.jaw_embedding = nn.Linear(2, d_model)
         self.leaf_embedding = nn.Linear(2, d_model)
-        self.layers = nn.ModuleList(
-            EncoderLayer(d_model, num_heads, ff_dim) for _ in range(num_layers)
-        )
+        self.layers = nn.ModuleList(EncoderLayer(d_model, num_heads, ff_dim) for _ in range(config.num_layers))
         self.cls_norm = nn.LayerNorm(d_model)
         self.to_latent = nn.Linear(d_model, LATENT_SIZE * LATENT_SIZE)
         self.encoder = Encoder(1, unet_widths)
@@ -481,30 +384,11 @@ class InverseModel(nn.Module):
     double the size of the 336 x 336 attention maps, the costliest part of this model on a CPU).
     """
 
-    def __init__(
-        self,
-        unet_widths: Sequence[int] = (32, 64, 128),
-        bottleneck_width: int = 256,
-        d_model: int = 128,
-        num_heads: int = 2,
-        ff_dim: int = 256,
-        num_encoder_layers: int = 2,
-        num_decoder_layers: int = 2,
-        patch_size: int = 4,
-    ) -> None:
+    def __init__(self, config: InverseConfig | None = None) -> None:
         super().__init__()
-        if (LATENT_SIZE // 4) % patch_size:
-            raise ValueError(f"patch_size {patch_size} must divide {LATENT_SIZE // 4}")
-        self.config: dict[str, Any] = {
-            "unet_widths": list(unet_widths),
-            "bottleneck_width": bottleneck_width,
-            "d_model": d_model,
-            "num_heads": num_heads,
-            "ff_dim": ff_dim,
-            "num_encoder_layers": num_encoder_layers,
-            "num_decoder_layers": num_decoder_layers,
-            "patch_size": patch_size,
-        }
+        self.config = config = config or InverseConfig()
+        unet_widths, bottleneck_width, patch_size = config.unet_widths, config.bottleneck_width, config.patch_size
+        d_model, num_heads, ff_dim = config.d_model, config.num_heads, config.ff_dim
         self.patch_size = patch_size
         self.prev_encoder = Encoder(1, unet_widths)
         self.curr_encoder = Encoder(1, unet_widths)
@@ -517,11 +401,11 @@ class InverseModel(nn.Module):
             nn.Conv2d(1, d_model, patch_size, stride=patch_size) for _ in range(3)
         )
         self.memory_layers = nn.ModuleList(
-            EncoderLayer(d_model, num_heads, ff_dim) for _ in range(num_encoder_layers)
+            EncoderLayer(d_model, num_heads, ff_dim) for _ in range(config.num_encoder_layers)
         )
         self.memory_norm = nn.LayerNorm(d_model)
         self.decoder_layers = nn.ModuleList(
-            DecoderLayer(d_model, num_heads, ff_dim) for _ in range(num_decoder_layers)
+            DecoderLayer(d_model, num_heads, ff_dim) for _ in range(config.num_decoder_layers)
         )
         self.query_norm = nn.LayerNorm(d_model)
         self.leaf_head = nn.Linear(d_model, 2)
@@ -593,38 +477,17 @@ class InverseModel(nn.Module):
         return leaf_a, leaf_b, torch.cat([mu, jaws], dim=1), latent
 
 
-MODEL_SIZES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
-    "full": ({}, {}),
+SIZES: dict[str, tuple[ForwardConfig, InverseConfig]] = {
+    "full": (ForwardConfig(), InverseConfig()),
     "small": (
-        {"d_model": 64, "ff_dim": 128, "num_layers": 2, "unet_widths": [16, 32, 64], "bottleneck_width": 128},
-        {"unet_widths": [16, 32, 64], "bottleneck_width": 128, "d_model": 64, "ff_dim": 128},
+        ForwardConfig(d_model=64, ff_dim=128, num_layers=2, unet_widths=(16, 32, 64), bottleneck_width=128),
+        InverseConfig(unet_widths=(16, 32, 64), bottleneck_width=128, d_model=64, ff_dim=128),
     ),
     "tiny": (
-        {
-            "d_model": 16,
-            "num_heads": 2,
-            "ff_dim": 32,
-            "num_layers": 1,
-            "unet_widths": [4, 8, 16],
-            "bottleneck_width": 32,
-            "upsample_widths": [4, 4],
-        },
-        {
-            "unet_widths": [4, 8, 16],
-            "bottleneck_width": 32,
-            "d_model": 16,
-            "num_heads": 2,
-            "ff_dim": 32,
-            "num_encoder_layers": 1,
-            "num_decoder_layers": 1,
-        },
+        ForwardConfig(d_model=16, num_heads=2, ff_dim=32, num_layers=1, unet_widths=(4, 8, 16), bottleneck_width=32,
+                      upsample_widths=(4, 4)),
+        InverseConfig(unet_widths=(4, 8, 16), bottleneck_width=32, d_model=16, num_heads=2, ff_dim=32,
+                      num_encoder_layers=1, num_decoder_layers=1),
     ),
 }
-
-
-def build_models(size: str = "full") -> tuple[ForwardModel, InverseModel]:
-    """Build the (forward, inverse) model pair of a preset in ``MODEL_SIZES``."""
-    if size not in MODEL_SIZES:
-        raise ValueError(f"unknown model size {size!r}; expected one of {sorted(MODEL_SIZES)}")
-    forward_kwargs, inverse_kwargs = MODEL_SIZES[size]
-    return ForwardModel(**forward_kwargs), InverseModel(**inverse_kwargs)
+"""Named sizes of these models: full (the design's), small and tiny (smoke tests)."""

@@ -41,7 +41,7 @@ import torch
 from torch import Tensor
 
 if TYPE_CHECKING:
-    from epid.train import CrossModel
+    from epid.families import CrossModel
 
 Outputs = tuple[Tensor, ...]
 Handover = tuple[Outputs, Outputs]  # (outputs in their graph, leaf copies cut from it)

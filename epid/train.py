@@ -50,7 +50,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 
 from epid import distributed, evaluate, metrics_log, sharding, side_by_side
@@ -75,9 +75,9 @@ from epid.dataset import (
 from epid.devices import autocast, resolve_device, resolve_precision
 from epid.distributed import RankContext, StopSignal
 from epid.errors import InputError
+from epid.families import CrossModel, build_models
 from epid.gamma import gamma_maps, gamma_pass_rate
 from epid.losses import LOSS_TERMS, cross_training_loss
-from epid.models import ForwardModel, InverseModel, build_models
 
 RESTART_PERIOD_EPOCHS = 10
 RESTART_PERIOD_FACTOR = 2
@@ -197,37 +197,6 @@ def learning_rate(epoch_index: int, base_lr: float, warmup_epochs: int = 0) -> f
 
 
 # --------------------------------------------------------------------------- models
-
-
-class CrossModel(nn.Module):
-    """The forward and inverse models as one module (one DDP wrapper, one optimizer)."""
-
-    def __init__(self, forward_model: ForwardModel, inverse_model: InverseModel) -> None:
-        super().__init__()
-        self.forward_model = forward_model
-        self.inverse_model = inverse_model
-
-    def forward(
-        self, leaf_a: Tensor, leaf_b: Tensor, scalars: Tensor, epid_prev: Tensor, epid_curr: Tensor
-    ) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor, Tensor, Tensor]]:
-        """(forward model output, inverse model output) for one batch (shapes: ``epid.dataset.Batch``)."""
-        return self.forward_model(leaf_a, leaf_b, scalars), self.inverse_model(epid_prev, epid_curr)
-
-    @staticmethod
-    def backward(loss: Tensor) -> None:
-        """``loss.backward()``: the counterpart of ``SideBySide.backward`` (also through a DDP wrapper)."""
-        loss.backward()
-
-    def place(self, device: torch.device) -> CrossModel:
-        """Move to ``device`` in training mode; on the CPU with channels_last weights.
-
-        The models keep CPU feature maps in channels_last; weights in the same format give
-        gradients whose strides match DDP's bucket views (no per-step copy or warning).
-        """
-        self.to(device).train()
-        if device.type == "cpu":
-            self.to(memory_format=torch.channels_last)
-        return self
 
 
 def _to_cpu(value: Any) -> Any:
@@ -965,7 +934,7 @@ class Trainer:
             "epoch": state.epoch,
             "forward_model": _to_cpu(self.model.forward_model.state_dict()),
             "inverse_model": _to_cpu(self.model.inverse_model.state_dict()),
-            "model_config": {"forward": self.model.forward_model.config, "inverse": self.model.inverse_model.config},
+            "model_config": self.model.config.to_dict(),
             "optimizer": _to_cpu(self.optimizer.state_dict()),
             "scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None,

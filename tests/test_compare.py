@@ -9,6 +9,7 @@ import math
 import shutil
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +21,7 @@ from scipy import stats
 import compare_checkpoints
 from epid import compare, compare_report, evaluate, histories, weights_diff
 from epid.checkpoint import (
+    FORMAT_VERSION,
     build_models_from_checkpoint,
     load_checkpoint,
     save_checkpoint,
@@ -27,7 +29,8 @@ from epid.checkpoint import (
 from epid.cli import run_main
 from epid.compare import CompareOptions
 from epid.config import Config
-from epid.models import MODEL_SIZES, ForwardModel, InverseModel, build_models
+from epid.families import PairConfig, build_models
+from epid.models import SIZES, ForwardModel, InverseModel
 from tests.support import ROOT, clean_environment
 
 SCRIPT = ROOT / "compare_checkpoints.py"
@@ -56,10 +59,10 @@ def write_checkpoint(path: Path, models: tuple[ForwardModel, InverseModel], *, p
     config = Config(control_points=N_CONTROL_POINTS, model_size="tiny", dataset_ids=(0, 1),
                     checkpoint_path=str(path), **config_values)
     save_checkpoint(path, {
-        "format_version": 1, "run_id": path.stem, "epoch": len(val),
+        "format_version": FORMAT_VERSION, "run_id": path.stem, "epoch": len(val),
         "forward_model": {prefix + k: v for k, v in forward_model.state_dict().items()},
         "inverse_model": {prefix + k: v for k, v in inverse_model.state_dict().items()},
-        "model_config": {"forward": forward_model.config, "inverse": inverse_model.config},
+        "model_config": PairConfig.of(forward_model, inverse_model).to_dict(),
         "optimizer": {}, "scheduler": {}, "scaler": None, "rng": {},
         "history": history(list(val), gamma=[30.0 + 5 * k for k in range(len(val))]),
         "best_val_loss": min(val), "best_epoch": int(np.argmin(val)) + 1,
@@ -306,12 +309,12 @@ def test_module_prefixed_states_compare_to_zero_difference(tmp_path):
 
 
 def test_different_architectures_list_missing_and_mismatched_tensors(tmp_path):
-    tiny_forward, tiny_inverse = MODEL_SIZES["tiny"]
+    tiny_forward, tiny_inverse = SIZES["tiny"]
     torch.manual_seed(0)
-    deeper = (ForwardModel(**{**tiny_forward, "num_layers": 2}), InverseModel(**tiny_inverse))
+    deeper = (ForwardModel(replace(tiny_forward, num_layers=2)), InverseModel(tiny_inverse))
     reference = write_checkpoint(tmp_path / "tiny.pth", tiny_models(0))
     other = write_checkpoint(tmp_path / "deeper.pth", deeper)
-    widened = (ForwardModel(**{**tiny_forward, "bottleneck_width": 48}), InverseModel(**tiny_inverse))
+    widened = (ForwardModel(replace(tiny_forward, bottleneck_width=48)), InverseModel(tiny_inverse))
     third = write_checkpoint(tmp_path / "wider.pth", widened)
     compare.compare(CompareOptions([str(reference), str(other), str(third)], output_dir=str(tmp_path / "out"),
                                    evaluate=False))

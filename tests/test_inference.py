@@ -16,14 +16,15 @@ from matplotlib.image import imread
 
 import inference_visualize
 from epid import evaluate, plots
-from epid.checkpoint import load_checkpoint, save_checkpoint
+from epid.checkpoint import FORMAT_VERSION, load_checkpoint, save_checkpoint
 from epid.config import Config, load_config
 from epid.errors import InputError
+from epid.families import PairConfig, build_models
 from epid.gamma import gamma_index, gamma_maps
 from epid.imaging import render_frames
 from epid.kernel import default_kernel
 from epid.losses import LOSS_TERMS
-from epid.models import ForwardModel, InverseModel, build_models
+from epid.models import ForwardConfig, ForwardModel, InverseConfig, InverseModel
 from epid.sequences import generate_control_points, pattern_for
 from tests.support import ROOT, clean_environment
 
@@ -53,9 +54,9 @@ def history(epochs: int) -> dict:
 def checkpoint_payload(forward_model: ForwardModel, inverse_model: InverseModel, **config_values) -> dict:
     config = Config(control_points=N_CONTROL_POINTS, model_size="tiny", dataset_ids=DATASET_IDS, **config_values)
     return {
-        "format_version": 1, "run_id": "test", "epoch": 3,
+        "format_version": FORMAT_VERSION, "run_id": "test", "epoch": 3,
         "forward_model": forward_model.state_dict(), "inverse_model": inverse_model.state_dict(),
-        "model_config": {"forward": forward_model.config, "inverse": inverse_model.config},
+        "model_config": PairConfig.of(forward_model, inverse_model).to_dict(),
         "optimizer": {}, "scheduler": {}, "scaler": None, "rng": {},
         "history": history(3), "best_val_loss": 0.5, "best_epoch": 2,
         "config": config.to_dict(), "dataset_ids": list(DATASET_IDS), "world_size": 1,
@@ -247,8 +248,8 @@ def test_summary_matches_an_independent_computation(inference_run, checkpoint_pa
     output, _ = inference_run
     rows = read_summary(output)
     checkpoint = load_checkpoint(checkpoint_path)
-    forward_model = ForwardModel(**checkpoint["model_config"]["forward"]).eval()
-    inverse_model = InverseModel(**checkpoint["model_config"]["inverse"]).eval()
+    forward_model = ForwardModel(ForwardConfig(**checkpoint["model_config"]["forward"])).eval()
+    inverse_model = InverseModel(InverseConfig(**checkpoint["model_config"]["inverse"])).eval()
     forward_model.load_state_dict(checkpoint["forward_model"])
     inverse_model.load_state_dict(checkpoint["inverse_model"])
     kernel = default_kernel()
@@ -336,7 +337,7 @@ def test_missing_checkpoint_is_named(tmp_path):
 def test_incompatible_checkpoint_is_named(tmp_path):
     forward_model, inverse_model = build_models("tiny")
     payload = checkpoint_payload(forward_model, inverse_model)
-    payload["model_config"]["forward"] = {**forward_model.config, "d_model": 2 * forward_model.config["d_model"]}
+    payload["model_config"]["forward"]["d_model"] *= 2
     save_checkpoint(tmp_path / "other.pth", payload)
     run_main_expecting(["--checkpoint", str(tmp_path / "other.pth"), "--output-dir", str(tmp_path)],
                        r"other\.pth.*does not match")

@@ -14,19 +14,17 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from epid.losses import cross_training_loss
-from epid.models import (
-    MODEL_SIZES,
-    ForwardModel,
-    InverseModel,
+from epid.cpu_layers import (
     PointwiseConv,
     SingleChannelConv3x3,
     TransposedConv2x2,
     block_head_index,
-    build_models,
     scaled_dot_product_attention,
     upsample_head,
 )
+from epid.families import PairConfig, build_models
+from epid.losses import cross_training_loss
+from epid.models import SIZES, ForwardConfig, ForwardModel, InverseConfig, InverseModel
 
 GRID = 256
 
@@ -143,19 +141,32 @@ def test_default_parameter_counts_match_the_specification():
     assert inverse_model.config == InverseModel().config
 
 
-@pytest.mark.parametrize("size", sorted(MODEL_SIZES))
-def test_config_rebuilds_the_same_architecture_after_a_json_round_trip(size):
-    for model in build_models(size):
-        config = json.loads(json.dumps(model.config))
-        rebuilt = type(model)(**config)
-        assert rebuilt.config == model.config
-        rebuilt.load_state_dict(model.state_dict())
-        assert [p.shape for p in rebuilt.parameters()] == [p.shape for p in model.parameters()]
+@pytest.mark.parametrize("size", sorted(SIZES))
+def test_stored_pair_config_rebuilds_the_same_architecture_after_a_json_round_trip(size):
+    forward_model, inverse_model = build_models(size)
+    stored = json.loads(json.dumps(PairConfig.of(forward_model, inverse_model).to_dict()))
+    assert stored["family"] == "legacy" and isinstance(stored["forward"]["unet_widths"], list)
+    rebuilt = PairConfig.from_dict(stored)
+    assert (rebuilt.forward, rebuilt.inverse) == SIZES[size]
+    for model, copy in zip((forward_model, inverse_model), rebuilt.build(), strict=True):
+        assert copy.config == model.config
+        copy.load_state_dict(model.state_dict())
+        assert [p.shape for p in copy.parameters()] == [p.shape for p in model.parameters()]
+    without_family = {key: value for key, value in stored.items() if key != "family"}
+    assert PairConfig.from_dict(without_family) == rebuilt  # a config without a family is a legacy one
 
 
-def test_unknown_size_is_rejected():
+def test_configs_are_checked_and_unknown_sizes_and_families_rejected():
     with pytest.raises(ValueError, match="unknown model size"):
         build_models("huge")
+    with pytest.raises(ValueError, match="unknown model family"):
+        build_models("tiny", "transformer")
+    with pytest.raises(ValueError, match="upsample_widths"):
+        ForwardConfig(upsample_widths=(8,))
+    with pytest.raises(ValueError, match="patch_size 3"):
+        InverseConfig(patch_size=3)
+    with pytest.raises(TypeError):
+        PairConfig.from_dict({"forward": {"width": 3}, "inverse": {}})
 
 
 def test_initialisation_follows_the_specification():

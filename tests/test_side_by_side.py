@@ -10,10 +10,9 @@ import threading
 import pytest
 import torch
 
+from epid.families import CrossModel, build_models
 from epid.losses import cross_training_loss
-from epid.models import build_models
 from epid.side_by_side import SideBySide, used_for
-from epid.train import CrossModel
 from tests.support import ROOT, clean_environment
 from tests.test_models import training_batch
 
