@@ -8,13 +8,16 @@ can run at the same time, each on its own share of the threads.
 
 The inverse model is the larger of the two (one thread, batch 8, bf16, forward and backward:
 inverse about 270 ms, forward model about 185 ms, one of the inverse model's two encoder towers
-about 55 ms), and its two towers are independent of each other, so the work is split as:
+about 55 ms), and its two towers are independent of each other. When the inverse model offers
+them as split points (``encode(tower, frame)`` and ``decode(prev, curr)``, as the legacy
+family's does), the work is split as:
 
 * the forward worker: the inverse model's prev-frame tower, then the forward model;
 * the inverse worker: the curr-frame tower, then the rest of the inverse model, which waits
   for the prev-frame tower's outputs.
 
-A step then runs
+Without split points the forward worker runs the forward model and the inverse worker the
+whole inverse model. A step then runs
 
 1. forward passes in the two workers as above, each under the caller's grad mode and autocast
    setting; every hand-over (tower outputs to the inverse worker, model outputs to the caller)
@@ -23,7 +26,7 @@ A step then runs
 3. ``backward(loss)``: the loss graph back to the cut model outputs; then in the inverse worker
    the rest of the inverse model back to the cut tower outputs, then the curr-frame tower; in
    the forward worker the forward model, then (once the inverse worker has delivered its
-   gradients) the prev-frame tower. The three parts' parameters are disjoint.
+   gradients) the prev-frame tower. The parts' parameters are disjoint.
 
 Gradients equal those of the sequential step up to floating-point summation order. OpenMP
 thread counts are per calling thread, so each worker keeps its own count for its lifetime
@@ -103,18 +106,19 @@ class SideBySide:
         if devices != {"cpu"}:
             raise ValueError(f"side-by-side models run on the CPU, got parameters on {sorted(devices)}")
         self.model = model
+        self.towers = all(hasattr(model.inverse_model, name) for name in ("encode", "decode"))
         inverse_threads = (threads + 1) // 2
         self.threads = (threads - inverse_threads, inverse_threads)
         self._workers = tuple(
             ThreadPoolExecutor(1, thread_name_prefix=f"epid-{name}", initializer=_use_threads, initargs=(count,))
-            for name, count in zip(("forward", "inverse"), self.threads)
+            for name, count in zip(("forward", "inverse"), self.threads, strict=True)
         )
         caller_threads = torch.get_num_threads()
         for worker in self._workers:  # start both now: their initialisers also set torch's default for new threads
             worker.submit(torch.get_num_threads).result()
         torch.set_num_threads(caller_threads)
-        # (forward model, rest of the inverse model, curr-frame tower, prev-frame tower), in backward order
-        self._pending: tuple[Handover, Handover, Handover, Handover] | None = None
+        # the last call's parts to run backward through, in order: (worker, hand-over, index of a part to wait for)
+        self._pending: list[tuple[ThreadPoolExecutor, Handover, int | None]] = []
 
     def worker_threads(self) -> tuple[int, int]:
         """The intra-op thread counts the (forward, inverse) workers actually use."""
@@ -128,6 +132,13 @@ class SideBySide:
         grad = torch.is_grad_enabled()
         dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None
         forward_model, inverse_model = self.model.forward_model, self.model.inverse_model
+        forward_worker, inverse_worker = self._workers
+        if not self.towers:
+            forward_job = forward_worker.submit(_run, grad, dtype, forward_model, leaf_a, leaf_b, scalars)
+            inverse_job = inverse_worker.submit(_run, grad, dtype, inverse_model, epid_prev, epid_curr)
+            forward_out, inverse_out = _handover(forward_job.result(), grad), _handover(inverse_job.result(), grad)
+            self._pending = [(forward_worker, forward_out, None), (inverse_worker, inverse_out, None)] if grad else []
+            return forward_out[1], inverse_out[1]
 
         def tower(name: str, frame: Tensor) -> Handover:
             return _handover(_run(grad, dtype, inverse_model.encode, name, frame), grad)
@@ -137,30 +148,29 @@ class SideBySide:
             prev = prev_job.result()
             return _handover(_run(grad, dtype, inverse_model.decode, prev[1], curr[1]), grad), curr, prev
 
-        forward_worker, inverse_worker = self._workers
         prev_job = forward_worker.submit(tower, "prev", epid_prev)
         forward_job = forward_worker.submit(_run, grad, dtype, forward_model, leaf_a, leaf_b, scalars)
         inverse_job = inverse_worker.submit(inverse_part, prev_job)
         forward_out = _handover(forward_job.result(), grad)
         inverse_out, curr, prev = inverse_job.result()
-        if grad:
-            self._pending = (forward_out, inverse_out, curr, prev)
+        # the prev-frame tower's backward needs the gradients the rest of the inverse model (part 0) delivers
+        parts = [(inverse_worker, inverse_out, None), (inverse_worker, curr, None), (forward_worker, forward_out, None),
+                 (forward_worker, prev, 0)]
+        self._pending = parts if grad else []
         return forward_out[1], inverse_out[1]
 
     def backward(self, loss: Tensor) -> None:
         """Gradients of ``loss`` (computed from the last call's outputs) into both models' parameters."""
-        if self._pending is None:
+        if not self._pending:
             raise RuntimeError("SideBySide.backward needs a preceding call with gradients enabled")
-        (forward_out, inverse_out, curr, prev), self._pending = self._pending, None
+        parts, self._pending = self._pending, []
         loss.backward()
-        forward_worker, inverse_worker = self._workers
-        rest_job = inverse_worker.submit(_backward_through, inverse_out)
-        jobs = [
-            rest_job,
-            inverse_worker.submit(_backward_through, curr),
-            forward_worker.submit(_backward_through, forward_out),
-            forward_worker.submit(_after, rest_job, prev),
-        ]
+        jobs: list[Future] = []
+        for worker, handover, first in parts:
+            if first is None:
+                jobs.append(worker.submit(_backward_through, handover))
+            else:
+                jobs.append(worker.submit(_after, jobs[first], handover))
         for job in jobs:
             job.result()
 

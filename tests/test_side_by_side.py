@@ -116,6 +116,41 @@ def test_the_prev_frame_tower_runs_with_the_forward_model_and_the_rest_in_the_in
         assert seen[f"{name} backward"] == {worker}, name
 
 
+class WholeInverseModel(torch.nn.Module):
+    """An inverse model without split points (no ``encode`` / ``decode``)."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, epid_prev: torch.Tensor, epid_curr: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self.inner(epid_prev, epid_curr)
+
+
+def test_an_inverse_model_without_split_points_runs_whole_in_the_inverse_worker(threads):
+    torch.manual_seed(0)
+    forward_model, inverse_model = build_models("small")
+    model = CrossModel(forward_model, WholeInverseModel(inverse_model)).place(torch.device("cpu"))
+    seen: dict[str, set[str]] = {}
+    for name, part in (("forward model", forward_model), ("inverse model", inverse_model)):
+        part.register_forward_hook(lambda *_, name=name: seen.setdefault(name, set()).add(
+            threading.current_thread().name.split("_")[0]))
+    batch = training_batch(3)
+    runner = SideBySide(model, threads)
+    try:
+        assert not runner.towers
+        want_loss, want_grads = step(model, model, batch, None)
+        seen.clear()
+        got_loss, got_grads = step(runner, model, batch, None)
+    finally:
+        runner.close()
+    assert seen == {"forward model": {"epid-forward"}, "inverse model": {"epid-inverse"}}
+    torch.testing.assert_close(got_loss, want_loss, rtol=1e-4, atol=0)
+    for want, got in zip(want_grads, got_grads, strict=True):
+        assert got.abs().sum() > 0
+        assert (got - want).abs().max() <= 1e-4 * want.abs().max()
+
+
 def test_without_gradients_it_returns_the_models_outputs_and_backward_needs_a_graph(threads):
     torch.manual_seed(0)
     model = CrossModel(*build_models("tiny")).eval()
