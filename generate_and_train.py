@@ -25,10 +25,11 @@ def main() -> int:
     parser.parse_args()
     config = load_config()
     if config.dry_run:
-        print("Resolved configuration:")
-        print(describe(config))
-        print("Dataset IDs per rank:")
-        print(rank_report(config))
+        from epid.preflight import check
+
+        for note in check(config):  # every check the launch makes
+            print(note)
+        print(f"Resolved configuration:\n{describe(config)}\nDataset IDs per rank:\n{rank_report(config)}")
         return 0
     from epid.train import launch
 

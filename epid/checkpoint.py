@@ -6,7 +6,7 @@ A checkpoint is a dict of tensors, numbers, strings, lists and dicts only, so
   format_version, run_id, epoch (last completed, 1-based), forward_model, inverse_model
   (state dicts without ``module.`` / ``_orig_mod.`` prefixes), model_config
   (``epid.families.PairConfig.to_dict()``: {"family", "forward": config, "inverse": config}),
-  optimizer, scheduler, scaler (or None), rng,
+  optimizer, schedule (the learning-rate schedule's base rate and shape), scaler (or None), rng,
   history {"train": {term: [...]}, "val": {term: [...]}, "gamma_pass": [...], "lr": [...],
   "samples_per_s": [...], ...}, best_val_loss, best_epoch, config (Config.to_dict()),
   dataset_ids, world_size, torch_version, and ``interrupted`` (None, or where an epoch was
@@ -15,8 +15,9 @@ A checkpoint is a dict of tensors, numbers, strings, lists and dicts only, so
   the training state in it.
 
 Format 1 (written before model configs named their family) is read as format 2: its
-model_config {"forward": kwargs, "inverse": kwargs} is a legacy pair with those configs, and
-an interrupted epoch's summed loss sums are carried on by rank 0.
+model_config {"forward": kwargs, "inverse": kwargs} is a legacy pair with those configs, the
+base rate of its LambdaLR ``scheduler`` state is the schedule's, and an interrupted epoch's
+summed loss sums are carried on by rank 0.
 
 Writes go to a temporary file in the same folder, are fsynced, renamed over the target and
 the folder is fsynced, so a crash at any moment leaves the previous checkpoint loadable.
@@ -123,6 +124,8 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
 def _read_format_1(payload: dict[str, Any]) -> None:
     """Turn a format-1 checkpoint into format 2, in place."""
     payload["model_config"] = {"family": LEGACY, **payload["model_config"]}
+    scheduler = payload.pop("scheduler", None) or {}  # torch's LambdaLR state: its base rate is all that stays
+    payload["schedule"] = {"base_lr": float(scheduler["base_lrs"][0])} if scheduler.get("base_lrs") else {}
     interrupted = payload.get("interrupted")
     if interrupted and "train_sums" in interrupted:  # the sums of all ranks added up: rank 0 carries them on
         others = int(payload.get("world_size", 1)) - 1

@@ -70,7 +70,7 @@ from epid.sharding import select_dataset_ids
 from epid.tables import format_number, format_table
 from epid.weights_diff import WeightDiff, diff_weights
 
-UNCOMPARED_KEYS = ("optimizer", "scheduler", "scaler", "rng")  # dropped after loading: memory
+UNCOMPARED_KEYS = ("optimizer", "schedule", "scaler", "rng")  # dropped after loading: memory
 DEFAULT_DATASET_RANGE = "0:640:80"
 GLOB_CHARACTERS = re.compile(r"[*?[]")
 

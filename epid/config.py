@@ -208,7 +208,7 @@ class Config:
         meaning="seconds a rank waits in a collective for its peers before the job fails (a lost node, a hung rank)")
     dry_run: bool = setting(
         "EPID_DRY_RUN", False, Boolean(), example="1",
-        meaning="print the resolved config and each rank's dataset IDs, then exit")
+        meaning="check everything the launch checks, print the resolved config and each rank's dataset IDs, then exit")
     # Synthesis
     control_points: int = setting(
         "EPID_CONTROL_POINTS", DEFAULT_CONTROL_POINTS, Integer(4), example="66",
@@ -255,9 +255,29 @@ class Config:
     lr_scaling: str = setting(
         "EPID_LR_SCALING", "none", Choice("none", "linear", "sqrt"), example="sqrt",
         meaning="scale the learning rate with the global batch relative to 128")
+    lr_schedule: str = setting(
+        "EPID_LR_SCHEDULE", "cosine-restarts", Choice("cosine-restarts", "cosine", "linear"), example="cosine",
+        meaning="learning-rate decay after the warm-up: cosine-restarts (cosine annealing with warm restarts, "
+                "legacy), cosine (one cosine down to EPID_LR_MIN at the last epoch) or linear (a straight line "
+                "down to it; after a warm-up, one cycle)")
+    lr_update: str = setting(
+        "EPID_LR_UPDATE", "epoch", Choice("epoch", "step"), example="step",
+        meaning="the learning rate moves along its schedule once per epoch (legacy) or at every optimizer step")
+    lr_min: float = setting(
+        "EPID_LR_MIN", 1e-6, Real(0.0), example="1e-5", meaning="floor of the learning-rate decay")
+    lr_restart_epochs: int = setting(
+        "EPID_LR_RESTART_EPOCHS", 10, Integer(1), example="50",
+        meaning="epochs from the end of the warm-up to the first restart of cosine-restarts")
+    lr_restart_factor: int = setting(
+        "EPID_LR_RESTART_FACTOR", 2, Integer(1), example="1",
+        meaning="each restart period of cosine-restarts is this many times the one before")
     warmup_epochs: int = setting(
         "EPID_WARMUP_EPOCHS", 0, Integer(0), example="2",
         meaning="epochs of linear learning-rate warm-up before the decay")
+    warmup_steps: int = setting(
+        "EPID_WARMUP_STEPS", 0, Integer(0), example="500",
+        meaning="optimizer steps of linear learning-rate warm-up before the decay (with EPID_LR_UPDATE=step; "
+                "instead of EPID_WARMUP_EPOCHS)")
     grad_accum: int = setting(
         "EPID_GRAD_ACCUM", 1, Integer(1), example="4", meaning="batches accumulated per optimizer step")
     precision: str = setting(
@@ -425,6 +445,17 @@ def load_config(environ: Mapping[str, str] | None = None) -> Config:
         raise _fail(
             name, raw, f"{len(ids)} dataset(s) for {world_size} ranks: rank {len(ids)} would get no dataset",
             f"at least {world_size} datasets (one per rank), or fewer ranks",
+        )
+
+    if values["warmup_steps"] and values["warmup_epochs"]:
+        raise _fail(
+            "EPID_WARMUP_STEPS", str(values["warmup_steps"]), "EPID_WARMUP_EPOCHS is also set",
+            "only one of EPID_WARMUP_EPOCHS and EPID_WARMUP_STEPS",
+        )
+    if values["warmup_steps"] and values["lr_update"] != "step":
+        raise _fail(
+            "EPID_WARMUP_STEPS", str(values["warmup_steps"]), "the learning rate moves once per epoch",
+            "EPID_LR_UPDATE=step with it, or EPID_WARMUP_EPOCHS",
         )
 
     kernel_path = _split_kernel(values["kernel"])[0]

@@ -131,18 +131,6 @@ def tune_host_allocator() -> bool:
         return False
 
 
-def check_launch(config: Config) -> None:
-    """Raise InputError when the device or backend request cannot work on this node.
-
-    Runs before any process is spawned, so a wrong EPID_DEVICE / EPID_BACKEND exits with
-    status 2 instead of failing inside every rank.
-    """
-    ranks_here = local_world_size(config)
-    device = resolve_device(config.device, ranks_here - 1)  # the node's last rank needs the highest GPU index
-    if config.backend == "nccl" and device.type != "cuda":
-        raise LaunchError("EPID_BACKEND='nccl': nccl needs CUDA devices, training runs on the CPU; expected gloo or auto")
-
-
 # --------------------------------------------------------------------------- launch
 
 

@@ -21,18 +21,25 @@ Terms (unweighted; ``total`` applies the weights):
 * ``latent``: MSE between the forward and inverse latent images.
 
 ``total = forward + leaf_a + leaf_b + scalars + 10 * ordering + consistency + 0.1 * latent``.
+
+``batch_losses`` runs both models on a batch and computes its terms, as training and
+validation do.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Protocol
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import Tensor
 
+from epid.devices import autocast
 from epid.models import LEAF_SCALE_MM, SCALAR_SCALE
 from epid.sequences import NUM_LEAF_PAIRS
+
+if TYPE_CHECKING:
+    from epid.dataset import Batch
 
 LOSS_TERMS = ("total", "forward", "leaf_a", "leaf_b", "scalars", "ordering", "consistency", "latent")
 LOSS_WEIGHTS = {
@@ -124,3 +131,11 @@ def cross_training_loss(
     }
     total = sum(LOSS_WEIGHTS[name] * value for name, value in terms.items())
     return {"total": total, **terms}
+
+
+def batch_losses(model: Callable[..., Any], batch: Batch, device: torch.device, amp_dtype: torch.dtype) -> dict[str, Tensor]:
+    """Every loss term of ``batch`` through ``model`` (a ``CrossModel``, or a runner called like
+    one), the models under autocast to ``amp_dtype`` on ``device``."""
+    with autocast(device, amp_dtype):
+        forward_out, inverse_out = model(batch.leaf_a, batch.leaf_b, batch.scalars, batch.epid_prev, batch.epid_curr)
+    return cross_training_loss(forward_out, inverse_out, batch)

@@ -63,7 +63,7 @@ def write_checkpoint(path: Path, models: tuple[ForwardModel, InverseModel], *, p
         "forward_model": {prefix + k: v for k, v in forward_model.state_dict().items()},
         "inverse_model": {prefix + k: v for k, v in inverse_model.state_dict().items()},
         "model_config": PairConfig.of(forward_model, inverse_model).to_dict(),
-        "optimizer": {}, "scheduler": {}, "scaler": None, "rng": {},
+        "optimizer": {}, "schedule": {}, "scaler": None, "rng": {},
         "history": history(list(val), gamma=[30.0 + 5 * k for k in range(len(val))]),
         "best_val_loss": min(val), "best_epoch": int(np.argmin(val)) + 1,
         "config": config.to_dict(), "dataset_ids": [0, 1], "world_size": 1, "torch_version": str(torch.__version__),

@@ -133,6 +133,12 @@ def bad_values(tmp_path):
         "EPID_WEIGHT_DECAY": ("inf", "a number >= 0"),
         "EPID_LR_SCALING": ("cubic", "none, linear or sqrt"),
         "EPID_WARMUP_EPOCHS": ("x", "not an integer"),
+        "EPID_WARMUP_STEPS": ("-5", "an integer >= 0"),
+        "EPID_LR_SCHEDULE": ("step", "cosine-restarts, cosine or linear"),
+        "EPID_LR_UPDATE": ("batch", "epoch or step"),
+        "EPID_LR_MIN": ("nan", "a number >= 0"),
+        "EPID_LR_RESTART_EPOCHS": ("0", "an integer >= 1"),
+        "EPID_LR_RESTART_FACTOR": ("1.5", "not an integer"),
         "EPID_GRAD_ACCUM": ("0", "an integer >= 1"),
         "EPID_PRECISION": ("fp8", "auto, bf16, fp16 or fp32"),
         "EPID_COMPILE": ("y", "1/0, true/false or yes/no"),
@@ -171,6 +177,10 @@ def test_combinations_are_checked(tmp_path):
         load_config({"EPID_WORLD_SIZE": "3", "EPID_DATASET_IDS": "1,2"})
     with pytest.raises(ConfigError, match="^EPID_WORLD_SIZE='200': the default per-rank batch"):
         load_config({"EPID_WORLD_SIZE": "200", "EPID_BATCH_SIZE": ""})
+    with pytest.raises(ConfigError, match="^EPID_WARMUP_STEPS='100': EPID_WARMUP_EPOCHS is also set"):
+        load_config({"EPID_WARMUP_STEPS": "100", "EPID_WARMUP_EPOCHS": "1", "EPID_LR_UPDATE": "step"})
+    with pytest.raises(ConfigError, match="^EPID_WARMUP_STEPS='100': the learning rate moves once per epoch"):
+        load_config({"EPID_WARMUP_STEPS": "100"})
     with pytest.raises(ConfigError, match="^EPID_RESUME='1': no checkpoint at EPID_CHECKPOINT_PATH"):
         load_config({"EPID_RESUME": "1", "EPID_CHECKPOINT_PATH": str(tmp_path / "none.pth")})
 

@@ -1,4 +1,4 @@
-"""Training engine: schedule, gamma subset, metrics files, and real multi-process runs.
+"""Training engine: gamma subset, devices, metrics files, pre-flight checks and real multi-process runs.
 
 The end-to-end tests run ``generate_and_train.py`` as a subprocess (the real entry point) on
 a tiny configuration: 12 control points (8 training and 2 validation samples per dataset),
@@ -23,7 +23,7 @@ import pytest
 import torch
 from matplotlib.image import imread
 
-from epid import devices, evaluate, plots, train
+from epid import devices, evaluate, plots, preflight, train
 from epid.checkpoint import CheckpointError, best_path, load_checkpoint, save_checkpoint
 from epid.config import load_config
 from epid.distributed import (
@@ -39,6 +39,7 @@ from epid.errors import InputError
 from epid.losses import LOSS_TERMS
 from epid.metrics_log import COLUMNS, MetricsLog, append_epoch, empty_history
 from tests.support import ROOT, clean_environment
+from tests.test_schedule import cosine_restarts
 
 SCRIPT = ROOT / "generate_and_train.py"
 LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -108,25 +109,6 @@ def assert_losses_png(path: Path) -> None:
 
 
 # --------------------------------------------------------------------------- pure functions
-
-
-def test_learning_rate_follows_cosine_warm_restarts_per_epoch():
-    parameter = torch.nn.Parameter(torch.zeros(1))
-    optimizer = torch.optim.AdamW([parameter], lr=3e-4)
-    reference = torch.optim.lr_scheduler.CosineAnnealingWarmRestarts(optimizer, T_0=10, T_mult=2, eta_min=1e-6)
-    for epoch in range(75):
-        assert train.learning_rate(epoch, 3e-4) == pytest.approx(optimizer.param_groups[0]["lr"], rel=1e-12)
-        optimizer.step()
-        reference.step()
-    assert train.learning_rate(10, 3e-4) == pytest.approx(3e-4)  # first restart
-    assert train.learning_rate(30, 3e-4) == pytest.approx(3e-4)  # second restart (10 + 20)
-
-
-def test_learning_rate_warm_up_is_linear_then_cosine_starts_at_base():
-    rates = [train.learning_rate(e, 1e-3, warmup_epochs=3) for e in range(5)]
-    assert rates[:3] == pytest.approx([0.25e-3, 0.5e-3, 0.75e-3])
-    assert rates[3] == pytest.approx(1e-3)
-    assert rates[4] == pytest.approx(train.learning_rate(1, 1e-3))
 
 
 def test_gamma_subset_is_spread_fixed_and_inside_validation():
@@ -239,8 +221,9 @@ def test_two_rank_run_writes_checkpoint_metrics_and_equal_steps(two_rank_run):
             assert len(raw["history"][split][term]) == 2
             assert all(math.isfinite(v) for v in raw["history"][split][term])
     assert all(0.0 <= g <= 100.0 for g in raw["history"]["gamma_pass"])
-    assert raw["history"]["lr"] == pytest.approx([train.learning_rate(0, 1e-4), train.learning_rate(1, 1e-4)])
-    assert raw["scheduler"]["last_epoch"] == 2
+    assert raw["history"]["lr"] == pytest.approx([cosine_restarts(0, 1e-4), cosine_restarts(1, 1e-4)], rel=1e-12)
+    assert raw["optimizer"]["param_groups"][0]["lr"] == pytest.approx(cosine_restarts(2, 1e-4), rel=1e-12)
+    assert raw["schedule"]["base_lr"] == 1e-4 and raw["schedule"]["decay"] == "cosine-restarts"
     assert best_path(checkpoint).is_file()
     rows = read_rows(checkpoint.parent / "metrics.csv")
     assert [int(r["epoch"]) for r in rows] == [1, 2]
@@ -279,12 +262,12 @@ def test_resume_from_module_prefixed_checkpoint_on_another_world_size(two_rank_r
     assert "world size changes from 2 to 1" in result.stdout and "grad_accum changes from 2 to 1" in result.stdout
     resumed = torch.load(checkpoint, weights_only=True)
     assert resumed["epoch"] == 3 and resumed["run_id"] == saved["run_id"] and resumed["world_size"] == 1
-    assert resumed["scheduler"]["last_epoch"] == 3
+    assert resumed["optimizer"]["param_groups"][0]["lr"] == pytest.approx(cosine_restarts(3, 1e-4), rel=1e-12)
     history = resumed["history"]
     for split in ("train", "val"):
         assert history[split]["total"][:2] == saved["history"][split]["total"]
         assert len(history[split]["total"]) == 3
-    assert history["lr"] == pytest.approx([train.learning_rate(e, 1e-4) for e in range(3)])
+    assert history["lr"] == pytest.approx([cosine_restarts(e, 1e-4) for e in range(3)], rel=1e-12)
     assert history["steps_per_rank"][-1] == [6]  # one rank now owns all 3 datasets x 2 windows
     assert re.search(r"^epoch 3/3 ", result.stdout, re.MULTILINE) and not re.search(r"^epoch [12]/", result.stdout, re.MULTILINE)
     rows = read_rows(tmp_path / "metrics.csv")
@@ -311,8 +294,9 @@ def test_restored_trainer_holds_the_saved_weights_optimizer_and_schedule(two_ran
         assert state.keys() == optimizer_state[index].keys() == {"step", "exp_avg", "exp_avg_sq"}
         assert all(torch.equal(optimizer_state[index][key], value) for key, value in state.items())
         assert int(state["step"]) == 4  # 2 epochs x 2 optimizer steps
-    assert trainer.scheduler.last_epoch == 2
-    assert trainer.optimizer.param_groups[0]["lr"] == pytest.approx(train.learning_rate(2, 1e-4))
+    assert trainer.optimizer.param_groups[0]["lr"] == pytest.approx(cosine_restarts(2, 1e-4), rel=1e-12)
+    assert trainer.schedule.rate(trainer.schedule.position(trainer.state.epoch, 0)) == pytest.approx(
+        cosine_restarts(2, 1e-4), rel=1e-12)
     assert trainer.state.epoch == 2 and trainer.state.history["lr"] == saved["history"]["lr"]
 
 
@@ -410,7 +394,7 @@ def test_launch_checks_reject_bad_input(case, two_rank_run, tmp_path):
         "unwritable folder": ({"EPID_CHECKPOINT_PATH": str(blocker / "epid.pth")}, InputError, "cannot write there"),
     }[case]
     with pytest.raises(error, match=message):
-        train.check_inputs(load_config(run_env(checkpoint, **overrides)))
+        preflight.check(load_config(run_env(checkpoint, **overrides)))
 
 
 @pytest.mark.parametrize("case", ["more ranks than datasets", "bad kernel file"])

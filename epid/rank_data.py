@@ -1,0 +1,96 @@
+"""The data one rank trains and validates on.
+
+Its datasets (``Config.rank_dataset_ids``), the batch windows of each epoch, the validation
+windows and the gamma samples, and the loader that turns windows into batches on the rank's
+device (``epid.dataset``).
+
+Every rank takes the same number of optimizer steps per epoch: the largest window count of
+any rank (capped by EPID_STEPS_PER_EPOCH), rounded up to whole EPID_GRAD_ACCUM groups; a rank
+with fewer windows goes round its list again from the start. Validation visits each of the
+rank's validation windows once (with EPID_STEPS_PER_EPOCH, at most that many, evenly spread).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from epid import evaluate, sharding
+from epid.config import Config
+from epid.dataset import Batch, BatchLoader, EpidData, Window, epoch_windows, steps_per_epoch
+from epid.distributed import RankContext
+
+
+class RankData:
+    """One rank's datasets, windows and loader; ``steps`` optimizer steps of ``batches`` batches per epoch."""
+
+    def __init__(self, config: Config, context: RankContext) -> None:
+        self.config = config
+        self.world_size = context.world_size
+        self.device = context.device
+        self.dataset_ids = config.rank_dataset_ids(context.rank)
+        self.data = EpidData.from_config(config, self.dataset_ids)
+        self.loader = BatchLoader(self.data, self.device, num_workers=config.num_workers,
+                                  pin_memory=config.pin_memory, prefetch_factor=config.prefetch_factor)
+        self.copy_batches = config.num_workers > 0 and self.device.type != "cpu"
+        self.train_windows = self.data.windows("train", config.batch_size)
+        shares = sharding.assign_all_ranks(config.dataset_ids, context.world_size, config.dataset_shuffle,
+                                           config.dataset_seed)
+        batches = steps_per_epoch([len(ids) for ids in shares], n_control_points=config.control_points,
+                                  batch_size=config.batch_size, max_batches=config.steps_per_epoch * config.grad_accum)
+        self.steps = math.ceil(batches / config.grad_accum)
+        self.batches = self.steps * config.grad_accum
+        self.val_windows = self._capped(self.data.windows("val", config.batch_size))
+        own = set(self.dataset_ids)
+        chosen = evaluate.gamma_subset(config.dataset_ids, config.control_points, config.gamma_samples)
+        self.gamma_items = [item for item in chosen if item[0] in own]
+        self._gamma_inputs: dict[str, Tensor] | None = None
+
+    def _capped(self, windows: list[Window]) -> list[Window]:
+        """Validation windows; with EPID_STEPS_PER_EPOCH, at most that many batches, evenly spread."""
+        cap = self.config.steps_per_epoch * self.config.grad_accum
+        if not cap or len(windows) <= cap:
+            return windows
+        return [windows[i * len(windows) // cap] for i in range(cap)]
+
+    def train_batches(self, epoch: int, first_batch: int = 0) -> Iterator[Batch]:
+        """The training batches of ``epoch`` from its batch ``first_batch`` (0-based) on."""
+        config = self.config
+        windows = epoch_windows(self.train_windows, order=config.batch_order, seed=config.seed, epoch=epoch,
+                                steps=self.batches)
+        return iter(self.loader.batches(windows[first_batch:]))
+
+    def val_batches(self) -> Iterator[Batch]:
+        return iter(self.loader.batches(self.val_windows))
+
+    def to_device(self, batch: Batch) -> Batch:
+        """A loader batch on the rank's device (DataLoader workers make them on the host)."""
+        if not self.copy_batches:
+            return batch
+        return batch.to(self.device, non_blocking=self.loader.pin_memory)
+
+    def plan(self) -> dict[str, Any]:
+        """What fixes the batch order of an epoch (an interrupted epoch resumes only under the same plan)."""
+        config = self.config
+        return {
+            "world_size": self.world_size, "dataset_ids": list(config.dataset_ids),
+            "dataset_shuffle": config.dataset_shuffle, "dataset_seed": config.dataset_seed,
+            "batch_size": config.batch_size, "grad_accum": config.grad_accum, "batch_order": config.batch_order,
+            "seed": config.seed, "control_points": config.control_points, "batches": self.batches,
+        }
+
+    def gamma_inputs(self) -> dict[str, Tensor]:
+        """The gamma samples' inputs and measured frames, synthesised once and kept on the device."""
+        if self._gamma_inputs is None:
+            batches = [self.data.make_batch(Window(d, s, s + 1), self.device) for d, s in self.gamma_items]
+            self._gamma_inputs = {
+                "leaf_a": torch.cat([b.leaf_a for b in batches]),
+                "leaf_b": torch.cat([b.leaf_b for b in batches]),
+                "scalars": torch.cat([b.scalars for b in batches]),
+                "epid_curr": torch.cat([b.epid_curr[:, 0] for b in batches]),
+            }
+        return self._gamma_inputs
