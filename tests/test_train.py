@@ -410,3 +410,17 @@ def test_input_errors_exit_2_before_any_rank_starts(case, tmp_path):
     assert len(lines) == 1 and lines[0].startswith("generate_and_train.py: error: "), result.stderr
     assert "rank 0/" not in result.stdout  # no rank was started
     assert not checkpoint.parent.exists()
+
+
+def test_the_dry_run_makes_the_launch_checks_and_starts_nothing(two_rank_run, tmp_path):
+    result = run_script(run_env(tmp_path / "run" / "epid.pth", EPID_DRY_RUN="1", EPID_KERNEL=_bad_kernel(tmp_path)))
+    assert result.returncode == 2 and "kernel file" in result.stderr and "kernel.mat" in result.stderr
+    source, _ = two_rank_run
+    checkpoint = tmp_path / "epid.pth"
+    shutil.copy(source, checkpoint)
+    result = run_script(run_env(checkpoint, EPID_DRY_RUN="1", EPID_RESUME="1", EPID_EPOCHS="3", EPID_BATCH_SIZE="2"))
+    assert result.returncode == 0, result.stderr
+    assert "Resuming" in result.stdout and "batch_size changes from 4 to 2" in result.stdout
+    assert "rank 0: " in result.stdout and not re.search(r"^epoch \d", result.stdout, re.MULTILINE)
+    assert not (tmp_path / "run").exists() and load_checkpoint(checkpoint)["epoch"] == 2
+
