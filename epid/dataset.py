@@ -12,23 +12,14 @@ of dataset ``d`` is the same tensor values wherever it appears.
 
 Only control points are kept in memory (packed losslessly, 0.65 MB per dataset of 2050
 control points); frames are synthesised for the batch at hand on the device that trains
-on them. With a cache directory, each
-dataset's frames are written once as float16 and read back window by window through
-``np.memmap``.
+on them. With a cache directory, each dataset's frames are written once as float16 and read
+back window by window through ``np.memmap`` (``epid.frame_cache``).
 """
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
-import json
-import logging
 import math
-import os
 import random
-import struct
-import uuid
-import zlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -38,29 +29,18 @@ import numpy as np
 import torch
 
 from epid import imaging, sequences
-from epid.files import fsync_directory
+from epid.frame_cache import CACHE_CHUNK_FRAMES, FrameCache, cache_key, engine_digest
+from epid.imaging import FRAME_SHAPE
 from epid.kernel import default_kernel, kernel_from_config
 from epid.sequences import ControlPoints, generate_control_points
 
 if TYPE_CHECKING:
     from epid.config import Config
 
-try:
-    import fcntl
-except ImportError:  # Windows: concurrent cache writers both write; the atomic rename keeps one.
-    fcntl = None
-
-log = logging.getLogger(__name__)
-
 TRAIN_FRACTION = 0.8125
 SPLITS = ("train", "val")
 BATCH_ORDERS = ("sequential", "shuffled")
 MIN_CONTROL_POINTS = 4
-FRAME_SHAPE = (imaging.GRID_SIZE, imaging.GRID_SIZE)
-CACHE_FORMAT_VERSION = 1
-CACHE_MAGIC = b"EPIDF16\n"
-CACHE_HEADER_BYTES = 4096
-CACHE_CHUNK_FRAMES = 64
 
 Device = str | torch.device
 FrameRender = Callable[[ControlPoints, int, np.ndarray, torch.device], torch.Tensor]
@@ -295,198 +275,7 @@ def assemble_batch(control_points: ControlPoints, window: Window, frames: torch.
 # --------------------------------------------------------------------------- frame cache
 
 
-class FrameCache:
-    """One float16 file of frames 1 .. N - 1 per dataset under ``directory``.
-
-    File layout: a 4096-byte header (magic, JSON with the cache key, shape and the
-    CRC-32 of the frame bytes) followed by (N - 1, 256, 256) float16 frames, frame ``f``
-    at index ``f - 1``. The file name carries a digest of the key, which holds
-    everything that changes the frames (N, kernel digest, noise, a format version and
-    the frame engine's source digest), so a changed setting never reads stale frames.
-
-    Files are written once, atomically (temporary file, fsync, rename), under an
-    advisory lock where the platform has one. The first open of a file in a process
-    checks its size, header and checksum; a bad file is reported with a one-line
-    warning naming it, rewritten and never read. Later opens check the size only.
-    """
-
-    def __init__(self, directory: str | Path, key: dict[str, Any]) -> None:
-        self.directory = Path(directory)
-        self.key = dict(key)
-        text = json.dumps(self.key, sort_keys=True)
-        self.digest = hashlib.sha256(text.encode()).hexdigest()[:16]
-        self.n_frames = int(self.key["n_control_points"]) - 1
-        self._verified: set[Path] = set()
-        self._verified_pid = os.getpid()
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state["_verified"] = set()
-        return state
-
-    @property
-    def data_bytes(self) -> int:
-        return self.n_frames * FRAME_SHAPE[0] * FRAME_SHAPE[1] * 2
-
-    def path(self, dataset_id: int) -> Path:
-        return self.directory / f"frames_{dataset_id:03d}_{self.digest}.f16"
-
-    def read(
-        self,
-        dataset_id: int,
-        first_frame: int,
-        stop_frame: int,
-        render_all: Callable[[], Iterator[np.ndarray]],
-    ) -> np.ndarray:
-        """Frames ``first_frame .. stop_frame - 1`` of a dataset, float16 (F, 256, 256).
-
-        ``render_all`` yields the dataset's frames 1 .. N - 1 in order, in float32
-        chunks of shape (F, 256, 256); it is called only when the file must be written.
-        """
-        if not 1 <= first_frame < stop_frame <= self.n_frames + 1:
-            raise ValueError(f"frames {first_frame}..{stop_frame - 1} outside 1..{self.n_frames}")
-        path = self._ensure(dataset_id, render_all)
-        frames = np.memmap(
-            path,
-            dtype=np.float16,
-            mode="r",
-            offset=CACHE_HEADER_BYTES,
-            shape=(self.n_frames, *FRAME_SHAPE),
-        )
-        window = np.array(frames[first_frame - 1 : stop_frame - 1])
-        del frames
-        return window
-
-    def _ensure(self, dataset_id: int, render_all: Callable[[], Iterator[np.ndarray]]) -> Path:
-        if self._verified_pid != os.getpid():
-            self._verified, self._verified_pid = set(), os.getpid()
-        path = self.path(dataset_id)
-        expected_size = CACHE_HEADER_BYTES + self.data_bytes
-        if path in self._verified and _file_size(path) == expected_size:
-            return path
-        self._verified.discard(path)
-        self.directory.mkdir(parents=True, exist_ok=True)
-        with _exclusive_lock(path.with_name(path.name + ".lock")):
-            problem = self._problem(dataset_id, path)
-            if problem is not None:
-                if problem != "missing":
-                    log.warning("frame cache %s is %s; regenerating it", path, problem)
-                self._write(dataset_id, path, render_all())
-        self._verified.add(path)
-        return path
-
-    def _header(self, dataset_id: int, crc32: int) -> bytes:
-        content = dict(
-            self.key,
-            dataset_id=dataset_id,
-            shape=[self.n_frames, *FRAME_SHAPE],
-            dtype="float16",
-            crc32=crc32,
-        )
-        text = json.dumps(content, sort_keys=True).encode()
-        header = CACHE_MAGIC + struct.pack("<I", len(text)) + text
-        if len(header) > CACHE_HEADER_BYTES:
-            raise ValueError("frame cache header does not fit in its block")
-        return header.ljust(CACHE_HEADER_BYTES, b"\0")
-
-    def _problem(self, dataset_id: int, path: Path) -> str | None:
-        """None for a good file, else what is wrong with it ("missing", ...)."""
-        size = _file_size(path)
-        if size is None:
-            return "missing"
-        expected_size = CACHE_HEADER_BYTES + self.data_bytes
-        if size != expected_size:
-            return f"of the wrong size ({size} bytes, expected {expected_size})"
-        with open(path, "rb") as handle:
-            block = handle.read(CACHE_HEADER_BYTES)
-            stored = _parse_header(block)
-            if stored is None:
-                return "unreadable (bad header)"
-            if block != self._header(dataset_id, stored["crc32"]):
-                return "for other settings (header does not match)"
-            crc32 = 0
-            while chunk := handle.read(1 << 24):
-                crc32 = zlib.crc32(chunk, crc32)
-        if crc32 != stored["crc32"]:
-            return "corrupt (checksum mismatch)"
-        return None
-
-    def _write(self, dataset_id: int, path: Path, chunks: Iterator[np.ndarray]) -> None:
-        temporary = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
-        try:
-            with open(temporary, "wb") as handle:
-                handle.write(bytes(CACHE_HEADER_BYTES))
-                crc32, written = 0, 0
-                for chunk in chunks:
-                    data = np.ascontiguousarray(chunk, dtype=np.float16).tobytes()
-                    crc32 = zlib.crc32(data, crc32)
-                    written += len(data)
-                    handle.write(data)
-                if written != self.data_bytes:
-                    raise RuntimeError(f"rendered {written} bytes of frames, expected {self.data_bytes}")
-                handle.seek(0)
-                handle.write(self._header(dataset_id, crc32))
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.replace(temporary, path)
-            fsync_directory(path.parent)
-        finally:
-            temporary.unlink(missing_ok=True)
-
-
-def _parse_header(block: bytes) -> dict[str, Any] | None:
-    start = len(CACHE_MAGIC) + 4
-    if len(block) < start or not block.startswith(CACHE_MAGIC):
-        return None
-    (length,) = struct.unpack("<I", block[len(CACHE_MAGIC) : start])
-    try:
-        content = json.loads(block[start : start + length])
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        return None
-    if not isinstance(content, dict) or not isinstance(content.get("crc32"), int):
-        return None
-    return content
-
-
-def _file_size(path: Path) -> int | None:
-    try:
-        return path.stat().st_size
-    except FileNotFoundError:
-        return None
-
-
-@contextlib.contextmanager
-def _exclusive_lock(lock_path: Path) -> Iterator[None]:
-    if fcntl is None:
-        yield
-        return
-    with open(lock_path, "a+b") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
-
 # --------------------------------------------------------------------------- data source
-
-
-def kernel_digest(kernel: np.ndarray | torch.Tensor) -> str:
-    """SHA-256 of a kernel's shape and float64 values."""
-    values = kernel.detach().cpu().numpy() if isinstance(kernel, torch.Tensor) else kernel
-    values = np.ascontiguousarray(values, dtype=np.float64)
-    digest = hashlib.sha256(str(values.shape).encode())
-    digest.update(values.tobytes())
-    return digest.hexdigest()
-
-
-def engine_digest() -> str:
-    """SHA-256 of the sources that turn an ID into frames (control points and imaging)."""
-    digest = hashlib.sha256()
-    for module in (sequences, imaging):
-        digest.update(Path(module.__file__).read_bytes())
-    return digest.hexdigest()
 
 
 class EngineRender:
@@ -612,15 +401,7 @@ class EpidData:
         self.render = render
         self.cache = None
         if cache_dir:
-            key = {
-                "format_version": CACHE_FORMAT_VERSION,
-                "n_control_points": control_points,
-                "kernel_sha256": kernel_digest(self.kernel),
-                "noise_std": float(noise_std),
-                "noise_seed": int(noise_seed),
-                "render_id": render_id,
-            }
-            self.cache = FrameCache(cache_dir, key)
+            self.cache = FrameCache(cache_dir, cache_key(control_points, self.kernel, noise_std, noise_seed, render_id))
         self._control_points: dict[int, PackedControlPoints] = {}
 
     @classmethod

@@ -36,6 +36,7 @@ from epid.devices import device_of, resolve_device
 from epid.sequences import LEAF_WIDTH_MM, MLC_Y_MIN_MM, NUM_LEAF_PAIRS, ControlPoints
 
 GRID_SIZE = 256
+FRAME_SHAPE = (GRID_SIZE, GRID_SIZE)
 PIXEL_MM = 1.0
 SUB_APERTURES = 7
 """Sub-apertures per frame, at t = 0, 1/6, ..., 1 between consecutive control points."""

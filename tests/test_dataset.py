@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from epid import dataset as ds
+from epid import frame_cache
 from epid.config import load_config
 from epid.imaging import render_frames
 from epid.kernel import default_kernel
@@ -314,7 +315,7 @@ def test_cache_is_written_once_and_reused(tmp_path):
     fresh = all_batches(counting_data([2, 6]))
     first_render = CountingRender()
     first = all_batches(counting_data([2, 6], cache_dir=tmp_path, render=first_render))
-    chunks = math.ceil((N_SMALL - 1) / ds.CACHE_CHUNK_FRAMES)
+    chunks = math.ceil((N_SMALL - 1) / frame_cache.CACHE_CHUNK_FRAMES)
     assert (first_render.calls, first_render.frames) == (2 * chunks, 2 * (N_SMALL - 1))
     assert len(list(tmp_path.glob("*.f16"))) == 2
     second_render = CountingRender()
@@ -348,7 +349,7 @@ def damage_truncate(path):
 
 def damage_flip_data(path):
     raw = bytearray(path.read_bytes())
-    raw[ds.CACHE_HEADER_BYTES + 5000] ^= 0xFF
+    raw[frame_cache.CACHE_HEADER_BYTES + 5000] ^= 0xFF
     path.write_bytes(bytes(raw))
 
 
@@ -368,7 +369,7 @@ def test_damaged_cache_is_reported_regenerated_and_never_used(tmp_path, caplog, 
     good = path.read_bytes()
     damage(path)
     render = CountingRender()
-    with caplog.at_level(logging.WARNING, logger="epid.dataset"):
+    with caplog.at_level(logging.WARNING, logger="epid.frame_cache"):
         again = all_batches(counting_data([3], cache_dir=tmp_path, render=render))
     (record,) = caplog.records
     assert str(path) in record.getMessage() and reason in record.getMessage()
@@ -384,7 +385,7 @@ def test_truncation_after_first_open_is_caught(tmp_path, caplog):
     expected = data.make_batch(ds.Window(3, 0, 4), "cpu")
     (path,) = tmp_path.glob("*.f16")
     damage_truncate(path)
-    with caplog.at_level(logging.WARNING, logger="epid.dataset"):
+    with caplog.at_level(logging.WARNING, logger="epid.frame_cache"):
         again = data.make_batch(ds.Window(3, 0, 4), "cpu")
     assert "wrong size" in caplog.text
     assert_same_batch(expected, again)
