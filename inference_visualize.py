@@ -56,7 +56,8 @@ def parse_arguments(argv: Sequence[str] | None, config: Config) -> argparse.Name
                         help="cap on all samples, spread evenly over the datasets; 0 = no cap (default %(default)s)")
     parser.add_argument("--split", choices=("val", "train", "all"), default="val",
                         help="part of each arc the samples come from (default %(default)s)")
-    parser.add_argument("--seed", type=int, default=0, metavar="N", help="seed of the sample choice (default %(default)s)")
+    parser.add_argument("--seed", type=int, default=0, metavar="N",
+                        help="seed of the sample choice (default %(default)s)")
     parser.add_argument("--device", default=config.device, metavar="DEVICE",
                         help="auto, cpu, cuda or cuda:N (default: EPID_DEVICE = %(default)s)")
     parser.add_argument("--batch-size", type=_positive_int, default=16, metavar="N",

@@ -93,7 +93,7 @@ def make_maps(count: int, severity: float = 1.0, seed: int = 0) -> tuple[np.ndar
     rng = np.random.default_rng(seed)
     references = np.stack([epid_like_field(rng) for _ in range(count)])
     kinds = [PERTURBATIONS[i % len(PERTURBATIONS)] for i in range(count)]
-    evaluations = np.stack([perturbed(r, rng, k, severity) for r, k in zip(references, kinds)])
+    evaluations = np.stack([perturbed(r, rng, k, severity) for r, k in zip(references, kinds, strict=True)])
     return references, evaluations
 
 
@@ -111,7 +111,7 @@ def time_pymedphys(references: np.ndarray, evaluations: np.ndarray) -> float:
 
     run(references[0], evaluations[0])
     start = time.perf_counter()
-    for reference, evaluation in zip(references, evaluations):
+    for reference, evaluation in zip(references, evaluations, strict=True):
         run(reference, evaluation)
     return time.perf_counter() - start
 
@@ -188,7 +188,8 @@ def main() -> None:
             gpu_references = cpu_references.to(gpu).repeat(repeat, 1, 1)[:batch]
             gpu_evaluations = cpu_evaluations.to(gpu).repeat(repeat, 1, 1)[:batch]
             time_torch(gpu_references, gpu_evaluations)
-            gpu_time = statistics.median(time_torch(gpu_references, gpu_evaluations) for _ in range(max(3, args.repeats)))
+            repeats = max(3, args.repeats)
+            gpu_time = statistics.median(time_torch(gpu_references, gpu_evaluations) for _ in range(repeats))
             print(f"epid.gamma, {torch.cuda.get_device_name(gpu)}, batch of {batch}: {gpu_time * 1e3:.1f} ms "
                   f"({batch / gpu_time:.0f} maps/s)")
     else:

@@ -117,7 +117,7 @@ def bench_legacy(dataset_id: int, count: int, ours_per_frame: float) -> None:
     images = frame_masks(dataset_id, count)
     ours = renderer_for(kernel, "cpu").convolve(torch.from_numpy(images)).numpy()
     seconds, agreement = [], []
-    for image, fast in zip(images, ours):
+    for image, fast in zip(images, ours, strict=True):
         start = time.perf_counter()
         direct = scipy.signal.convolve2d(image, kernel, mode="same")
         seconds.append(time.perf_counter() - start)

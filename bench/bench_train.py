@@ -51,7 +51,8 @@ from epid.devices import resolve_device, resolve_precision
 from epid.distributed import available_cpus, tune_host_allocator
 
 LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-TIMING = re.compile(r"^\[TIMING\]\[train\] epoch 2 steps \S+: data_wait (\S+) h2d (\S+) compute (\S+) iter (\S+)", re.MULTILINE)
+TIMING = re.compile(r"^\[TIMING\]\[train\] epoch 2 steps \S+: data_wait (\S+) h2d (\S+) compute (\S+) iter (\S+)",
+                    re.MULTILINE)
 PEAK = re.compile(r"peak GPU memory (\S+) GiB")
 
 
@@ -123,7 +124,8 @@ def cpu_section(steps: int, workdir: Path, repeats: int) -> None:
           f"{end_to_end['samples_per_s']:.1f} samples/s end to end (target >= 25), "
           f"model-only {model_only:.1f} samples/s, ratio {100 * ratio:.0f} % (target >= 80 %)", flush=True)
     if "iter_ms" in end_to_end:
-        print(f"[cpu]   per step: data_wait {end_to_end['data_wait_ms']:.1f} ms, compute {end_to_end['compute_ms']:.1f} ms, "
+        print(f"[cpu]   per step: data_wait {end_to_end['data_wait_ms']:.1f} ms, "
+              f"compute {end_to_end['compute_ms']:.1f} ms, "
               f"iter {end_to_end['iter_ms']:.1f} ms", flush=True)
 
 
@@ -158,7 +160,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sections", nargs="+", choices=list(SECTIONS), default=list(SECTIONS))
     parser.add_argument("--steps", type=int, default=20, help="optimizer steps per measured epoch")
-    parser.add_argument("--repeats", type=int, default=3, help="alternated repetitions of the CPU measurements (medians)")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="alternated repetitions of the CPU measurements (medians)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench_train_") as workdir:
         for name in args.sections:

@@ -99,7 +99,8 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
         payload = torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as error:
         raise CheckpointError(
-            f"checkpoint {str(path)!r}: holds objects that torch.load(weights_only=True) refuses ({_unsafe_reason(error)})"
+            f"checkpoint {str(path)!r}: holds objects that torch.load(weights_only=True) refuses "
+            f"({_unsafe_reason(error)})"
         ) from None
     except (RuntimeError, EOFError, OSError, ValueError, zipfile.BadZipFile) as error:
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
@@ -108,7 +109,9 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
         raise CheckpointError(f"checkpoint {str(path)!r}: holds a {type(payload).__name__}, expected a dict")
     missing = [key for key in REQUIRED_KEYS if key not in payload]
     if missing:
-        raise CheckpointError(f"checkpoint {str(path)!r}: missing {', '.join(missing)}; not an epid training checkpoint")
+        raise CheckpointError(
+            f"checkpoint {str(path)!r}: missing {', '.join(missing)}; not an epid training checkpoint"
+        )
     if not isinstance(payload["format_version"], int) or payload["format_version"] > FORMAT_VERSION:
         raise CheckpointError(
             f"checkpoint {str(path)!r}: format version {payload['format_version']!r} is newer than "

@@ -133,7 +133,7 @@ def load_checkpoints(
 ) -> tuple[list[LoadedCheckpoint], list[Failure]]:
     """Load every checkpoint and rebuild its models on ``device``; failures are collected, not raised."""
     loaded, failures = [], []
-    for name, path in zip(display_names(paths), paths):
+    for name, path in zip(display_names(paths), paths, strict=True):
         try:
             payload = load_checkpoint(path)
             models = build_models_from_checkpoint(payload, device)
@@ -410,7 +410,9 @@ class Comparison:
 def compare(options: CompareOptions) -> int:
     """Run the comparison, print the tables, write the files; 1 if any checkpoint failed, else 0."""
     paths = expand_checkpoint_patterns(options.checkpoints)
-    device = resolve_device(options.device, given=f"--device {options.device!r}") if options.evaluate else torch.device("cpu")
+    device = torch.device("cpu")
+    if options.evaluate:
+        device = resolve_device(options.device, given=f"--device {options.device!r}")
     dataset_ids = evaluation_dataset_ids(options) if options.evaluate else []
     output_dir = prepare_output_dir(options.output_dir)
 

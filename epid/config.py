@@ -186,7 +186,8 @@ class Config:
     dataset_shuffle: bool = setting(
         "EPID_DATASET_SHUFFLE", True, Boolean(), example="0",
         meaning="shuffle dataset IDs before the strided rank split")
-    dataset_seed: int = setting("EPID_DATASET_SEED", 12345, Integer(), example="7", meaning="seed of the dataset ID shuffle")
+    dataset_seed: int = setting(
+        "EPID_DATASET_SEED", 12345, Integer(), example="7", meaning="seed of the dataset ID shuffle")
     dataset_range: str = setting(
         "EPID_DATASET_RANGE", "", Text("start:stop[:step] with IDs in 0..639", _range_spec), example="0:640:80",
         meaning="select dataset IDs by a Python-style range")
@@ -460,16 +461,19 @@ def load_config(environ: Mapping[str, str] | None = None) -> Config:
 
     kernel_path = _split_kernel(values["kernel"])[0]
     if kernel_path and not os.path.isfile(kernel_path):
-        raise _fail("EPID_KERNEL", values["kernel"], f"no file {kernel_path!r}", "path.mat or path.mat:variable of an existing file")
+        raise _fail("EPID_KERNEL", values["kernel"], f"no file {kernel_path!r}",
+                    "path.mat or path.mat:variable of an existing file")
     if values["cache_dir"] and os.path.exists(values["cache_dir"]) and not os.path.isdir(values["cache_dir"]):
         raise _fail("EPID_CACHE_DIR", values["cache_dir"], "exists and is not a directory", "a directory path")
     if values["resume"] and not os.path.isfile(values["checkpoint_path"]):
         raise _fail(
-            "EPID_RESUME", environ.get("EPID_RESUME", ""), f"no checkpoint at EPID_CHECKPOINT_PATH={values['checkpoint_path']!r}",
+            "EPID_RESUME", environ.get("EPID_RESUME", ""),
+            f"no checkpoint at EPID_CHECKPOINT_PATH={values['checkpoint_path']!r}",
             "an existing checkpoint to resume from, or EPID_RESUME=0",
         )
     if os.path.isdir(values["checkpoint_path"]):
-        raise _fail("EPID_CHECKPOINT_PATH", values["checkpoint_path"], "is a directory", "a file path such as runs/a/epid.pth")
+        raise _fail("EPID_CHECKPOINT_PATH", values["checkpoint_path"], "is a directory",
+                    "a file path such as runs/a/epid.pth")
     return Config(**values)
 
 

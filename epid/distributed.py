@@ -169,7 +169,8 @@ def _spawn(worker: Worker, config: Config) -> int:
             print(f"training failed on rank {error.error_index}:{error}", file=sys.stderr, flush=True)
             return 1
         except mp.ProcessExitedException as error:
-            print(f"training failed: rank {error.error_index} (pid {error.pid}) {_exit_text(error)}", file=sys.stderr, flush=True)
+            print(f"training failed: rank {error.error_index} (pid {error.pid}) {_exit_text(error)}", file=sys.stderr,
+                  flush=True)
             return 1
     return 0
 

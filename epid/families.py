@@ -98,7 +98,8 @@ class PairConfig:
 
 def _plain(config: Any) -> dict[str, Any]:
     """A config dataclass as a dict of plain values (tuples as lists)."""
-    return {key: list(value) if isinstance(value, tuple) else value for key, value in dataclasses.asdict(config).items()}
+    values = dataclasses.asdict(config)
+    return {key: list(value) if isinstance(value, tuple) else value for key, value in values.items()}
 
 
 def build_models(size: str = "full", family_name: str = DEFAULT_FAMILY) -> tuple[nn.Module, nn.Module]:

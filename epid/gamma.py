@@ -531,7 +531,7 @@ class _ShellSearch:
         if stop <= points.gathered:
             return
         rows = points.rows(points.gathered, stop)
-        for row, start in zip(rows, self.shift_offsets[points.gathered : stop]):
+        for row, start in zip(rows, self.shift_offsets[points.gathered : stop], strict=True):
             torch.index_select(self.padded[start:], 0, points.padded_index, out=row)
         rows.sub_(points.reference)
         points.gathered = stop

@@ -71,7 +71,9 @@ def summarize_history(payload: Mapping[str, Any], common_epochs: int, tail: int)
     }
 
 
-def summarize_histories(payloads: Mapping[str, Mapping[str, Any]], tail: int) -> tuple[dict[str, dict[str, float]], int]:
+def summarize_histories(
+    payloads: Mapping[str, Mapping[str, Any]], tail: int
+) -> tuple[dict[str, dict[str, float]], int]:
     """History summary per checkpoint name and the common epoch window they were computed on."""
     common = min((total_curves(payload)[1].size for payload in payloads.values()), default=0)
     return {name: summarize_history(payload, common, tail) for name, payload in payloads.items()}, common

@@ -468,7 +468,7 @@ def _add_frame_noise(
     for all frames, since small parallel operations are slow on a busy CPU.
     """
     noise = torch.empty_like(frames)
-    for frame_noise, number in zip(noise, frame_numbers):
+    for frame_noise, number in zip(noise, frame_numbers, strict=True):
         generator.manual_seed(frame_noise_seed(noise_seed, dataset_id, number))
         frame_noise.normal_(generator=generator)
     frames.addcmul_(noise, torch.tensor(scales, dtype=frames.dtype, device=frames.device).view(-1, 1, 1))

@@ -94,7 +94,7 @@ def consistency_loss(leaf_banks: Sequence[Tensor], weight_banks: Sequence[Tensor
     total = leaf_banks[0].new_zeros(())
     if leaf_banks[0].shape[0] < 2:
         return total
-    for leaves, weights in zip(leaf_banks, weight_banks):
+    for leaves, weights in zip(leaf_banks, weight_banks, strict=True):
         curr = leaves[:-1, NUM_LEAF_PAIRS:]
         next_prev = leaves[1:, :NUM_LEAF_PAIRS]
         total = total + weighted_mse(curr, next_prev, weights[:-1, NUM_LEAF_PAIRS:])
@@ -133,7 +133,9 @@ def cross_training_loss(
     return {"total": total, **terms}
 
 
-def batch_losses(model: Callable[..., Any], batch: Batch, device: torch.device, amp_dtype: torch.dtype) -> dict[str, Tensor]:
+def batch_losses(
+    model: Callable[..., Any], batch: Batch, device: torch.device, amp_dtype: torch.dtype
+) -> dict[str, Tensor]:
     """Every loss term of ``batch`` through ``model`` (a ``CrossModel``, or a runner called like
     one), the models under autocast to ``amp_dtype`` on ``device``."""
     with autocast(device, amp_dtype):

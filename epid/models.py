@@ -144,7 +144,7 @@ class Decoder(nn.Module):
             in_channels = width
 
     def forward(self, x: Tensor, skips: Sequence[Tensor]) -> Tensor:
-        for upsample, block, skip in zip(self.upsamples, self.blocks, reversed(skips)):
+        for upsample, block, skip in zip(self.upsamples, self.blocks, reversed(skips), strict=True):
             x = block(torch.cat([upsample(x), skip], dim=1))
         return x
 
@@ -310,7 +310,8 @@ class ForwardModel(nn.Module):
         super().__init__()
         self.config = config = config or ForwardConfig()
         d_model, num_heads, ff_dim = config.d_model, config.num_heads, config.ff_dim
-        unet_widths, bottleneck_width, upsample_widths = config.unet_widths, config.bottleneck_width, config.upsample_widths
+        unet_widths, bottleneck_width = config.unet_widths, config.bottleneck_width
+        upsample_widths = config.upsample_widths
         self.mu_embedding = nn.Linear(1, d_model)
         self.jaw_embedding = nn.Linear(2, d_model)
         self.leaf_embedding = nn.Linear(2, d_model)
@@ -435,7 +436,7 @@ class InverseModel(nn.Module):
         """Both towers' outputs (``encode``) fused and decoded -> latent (B,1,64,64)."""
         skips = [
             fusion(torch.cat([p, c], dim=1))
-            for fusion, p, c in zip(self.skip_fusions, prev[:-1], curr[:-1])
+            for fusion, p, c in zip(self.skip_fusions, prev[:-1], curr[:-1], strict=True)
         ]
         x = self.bottleneck(self.bottleneck_fusion(torch.cat([prev[-1], curr[-1]], dim=1)))
         return F.relu(self.to_latent(self.decoder(x, skips)))
@@ -443,7 +444,7 @@ class InverseModel(nn.Module):
     def memory(self, latent: Tensor) -> Tensor:
         """Multi-scale memory tokens (B, 336, d_model) from the latent (B,1,64,64)."""
         scales = []
-        for scale, (embed, positions) in enumerate(zip(self.patch_embeddings, self.positions)):
+        for scale, (embed, positions) in enumerate(zip(self.patch_embeddings, self.positions, strict=True)):
             image = F.avg_pool2d(latent, 2**scale) if scale else latent
             tokens = embed(image).flatten(2).transpose(1, 2)
             scales.append(tokens + positions + self.scale_embeddings[scale])

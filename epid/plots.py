@@ -126,7 +126,9 @@ def _mlc_panel(axes: Axes, target: Mapping[str, np.ndarray | float], predicted: 
     for values, style in ((target, JAW_TARGET_STYLE), (predicted, JAW_PREDICTED_STYLE)):
         for jaw in ("jaw_1", "jaw_2"):
             axes.axhline(values[jaw], **style)
-    positions = np.concatenate([np.ravel(values[bank]) for values in (target, predicted) for bank in ("leaf_a", "leaf_b")])
+    positions = np.concatenate(
+        [np.ravel(values[bank]) for values in (target, predicted) for bank in ("leaf_a", "leaf_b")]
+    )
     jaws = np.array([values[jaw] for values in (target, predicted) for jaw in ("jaw_1", "jaw_2")])
     axes.set_xlim(*_limits(positions, -HALF_FIELD_MM - MLC_MARGIN_MM, HALF_FIELD_MM + MLC_MARGIN_MM))
     axes.set_ylim(*_limits(jaws, LEAF_EDGES_MM[0], LEAF_EDGES_MM[-1]))
@@ -186,7 +188,8 @@ def sample_figure(samples: SampleSet, predictions: Predictions, gamma: np.ndarra
     middle = rows[1].subgridspec(1, 4, width_ratios=(1.0, 1.0, 0.42, 0.5))
     bottom = rows[2].subgridspec(1, 2)
 
-    x_centre, y_centre = field_centre(targets[1]["leaf_a"], targets[1]["leaf_b"], targets[1]["jaw_1"], targets[1]["jaw_2"])
+    curr = targets[1]
+    x_centre, y_centre = field_centre(curr["leaf_a"], curr["leaf_b"], curr["jaw_1"], curr["jaw_2"])
     row, column = _row_of(y_centre), _column_of(x_centre)
     _image_row(figure, [figure.add_subplot(top[0, k]) for k in range(4)], measured, predicted, gamma, record,
                criteria, row, column)
@@ -300,11 +303,11 @@ def losses_figure(history: Mapping[str, object], best_epoch: int | None, title: 
     figure = new_figure((LOSSES_WIDTH_IN, LOSSES_ROW_HEIGHT_IN * rows + 0.8))
     figure.suptitle(f"{title}\nlosses on a log scale; dotted line: best validation epoch", fontsize=13)
     axes_grid = figure.subplots(rows, columns, squeeze=False).ravel()
-    for axes, term in zip(axes_grid, terms):
+    for axes, term in zip(axes_grid, terms, strict=False):
         _curve(axes, {"train": train.get(term), "val": val.get(term)}, log=True)
         axes.set_title(term, fontsize=11)
         _mark_best(axes, best_epoch)
-    for axes, name in zip(axes_grid[len(terms):], extras):
+    for axes, name in zip(axes_grid[len(terms):], extras, strict=False):
         label, title, log = EXTRA_SERIES[name]
         _curve(axes, {label: history[name]}, log=log)
         axes.set_title(title, fontsize=11)
@@ -380,14 +383,14 @@ def summary_figure(records: Sequence[SampleMetrics], title: str) -> Figure:
     figure.suptitle(title, fontsize=13)
     axes_grid = figure.subplots(2, 3).ravel()
     jitter = np.random.default_rng(0)
-    for axes, metric in zip(axes_grid, SUMMARY_METRICS):
+    for axes, metric in zip(axes_grid, SUMMARY_METRICS, strict=True):
         values = [np.array([getattr(r, metric) for r in group], dtype=float) for group in groups.values()]
         finite = [v[np.isfinite(v)] for v in values]
         positions = np.arange(1, len(groups) + 1)
         axes.boxplot([v if v.size else [np.nan] for v in finite], positions=positions, widths=0.5,
                      showfliers=False, showmeans=True, medianprops={"color": "black"},
                      meanprops={"marker": "D", "markerfacecolor": "white", "markeredgecolor": "black"})
-        for position, pattern, v in zip(positions, groups, finite):
+        for position, pattern, v in zip(positions, groups, finite, strict=True):
             axes.scatter(position + jitter.uniform(-0.12, 0.12, v.size), v, s=18, alpha=0.75,
                          color=PATTERN_COLOURS.get(pattern, "tab:gray"), zorder=3)
         axes.set_xticks(positions, [f"{pattern}\n(n={len(group)})" for pattern, group in groups.items()])
@@ -468,14 +471,14 @@ def metrics_figure(summaries: Mapping[str, Mapping[str, Mapping[str, float]]], c
     axes = figure.subplots(rows, per_row, squeeze=False).flatten()
     width = 0.8 / len(names)
     x = np.arange(len(groups))
-    for axis, column in zip(axes, columns):
+    for axis, column in zip(axes, columns, strict=False):
         heights = np.array([[summaries[name][group].get(column.key, math.nan) for group in groups] for name in names])
         best = best_in_columns(heights, column.better)
         for i, name in enumerate(names):
             axis.bar(x - 0.4 + width * (i + 0.5), np.nan_to_num(heights[i], nan=0.0), width,
                      color=styles[name]["color"], linewidth=1.8,
                      edgecolor=["black" if flag else "none" for flag in best[i]])
-        axis.set_xticks(x, [f"{group}\n({count})" for group, count in zip(groups, counts)], fontsize=8)
+        axis.set_xticks(x, [f"{group}\n({count})" for group, count in zip(groups, counts, strict=True)], fontsize=8)
         axis.set_title(f"{column.label} ({column.better} is better)", fontsize=9)
         axis.grid(True, axis="y", alpha=0.3)
     for axis in axes[len(columns):]:

@@ -75,7 +75,7 @@ def _handover(outputs: Outputs, grad: bool) -> Handover:
 def _backward_through(handover: Handover) -> None:
     """Continue the backward pass from the cut copies' gradients into the part behind the outputs."""
     outputs, cut = handover
-    pairs = [(output, leaf.grad) for output, leaf in zip(outputs, cut) if leaf.grad is not None]
+    pairs = [(output, leaf.grad) for output, leaf in zip(outputs, cut, strict=True) if leaf.grad is not None]
     if pairs:
         torch.autograd.backward([output for output, _ in pairs], [grad for _, grad in pairs])
 

@@ -38,7 +38,7 @@ def format_table(headers: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
     numeric = [all(NUMERIC_CELL.match(row[i]) for row in rows[1:]) for i in range(len(headers))]
 
     def line(row: Sequence[str]) -> str:
-        cells = [cell.rjust(w) if right else cell.ljust(w) for cell, w, right in zip(row, widths, numeric)]
+        cells = [cell.rjust(w) if right else cell.ljust(w) for cell, w, right in zip(row, widths, numeric, strict=True)]
         return "  ".join(cells).rstrip()
 
     rule = "  ".join("-" * width for width in widths)

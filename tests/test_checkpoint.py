@@ -75,7 +75,8 @@ def test_a_format_1_checkpoint_loads_as_the_current_format_and_rebuilds_its_mode
     tiny_model.eval()
     with torch.no_grad():
         want = tiny_model(batch.leaf_a, batch.leaf_b, batch.scalars, batch.epid_prev, batch.epid_curr)
-        got = (forward_model(batch.leaf_a, batch.leaf_b, batch.scalars), inverse_model(batch.epid_prev, batch.epid_curr))
+        got = (forward_model(batch.leaf_a, batch.leaf_b, batch.scalars),
+               inverse_model(batch.epid_prev, batch.epid_curr))
     for want_part, got_part in zip(want, got, strict=True):
         for want_tensor, got_tensor in zip(want_part, got_part, strict=True):
             assert torch.equal(want_tensor, got_tensor)

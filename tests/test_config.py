@@ -217,7 +217,8 @@ def test_help_lists_every_variable_with_its_default():
     assert result.returncode == 0
     assert help_text() in result.stdout
     for variable in VARIABLES:
-        assert re.search(rf"^  {variable.name}\s+default {re.escape(variable.shown_default)}$", result.stdout, re.MULTILINE)
+        line = rf"^  {variable.name}\s+default {re.escape(variable.shown_default)}$"
+        assert re.search(line, result.stdout, re.MULTILINE)
 
 
 def readme_table_rows() -> list[str]:

@@ -221,7 +221,7 @@ def test_noiseless_frames_match_the_reference_pipeline(control_points):
     frames = [1, 17, 40, 79]
     rendered = render_frames(control_points, frames, default_kernel(), dataset_id=200, noise_std=0.0)
     assert rendered.shape == (4, 256, 256) and rendered.dtype == torch.float32
-    for image, frame in zip(rendered, frames):
+    for image, frame in zip(rendered, frames, strict=True):
         assert_close_to_max(image, reference_frame(control_points, frame, default_kernel()))
 
 
@@ -242,7 +242,7 @@ def test_frame_integral_is_mu_over_seven_times_the_sub_aperture_areas():
         pattern="regular",
     )
     rendered = render_frames(cp, range(1, n), kernel, dataset_id=0, noise_std=0.0)
-    for image, frame in zip(rendered, range(1, n)):
+    for image, frame in zip(rendered, range(1, n), strict=True):
         areas = 0.0
         for t in np.arange(7) / 6:
             at = [
@@ -258,7 +258,7 @@ def test_noise_std_is_noise_std_times_mu_over_root_seven(control_points):
     frames = [3, 30, 60]
     clean = render_frames(control_points, frames, default_kernel(), dataset_id=200, noise_std=0.0)
     noisy = render_frames(control_points, frames, default_kernel(), dataset_id=200, noise_std=0.02)
-    for residual, frame in zip(noisy - clean, frames):
+    for residual, frame in zip(noisy - clean, frames, strict=True):
         expected = 0.02 * float(control_points.mu[frame]) / math.sqrt(7)
         # 65536 samples: the standard error of the std is std / sqrt(2 * 65536), about 0.3 %
         assert residual.std().item() == pytest.approx(expected, rel=0.015)

@@ -211,7 +211,8 @@ def test_cpu_convolution_paths_match_torch_convolutions(layer, reference, memory
     assert got.is_contiguous(memory_format=torch.channels_last)
     grad_out = torch.randn_like(want)
     inputs = (x, layer.weight, layer.bias)
-    for g, w in zip(torch.autograd.grad(got, inputs, grad_out), torch.autograd.grad(want, inputs, grad_out)):
+    got_grads, want_grads = torch.autograd.grad(got, inputs, grad_out), torch.autograd.grad(want, inputs, grad_out)
+    for g, w in zip(got_grads, want_grads, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
 
 
@@ -229,7 +230,8 @@ def test_cpu_upsample_head_matches_transposed_conv_relu_conv(memory_format):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     grad_out = torch.randn_like(want)
     inputs = (x, upsample.weight, upsample.bias, head.weight, head.bias)
-    for g, w in zip(torch.autograd.grad(got, inputs, grad_out), torch.autograd.grad(want, inputs, grad_out)):
+    got_grads, want_grads = torch.autograd.grad(got, inputs, grad_out), torch.autograd.grad(want, inputs, grad_out)
+    for g, w in zip(got_grads, want_grads, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
 
 
@@ -270,7 +272,7 @@ def test_output_shapes_for_every_accepted_frame_shape(batch):
     assert [t.shape for t in reference] == [(batch, 104), (batch, 104), (batch, 5), (batch, 1, 64, 64)]
     for shape in [(batch, GRID, GRID), (batch, 1, 1, GRID, GRID)]:
         outputs = inverse_model(frames.reshape(shape), frames.flip(-1).reshape(shape))
-        for got, want in zip(outputs, reference):
+        for got, want in zip(outputs, reference, strict=True):
             torch.testing.assert_close(got, want)
 
 
@@ -410,7 +412,8 @@ def test_bf16_autocast_agrees_with_fp32():
         reference = run_pair(forward_model, inverse_model, batch)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             low = run_pair(forward_model, inverse_model, batch)
-    for name, want, got in zip(["epid", "latent_f", "leaf_a", "leaf_b", "scalars", "latent_i"], reference, low):
+    names = ["epid", "latent_f", "leaf_a", "leaf_b", "scalars", "latent_i"]
+    for name, want, got in zip(names, reference, low, strict=True):
         assert got.shape == want.shape
         error = (got.float() - want).abs().max() / want.abs().max()
         assert error < 0.1, (name, error.item())
@@ -426,7 +429,7 @@ def test_channels_last_models_and_inputs_give_the_same_result():
     for name in ("epid_prev", "epid_curr"):
         setattr(batch, name, getattr(batch, name).contiguous(memory_format=torch.channels_last))
     outputs = run_pair(forward_model, inverse_model, batch)
-    for want, got in zip(reference, outputs):
+    for want, got in zip(reference, outputs, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     cross_training_loss(outputs[:2], outputs[2:], batch)["total"].backward()
 
@@ -440,7 +443,7 @@ def test_fp16_autocast_on_cuda_agrees_with_fp32():
         reference = run_pair(forward_model, inverse_model, batch)
         with torch.autocast("cuda", dtype=torch.float16):
             low = run_pair(forward_model, inverse_model, batch)
-    for want, got in zip(reference, low):
+    for want, got in zip(reference, low, strict=True):
         assert (got.float() - want).abs().max() / want.abs().max() < 0.05
 
 
@@ -454,7 +457,7 @@ def compiled_pair_matches_eager(backend: str) -> None:
         torch.compile(inverse_model, backend=backend, fullgraph=True),
         batch,
     )
-    for want, got in zip(reference, compiled):
+    for want, got in zip(reference, compiled, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
     loss = torch.compile(cross_training_loss, backend=backend, fullgraph=True)
     loss(compiled[:2], compiled[2:], batch)["total"].backward()

@@ -49,7 +49,7 @@ def test_side_by_side_step_gives_the_sequential_loss_and_gradients(threads):
     assert all(grad.abs().sum() > 0 for grad in got_grads)
     # only the summation order differs (one thread per model instead of several per operator)
     torch.testing.assert_close(got_loss, want_loss, rtol=1e-4, atol=0)
-    for want, got in zip(want_grads, got_grads):
+    for want, got in zip(want_grads, got_grads, strict=True):
         assert (got - want).abs().max() <= 1e-4 * want.abs().max()
 
 
@@ -67,7 +67,7 @@ def test_side_by_side_bf16_gradients_differ_from_sequential_ones_only_by_bf16_ro
     finally:
         runner.close()
     torch.testing.assert_close(got_loss, want_loss, rtol=2e-2, atol=0)
-    for exact, want, got in zip(exact_grads, want_grads, got_grads):
+    for exact, want, got in zip(exact_grads, want_grads, got_grads, strict=True):
         rounding = (want - exact).norm()
         assert (got - want).norm() <= 4 * rounding + 1e-3 * exact.norm()
     exact, got = (torch.cat([grad.flatten() for grad in grads]) for grads in (exact_grads, got_grads))
@@ -160,8 +160,8 @@ def test_without_gradients_it_returns_the_models_outputs_and_backward_needs_a_gr
         with torch.no_grad():
             want = model(batch.leaf_a, batch.leaf_b, batch.scalars, batch.epid_prev, batch.epid_curr)
             got = runner(batch.leaf_a, batch.leaf_b, batch.scalars, batch.epid_prev, batch.epid_curr)
-        for want_part, got_part in zip(want, got):
-            for want_tensor, got_tensor in zip(want_part, got_part):
+        for want_part, got_part in zip(want, got, strict=True):
+            for want_tensor, got_tensor in zip(want_part, got_part, strict=True):
                 assert not got_tensor.requires_grad
                 assert (got_tensor - want_tensor).abs().max() <= 1e-4 * want_tensor.abs().max()
         with pytest.raises(RuntimeError, match="preceding call with gradients enabled"):

@@ -109,7 +109,7 @@ def assert_same(expected: Any, actual: Any, where: str = "checkpoint") -> None:
             assert_same(expected[key], actual[key], f"{where}[{key!r}]")
     elif isinstance(expected, (list, tuple)):
         assert type(expected) is type(actual) and len(expected) == len(actual), where
-        for index, (a, b) in enumerate(zip(expected, actual)):
+        for index, (a, b) in enumerate(zip(expected, actual, strict=True)):
             assert_same(a, b, f"{where}[{index}]")
     elif isinstance(expected, float) and math.isnan(expected):
         assert isinstance(actual, float) and math.isnan(actual), where
@@ -198,7 +198,7 @@ def test_accumulated_batches_give_the_update_of_one_larger_batch(tmp_path, monke
     accumulated = first_step(tmp_path, monkeypatch, "accumulated", EPID_BATCH_SIZE="2", EPID_GRAD_ACCUM="4")
     half = first_step(tmp_path, monkeypatch, "half", EPID_BATCH_SIZE="4")
     want, got, other = (torch.cat([m.flatten() for m in optimizer_moments(c)]) for c in (whole, accumulated, half))
-    for want_tensor, got_tensor in zip(optimizer_moments(whole), optimizer_moments(accumulated)):
+    for want_tensor, got_tensor in zip(optimizer_moments(whole), optimizer_moments(accumulated), strict=True):
         assert (got_tensor - want_tensor).abs().max() <= 1e-3 * want_tensor.abs().max()
     assert (got - want).norm() <= 1e-4 * want.norm()
     assert (other - want).norm() > 0.01 * want.norm()  # the first half of the batch alone is another update
