@@ -14,7 +14,7 @@ OMP_WAIT_POLICY defaults to PASSIVE here (for both libraries): on a machine shar
 with other jobs, OpenMP threads that spin while waiting slow every parallel region
 down many times over.
 
-    python bench/bench_gamma.py [--maps 64] [--pymedphys-maps 16] [--repeats 3]
+    python -m bench.bench_gamma [--maps 64] [--pymedphys-maps 16] [--repeats 3]
                                 [--severity 1] [--threads N]
 """
 
@@ -26,9 +26,7 @@ import importlib.metadata
 import multiprocessing
 import os
 import statistics
-import sys
 import time
-from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch/numba start OpenMP
 
@@ -36,7 +34,6 @@ import numpy as np
 import torch
 from scipy.ndimage import convolve1d, gaussian_filter, shift
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from epid.gamma import GammaCriteria, gamma_index, gamma_pass_rate
 
 CRITERIA = GammaCriteria()  # 3 %/3 mm global, 10 % cutoff, max_gamma 2
@@ -127,7 +124,10 @@ def time_torch(references: torch.Tensor, evaluations: torch.Tensor) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.bench_gamma", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--maps", type=int, default=64)
     parser.add_argument("--pymedphys-maps", type=int, default=16, help="maps timed with pymedphys (0: skip)")
     parser.add_argument("--repeats", type=int, default=3)

@@ -37,7 +37,8 @@ def legacy_bytes_per_dataset(n_control_points: int) -> int:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.bench_memory", description=__doc__.splitlines()[0])
     parser.add_argument("--datasets", type=int, default=640, help="IDs 0..datasets-1")
     parser.add_argument("--control-points", type=int, default=DEFAULT_CONTROL_POINTS)
     parser.add_argument("--windows", type=int, default=3, help="batch windows to render")

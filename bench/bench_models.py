@@ -9,8 +9,8 @@ forward + backward), the achieved FLOP rate and its fraction of the machine's me
 peak in the same precision. Variants are timed round-robin, one step each per round, so that
 load from other processes on a shared machine affects all of them alike.
 
-    python bench/bench_models.py                      # fp32, bf16, bf16 side by side; batch 8 and 32
-    python bench/bench_models.py --variants bf16 bf16+compile --profile
+    python -m bench.bench_models                      # fp32, bf16, bf16 side by side; batch 8 and 32
+    python -m bench.bench_models --variants bf16 bf16+compile --profile
 """
 
 from __future__ import annotations
@@ -18,12 +18,8 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # isort: off
 import epid  # noqa: F401  (first: sets the OpenMP wait policy of training before torch loads)
@@ -202,7 +198,8 @@ def profile_variant(
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.bench_models", description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[8, 32])
     parser.add_argument(
         "--variants", nargs="+", default=["fp32", "bf16", "bf16+side"],

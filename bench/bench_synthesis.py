@@ -16,7 +16,7 @@ busy machine the wall time grows while the CPU time stays put.
 OMP_WAIT_POLICY defaults to PASSIVE here: on a machine shared with other jobs, OpenMP
 threads that spin while waiting slow every parallel region down many times over.
 
-    python bench/bench_synthesis.py [--repeats 3] [--threads 0] [--memory-ids 640]
+    python -m bench.bench_synthesis [--repeats 3] [--threads 0] [--memory-ids 640]
 """
 
 from __future__ import annotations
@@ -37,7 +37,6 @@ import numpy as np
 import scipy.signal
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from epid.imaging import FrameRenderer, rasterize, render_frames, renderer_for
 from epid.kernel import default_kernel
 from epid.sequences import DEFAULT_CONTROL_POINTS, NUM_DATASETS, generate_control_points, pattern_for
@@ -199,7 +198,10 @@ def bench_memory(count: int) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.bench_synthesis", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--repeats", type=int, default=3, help="runs per timing; the median is reported")
     parser.add_argument("--dataset-id", type=int, default=200, help="dataset rendered in full (default 200)")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")

@@ -13,8 +13,8 @@ steps; the second epoch is measured, the first pays for warm-up):
 * ``gpu`` (skipped without CUDA): 1 rank, batch 128: samples/s, share of the step spent
   waiting for data (target < 5 %) and peak GPU memory.
 
-    python bench/bench_train.py                    # every section that can run here
-    python bench/bench_train.py --sections cpu --steps 10
+    python -m bench.bench_train                    # every section that can run here
+    python -m bench.bench_train --sections cpu --steps 10
 """
 
 from __future__ import annotations
@@ -31,19 +31,18 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 # isort: off
 import epid  # noqa: F401  (first: sets the OpenMP wait policy of training before torch loads)
 # isort: on
 
 import torch
-from bench_models import (  # this folder: the step as bench_models times it
+
+from bench.bench_models import (  # the step as bench_models times it
     TrainingStep,
     Variant,
     synchronize,
 )
-
 from epid import side_by_side
 from epid.config import load_config
 from epid.dataset import EpidData
@@ -157,7 +156,10 @@ SECTIONS = {"cpu": cpu_section, "gloo": gloo_section, "gpu": gpu_section}
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.bench_train", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--sections", nargs="+", choices=list(SECTIONS), default=list(SECTIONS))
     parser.add_argument("--steps", type=int, default=20, help="optimizer steps per measured epoch")
     parser.add_argument("--repeats", type=int, default=3,
