@@ -68,44 +68,44 @@ class Real:
         return value
 
 
-class Boolean:
-    """1/0, true/false, yes/no or on/off, in any case."""
-
-    expected = "1/0, true/false or yes/no"
-
-    def __call__(self, text: str) -> bool:
-        word = text.strip().lower()
-        if word in TRUE_WORDS:
-            return True
-        if word in FALSE_WORDS:
-            return False
-        raise ValueError
-
-
 class Choice:
     """One of ``words``, in any case."""
 
-    def __init__(self, *words: str) -> None:
+    def __init__(self, *words: str, expected: str | None = None) -> None:
         self.words = words
-        self.expected = f"{', '.join(words[:-1])} or {words[-1]}"
+        self.expected = expected or f"{', '.join(words[:-1])} or {words[-1]}"
 
-    def __call__(self, text: str) -> str:
+    def __call__(self, text: str) -> Any:
         word = text.strip().lower()
-        if word not in self.words:
+        if not self.accepts(word):
             raise ValueError
+        return self.value(word)
+
+    def accepts(self, word: str) -> bool:
+        return word in self.words
+
+    def value(self, word: str) -> Any:
         return word
 
 
-class Device:
+class Boolean(Choice):
+    """1/0, true/false, yes/no or on/off, in any case."""
+
+    def __init__(self) -> None:
+        super().__init__(*TRUE_WORDS, *FALSE_WORDS, expected="1/0, true/false or yes/no")
+
+    def value(self, word: str) -> bool:
+        return word in TRUE_WORDS
+
+
+class Device(Choice):
     """auto, cpu, cuda or cuda:N (whether the device exists is checked before the launch)."""
 
-    expected = "auto, cpu, cuda or cuda:N"
+    def __init__(self) -> None:
+        super().__init__("auto", "cpu", "cuda", expected="auto, cpu, cuda or cuda:N")
 
-    def __call__(self, text: str) -> str:
-        word = text.strip().lower()
-        if word in ("auto", "cpu", "cuda") or (word.startswith("cuda:") and word[5:].isdigit()):
-            return word
-        raise ValueError
+    def accepts(self, word: str) -> bool:
+        return super().accepts(word) or (word.startswith("cuda:") and word[5:].isdigit())
 
 
 class Text:
@@ -120,7 +120,7 @@ class Text:
         return text.strip()
 
 
-Parser = Integer | Real | Boolean | Choice | Device | Text
+Parser = Integer | Real | Choice | Text
 
 
 # --------------------------------------------------------------------------- declarations

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from torch import Tensor
@@ -21,12 +21,21 @@ MODEL_STATES = {"forward": "forward_model", "inverse": "inverse_model"}
 class WeightDelta:
     """Sums over one or more same-shape tensor pairs (reference ``a``, other ``b``), float64."""
 
-    difference_sq: float = 0.0
-    reference_sq: float = 0.0
-    other_sq: float = 0.0
-    dot: float = 0.0
-    tensors: int = 0
-    elements: int = 0
+    difference_sq: float
+    """sum of (b - a)^2"""
+    reference_sq: float
+    """sum of a^2"""
+    other_sq: float
+    """sum of b^2"""
+    dot: float
+    """sum of a b"""
+    tensors: int
+    elements: int
+
+    @classmethod
+    def zero(cls) -> WeightDelta:
+        """The sums over no tensor."""
+        return cls(0.0, 0.0, 0.0, 0.0, 0, 0)
 
     @classmethod
     def of(cls, reference: Tensor, other: Tensor) -> WeightDelta:
@@ -38,12 +47,8 @@ class WeightDelta:
         )
 
     def add(self, other: WeightDelta) -> None:
-        self.difference_sq += other.difference_sq
-        self.reference_sq += other.reference_sq
-        self.other_sq += other.other_sq
-        self.dot += other.dot
-        self.tensors += other.tensors
-        self.elements += other.elements
+        for item in fields(self):
+            setattr(self, item.name, getattr(self, item.name) + getattr(other, item.name))
 
     @property
     def l2_difference(self) -> float:
@@ -111,7 +116,7 @@ class WeightDiff:
         """Compared tensors summed per ``"model"`` or per ``"module"``, in state-dict order."""
         groups: dict[str, WeightDelta] = {}
         for tensor in self.tensors:
-            group = groups.setdefault(tensor.model if key == "model" else tensor.module, WeightDelta())
+            group = groups.setdefault(tensor.model if key == "model" else tensor.module, WeightDelta.zero())
             if tensor.delta is not None:
                 group.add(tensor.delta)
         return groups

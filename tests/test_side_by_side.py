@@ -36,16 +36,20 @@ def step(runner, model: CrossModel, batch, autocast: torch.dtype | None) -> tupl
     return loss.detach(), [p.grad.clone() for p in model.parameters()]
 
 
-def test_side_by_side_step_gives_the_sequential_loss_and_gradients(threads):
+@pytest.fixture
+def small_pair(threads):
+    """The small models placed for training, a batch of 3 samples, and a side-by-side runner of them."""
     torch.manual_seed(0)
     model = CrossModel(*build_models("small")).place(torch.device("cpu"))
-    batch = training_batch(3)
     runner = SideBySide(model, threads)
-    try:
-        want_loss, want_grads = step(model, model, batch, None)
-        got_loss, got_grads = step(runner, model, batch, None)
-    finally:
-        runner.close()
+    yield model, training_batch(3), runner
+    runner.close()
+
+
+def test_side_by_side_step_gives_the_sequential_loss_and_gradients(small_pair):
+    model, batch, runner = small_pair
+    want_loss, want_grads = step(model, model, batch, None)
+    got_loss, got_grads = step(runner, model, batch, None)
     assert all(grad.abs().sum() > 0 for grad in got_grads)
     # only the summation order differs (one thread per model instead of several per operator)
     torch.testing.assert_close(got_loss, want_loss, rtol=1e-4, atol=0)
@@ -53,19 +57,13 @@ def test_side_by_side_step_gives_the_sequential_loss_and_gradients(threads):
         assert (got - want).abs().max() <= 1e-4 * want.abs().max()
 
 
-def test_side_by_side_bf16_gradients_differ_from_sequential_ones_only_by_bf16_rounding(threads):
+def test_side_by_side_bf16_gradients_differ_from_sequential_ones_only_by_bf16_rounding(small_pair):
     """In bf16 another summation order changes a gradient by as much as bf16 rounding does: the
     side-by-side gradients stay within a few times the sequential bf16 step's distance from fp32."""
-    torch.manual_seed(0)
-    model = CrossModel(*build_models("small")).place(torch.device("cpu"))
-    batch = training_batch(3)
-    runner = SideBySide(model, threads)
-    try:
-        _, exact_grads = step(model, model, batch, None)
-        want_loss, want_grads = step(model, model, batch, torch.bfloat16)
-        got_loss, got_grads = step(runner, model, batch, torch.bfloat16)
-    finally:
-        runner.close()
+    model, batch, runner = small_pair
+    _, exact_grads = step(model, model, batch, None)
+    want_loss, want_grads = step(model, model, batch, torch.bfloat16)
+    got_loss, got_grads = step(runner, model, batch, torch.bfloat16)
     torch.testing.assert_close(got_loss, want_loss, rtol=2e-2, atol=0)
     for exact, want, got in zip(exact_grads, want_grads, got_grads, strict=True):
         rounding = (want - exact).norm()

@@ -38,21 +38,12 @@ from epid.distributed import (
 from epid.errors import InputError
 from epid.losses import LOSS_TERMS
 from epid.metrics_log import COLUMNS, MetricsLog, append_epoch, empty_history
-from tests.support import ROOT, clean_environment
+from tests.support import ROOT, TINY_RUN, clean_environment
 from tests.test_schedule import cosine_restarts
 
 SCRIPT = ROOT / "generate_and_train.py"
-LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-TINY = {
-    "EPID_CONTROL_POINTS": "12",
-    "EPID_DATASET_IDS": "0,80,160",
-    "EPID_MODEL_SIZE": "tiny",
-    "EPID_BATCH_SIZE": "4",
-    "EPID_GAMMA_SAMPLES": "3",
-    "EPID_THREADS": "1",
-    "EPID_DEVICE": "cpu",
-    "EPID_PROGRESS": "0",
-}
+TINY = {**TINY_RUN, "EPID_CONTROL_POINTS": "12", "EPID_DATASET_IDS": "0,80,160", "EPID_BATCH_SIZE": "4",
+        "EPID_GAMMA_SAMPLES": "3"}
 RUN_TIMEOUT_S = 150
 
 # generous: the first test that needs the shared 2-rank run pays for it inside its own limit
@@ -61,8 +52,7 @@ pytestmark = pytest.mark.timeout(300)
 
 def run_env(checkpoint: Path, **overrides: str) -> dict[str, str]:
     """The test process environment without EPID_* / launcher variables, plus the tiny run."""
-    env = clean_environment(**{**TINY, "EPID_CHECKPOINT_PATH": str(checkpoint), **overrides})
-    return {key: value for key, value in env.items() if key not in LAUNCH_VARIABLES}
+    return clean_environment(**{**TINY, "EPID_CHECKPOINT_PATH": str(checkpoint), **overrides})
 
 
 def run_script(env: dict[str, str], timeout: float = RUN_TIMEOUT_S) -> subprocess.CompletedProcess:

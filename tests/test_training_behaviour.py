@@ -32,21 +32,11 @@ from epid import dataset, losses
 from epid.checkpoint import best_path, load_checkpoint
 from epid.config import load_config
 from epid.distributed import RankContext, free_port, launch
-from tests.support import ROOT, clean_environment
+from tests.support import ROOT, TINY_RUN, clean_environment
 
 SCRIPT = ROOT / "generate_and_train.py"
-LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-SHORT_ARCS = {
-    "EPID_CONTROL_POINTS": "66",
-    "EPID_DATASET_IDS": "0,80",
-    "EPID_MODEL_SIZE": "tiny",
-    "EPID_BATCH_SIZE": "2",
-    "EPID_GAMMA_SAMPLES": "2",
-    "EPID_THREADS": "1",
-    "EPID_DEVICE": "cpu",
-    "EPID_PROGRESS": "0",
-    "EPID_COLLECTIVE_TIMEOUT": "60",
-}
+SHORT_ARCS = {**TINY_RUN, "EPID_CONTROL_POINTS": "66", "EPID_DATASET_IDS": "0,80", "EPID_BATCH_SIZE": "2",
+              "EPID_GAMMA_SAMPLES": "2", "EPID_COLLECTIVE_TIMEOUT": "60"}
 TRAIN_SAMPLES = 52  # per dataset at 66 control points
 RUN_TIMEOUT_S = 240
 TIMING_SERIES = ("samples_per_s", "epoch_s", "elapsed_s")  # wall-clock figures differ between runs
@@ -56,8 +46,7 @@ pytestmark = pytest.mark.timeout(600)
 
 
 def run_env(checkpoint: Path, **overrides: str) -> dict[str, str]:
-    env = clean_environment(**{**SHORT_ARCS, "EPID_CHECKPOINT_PATH": str(checkpoint), **overrides})
-    return {key: value for key, value in env.items() if key not in LAUNCH_VARIABLES}
+    return clean_environment(**{**SHORT_ARCS, "EPID_CHECKPOINT_PATH": str(checkpoint), **overrides})
 
 
 def start(checkpoint: Path, log: Path, **overrides: str) -> subprocess.Popen:
