@@ -60,7 +60,7 @@ def median_seconds(
 
 
 def bench_control_points(repeats: int) -> None:
-    print("control points, one dataset of 2050 CPs (wall / CPU):")
+    print(f"control points, one dataset of {DEFAULT_CONTROL_POINTS} CPs (wall / CPU):")
     for dataset_id in (0, 100, 200, 500):
         wall, cpu = median_seconds(lambda i=dataset_id: generate_control_points(i, DEFAULT_CONTROL_POINTS), repeats)
         print(f"  id {dataset_id:3d} ({pattern_for(dataset_id):11s}) {wall * 1e3:6.0f} ms / {cpu * 1e3:4.0f} ms")

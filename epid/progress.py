@@ -105,13 +105,13 @@ class IterationTimer:
     device has reached its marks.
     """
 
-    def __init__(self, device: torch.device, report: TimingReport) -> None:
+    def __init__(self, device: torch.device, report: TimingReport, done: int = 0) -> None:
         self.clock = PhaseClock(device)
         self.report = report
         self.started = 0.0
         self.batches: list[tuple[Any, Any, Any, Any]] = []
         self.pending: tuple[list[tuple[Any, Any, Any, Any]], Any, float] | None = None
-        self.done = 0
+        self.done = done  # iterations recorded (an interrupted epoch resumes after its first ones)
         self._open: tuple[Any, Any, Any] = (None, None, None)
 
     def start(self) -> None:

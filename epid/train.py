@@ -214,8 +214,8 @@ class Trainer:
         result = self._resume_point(epoch)
         batches = self.data.train_batches(epoch, result.batches_done)
         self.model.train()
-        timer = IterationTimer(self.device, TimingReport("train", epoch, self.data.steps, "step", config, self.is_main))
-        timer.done = result.steps
+        report = TimingReport("train", epoch, self.data.steps, "step", config, self.is_main)
+        timer = IterationTimer(self.device, report, done=result.steps)
         progress = ProgressDisplay(epoch, self.data.steps, result.steps, config, self.is_main)
         consecutive, started = 0, time.perf_counter()
         for step in range(result.steps, self.data.steps):
