@@ -37,7 +37,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from epid import evaluate, plots
@@ -48,9 +47,8 @@ from epid.checkpoint import (
 )
 from epid.cli import prepare_output_dir
 from epid.compare_report import (
-    ALL_SAMPLES,
     EVALUATION_COLUMNS,
-    GAMMA_P5,
+    Evaluation,
     config_table,
     evaluation_tables,
     evaluation_title,
@@ -196,32 +194,6 @@ def config_differences(checkpoints: Sequence[LoadedCheckpoint]) -> dict[str, dic
 
 
 # --------------------------------------------------------------------------- evaluation
-
-
-@dataclass
-class Evaluation:
-    """Per-sample metrics of every checkpoint on one shared sample set."""
-
-    refs: list[evaluate.SampleRef]
-    synthesis: evaluate.SynthesisSettings
-    criteria: GammaCriteria
-    gamma_samples: int
-    records: dict[str, list[evaluate.SampleMetrics]]
-    seconds: dict[str, float]
-
-    def summary(self, name: str) -> dict[str, dict[str, float]]:
-        """``group -> metric -> value`` for ``"all"`` and each pattern: the means (and
-        ``count``) of ``evaluate.pattern_means`` plus the 5th percentile of the gamma pass rate."""
-        records = self.records[name]
-        means = evaluate.pattern_means(records)
-        groups = {ALL_SAMPLES: records, **evaluate.by_pattern(records)}
-        return {group: {**means[group], GAMMA_P5: _gamma_p5(members)} for group, members in groups.items()}
-
-
-def _gamma_p5(records: Sequence[evaluate.SampleMetrics]) -> float:
-    rates = np.array([record.gamma_pass_percent for record in records], dtype=float)
-    rates = rates[np.isfinite(rates)]
-    return float(np.percentile(rates, 5)) if rates.size else math.nan
 
 
 def synthesis_settings(checkpoints: Sequence[LoadedCheckpoint]) -> tuple[evaluate.SynthesisSettings, list[str]]:

@@ -13,15 +13,14 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
+from epid import evaluate
+from epid.gamma import GammaCriteria
 from epid.tables import format_number, format_table
 from epid.weights_diff import WeightDelta, WeightDiff
-
-if TYPE_CHECKING:
-    from epid.compare import Evaluation
 
 LOWER, HIGHER = "lower", "higher"
 
@@ -69,6 +68,32 @@ def rank(values: Mapping[str, float], better: str) -> dict[str, int | None]:
         name: (1 + sum(sign * other < sign * finite[name] for other in finite.values()) if name in finite else None)
         for name in values
     }
+
+
+@dataclass
+class Evaluation:
+    """Per-sample metrics of every checkpoint on one shared sample set."""
+
+    refs: list[evaluate.SampleRef]
+    synthesis: evaluate.SynthesisSettings
+    criteria: GammaCriteria
+    gamma_samples: int
+    records: dict[str, list[evaluate.SampleMetrics]]
+    seconds: dict[str, float]
+
+    def summary(self, name: str) -> dict[str, dict[str, float]]:
+        """``group -> metric -> value`` for ``"all"`` and each pattern: the means (and
+        ``count``) of ``evaluate.pattern_means`` plus the 5th percentile of the gamma pass rate."""
+        records = self.records[name]
+        means = evaluate.pattern_means(records)
+        groups = {ALL_SAMPLES: records, **evaluate.by_pattern(records)}
+        return {group: {**means[group], GAMMA_P5: _gamma_p5(members)} for group, members in groups.items()}
+
+
+def _gamma_p5(records: Sequence[evaluate.SampleMetrics]) -> float:
+    rates = np.array([record.gamma_pass_percent for record in records], dtype=float)
+    rates = rates[np.isfinite(rates)]
+    return float(np.percentile(rates, 5)) if rates.size else math.nan
 
 
 def rankings(
