@@ -100,6 +100,12 @@ class SampleSet:
     def __len__(self) -> int:
         return len(self.refs)
 
+    def subset(self, rows: Sequence[int]) -> SampleSet:
+        """The samples of ``rows``, in that order."""
+        index = torch.as_tensor(list(rows), dtype=torch.long)
+        return SampleSet([self.refs[row] for row in rows],
+                         **{name: getattr(self, name)[index] for name in BATCH_FIELDS})
+
 
 @dataclass
 class Predictions:

@@ -2,9 +2,10 @@
 model config a checkpoint stores to rebuild them.
 
 A family names its forward and inverse model classes, their config dataclasses and its sizes
-(named pairs of configs). There is one family today, ``legacy``: the design's architecture
-(``epid.models``) in the sizes full, small and tiny. A model config stored without a family
-name is a legacy one. A new family is a module with its two models and their config
+(named pairs of configs). Two families: ``aperture`` (``epid.aperture_models``: an aperture
+renderer with a learned detector response, and a leaf-edge reader) and ``legacy``, the design's
+architecture (``epid.models``), each in the sizes full, small and tiny. A model config stored
+without a family name is a legacy one. A new family is a module with its two models and their config
 dataclasses, and one entry in ``FAMILIES``.
 
 ``CrossModel`` holds a pair as one module: one DistributedDataParallel wrapper, one optimizer.
@@ -13,16 +14,17 @@ dataclasses, and one entry in ``FAMILIES``.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from epid import models
+from epid import aperture_models, models
 
 LEGACY = "legacy"
+APERTURE = "aperture"
 DEFAULT_FAMILY = LEGACY
 
 
@@ -37,11 +39,17 @@ class ModelFamily:
     forward_config: type
     inverse_config: type
     sizes: Mapping[str, tuple[Any, Any]]
+    link: Callable[[nn.Module, nn.Module], None] | None = None
+    """Connects a built pair (the aperture inverse model refines its estimates with the forward
+    model's rendering in eval mode)."""
 
 
 FAMILIES: dict[str, ModelFamily] = {
     LEGACY: ModelFamily(LEGACY, models.ForwardModel, models.InverseModel, models.ForwardConfig,
                         models.InverseConfig, models.SIZES),
+    APERTURE: ModelFamily(APERTURE, aperture_models.ApertureForwardModel, aperture_models.LeafEdgeInverseModel,
+                          aperture_models.ApertureForwardConfig, aperture_models.LeafEdgeInverseConfig,
+                          aperture_models.SIZES, link=aperture_models.link_pair),
 }
 
 
@@ -93,7 +101,10 @@ class PairConfig:
     def build(self) -> tuple[nn.Module, nn.Module]:
         """Freshly initialised (forward, inverse) models of these configs."""
         entry = family(self.family)
-        return entry.forward_model(self.forward), entry.inverse_model(self.inverse)
+        forward_model, inverse_model = entry.forward_model(self.forward), entry.inverse_model(self.inverse)
+        if entry.link is not None:
+            entry.link(forward_model, inverse_model)
+        return forward_model, inverse_model
 
 
 def _plain(config: Any) -> dict[str, Any]:
@@ -114,6 +125,8 @@ class CrossModel(nn.Module):
         super().__init__()
         self.forward_model = forward_model
         self.inverse_model = inverse_model
+        if hasattr(inverse_model, "link_renderer"):  # training and validation judge the network's own estimate
+            inverse_model.link_renderer(None)
 
     def forward(
         self, leaf_a: Tensor, leaf_b: Tensor, scalars: Tensor, epid_prev: Tensor, epid_curr: Tensor

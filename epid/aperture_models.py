@@ -1,0 +1,476 @@
+"""The aperture family: models shaped by the physics of an MLC aperture seen by an EPID.
+
+Forward model (``ApertureForwardModel``): the leaves and jaws of the frame's motion, from the
+prev to the curr control point, are interpolated at the 7 sub-apertures the delivery integrates
+(t = 0, 1/6, ..., 1); each covers a 1 mm cell of the leaf grid by the length of its opening
+inside the cell, the openings widened by a learned edge shift (``ApertureFluence``). The mean
+over the sub-apertures is the frame's fluence per MU; a learned separable detector response
+(``DetectorResponse``: per axis a mixture of Gaussians of learned widths and weights, starting
+as a 1 mm Gaussian) turns it into the frame per MU, scaled by ``mu_curr``. Nothing of the frame
+synthesis is read: the response, its gain and the edge shift are fitted by training, so the same
+model can be trained on measured frames. Latent: the fluence pooled to 4 mm (B, 1, 64, 64).
+
+Inverse model (``LeafEdgeInverseModel``): each frame is normalised by its maximum. Per leaf
+row, a learned combination of the pixel rows around the leaf (the row deblur) gives a profile
+along x; its rising steps are bank A's edges, its falling steps bank B's. A small CNN on the
+(leaf row, x) grid of both frames, with a coarse branch for context, places a soft window on
+each edge of each frame; the window's centroid, spread and mass of the step density
+(``edge_moments``) of the prev and the curr frame, and how long the row was open between the
+jaws during the frame, feed a per-row MLP that returns the prev and curr positions (a staircase
+of 7 sub-aperture edges spans prev to curr, so centroid and spread carry the motion). Jaws: the
+same along y on each frame's row maxima. MU: the curr frame's sum over the expected frame sum of
+the predicted aperture (learned in-field weights per row and column account for the response
+reaching past the imager). Latent: the predicted aperture's fluence pooled to 4 mm.
+
+In eval mode, an inverse model linked to a forward model (``link_renderer``) refines the
+network's estimate by fitting the forward model's rendering of the prev and curr frames to the
+measured ones (``epid.aperture_fit``); training uses the network's estimate.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from epid.imaging import GRID_SIZE, SUB_APERTURES
+from epid.models import LATENT_SIZE, NUM_LEAVES, NUM_SCALARS, _check_vector, as_frame_batch
+from epid.sequences import LEAF_WIDTH_MM, MLC_Y_MIN_MM, NUM_LEAF_PAIRS
+
+ROWS_PER_LEAF = round(LEAF_WIDTH_MM)
+LEAF_GRID_ROWS = NUM_LEAF_PAIRS * ROWS_PER_LEAF
+"""Rows of the 1 mm leaf grid, y in [-130, 130) mm: two beyond the imager on each side."""
+IMAGER_MARGIN = (LEAF_GRID_ROWS - GRID_SIZE) // 2
+LATENT_POOL = GRID_SIZE // LATENT_SIZE
+PHYSICS_LR_FACTOR = 10.0
+"""Learning-rate factor of the few physical parameters (response, edge shift, in-field weights)."""
+MIN_EXPECTED_SUM = 1.0
+"""Added to the expected frame sum per MU (pixels), so that MU stays finite for a closed aperture."""
+MAX_MU = 200.0
+
+
+def column_centres(device: torch.device | None = None) -> Tensor:
+    """x of the 256 imager columns' centres, mm."""
+    return torch.arange(GRID_SIZE, device=device) - GRID_SIZE / 2 + 0.5
+
+
+def leaf_grid_centres(device: torch.device | None = None) -> Tensor:
+    """y of the 260 leaf-grid rows' centres, ascending from -129.5 mm."""
+    return torch.arange(LEAF_GRID_ROWS, device=device) + MLC_Y_MIN_MM + 0.5
+
+
+def sub_aperture_positions(prev: Tensor, curr: Tensor) -> Tensor:
+    """Positions (...) at prev and curr -> (..., 7) at the sub-apertures t = 0, 1/6, ..., 1."""
+    t = torch.linspace(0.0, 1.0, SUB_APERTURES, device=prev.device, dtype=prev.dtype)
+    return prev.unsqueeze(-1) + (curr - prev).unsqueeze(-1) * t
+
+
+def cell_coverage(lower: Tensor, upper: Tensor, centres: Tensor) -> Tensor:
+    """Length (mm) of the opening [lower, upper] inside each 1 mm cell: (..., n) in [0, 1]."""
+    low = torch.maximum(lower.unsqueeze(-1), centres - 0.5)
+    high = torch.minimum(upper.unsqueeze(-1), centres + 0.5)
+    return (high - low).clamp(0.0, 1.0)
+
+
+def to_imager(leaf_grid: Tensor) -> Tensor:
+    """(..., 260, W) leaf-grid rows (y ascending) -> (..., 256, W) imager rows (row 0 = most positive y)."""
+    return leaf_grid[..., IMAGER_MARGIN:IMAGER_MARGIN + GRID_SIZE, :].flip(-2)
+
+
+def to_leaf_grid(images: Tensor) -> Tensor:
+    """(..., 256, W) imager rows -> (..., 260, W) leaf-grid rows, the rows beyond the imager zero."""
+    return F.pad(images.flip(-2), (0, 0, IMAGER_MARGIN, IMAGER_MARGIN))
+
+
+def toeplitz(taps: Tensor, out_centres: Tensor, in_centres: Tensor) -> Tensor:
+    """(n_out, n_in) matrix with ``taps[reach + in - out]`` (0 beyond the reach); centres whole mm apart."""
+    reach = (taps.shape[-1] - 1) // 2
+    offset = (in_centres[None, :] - out_centres[:, None]).round().long() + reach
+    inside = (offset >= 0) & (offset <= 2 * reach)
+    return torch.where(inside, taps[offset.clamp(0, 2 * reach)], taps.new_zeros(()))
+
+
+# --------------------------------------------------------------------------- forward model
+
+
+class ApertureFluence(nn.Module):
+    """Leaves and jaws of a frame's motion -> mean open fraction of each 1 mm cell per MU.
+
+    Openings are widened on both sides by a learned edge shift (mm, starting at 0). Only the leaf
+    rows that the jaws of the batch open are computed: returns (fluence (B, rows, 256), first
+    leaf-grid row), rows a multiple of 5 from a leaf's first row.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.edge_shift = nn.Parameter(torch.zeros(()))
+
+    def open_leaves(self, jaw_1: Tensor, jaw_2: Tensor) -> tuple[int, int]:
+        """The leaf pairs [first, stop) whose rows any of the jaws (B, 7) opens."""
+        shift = float(self.edge_shift.detach().clamp_min(0.0))
+        low = float(jaw_1.detach().min()) - shift - MLC_Y_MIN_MM
+        high = float(jaw_2.detach().max()) + shift - MLC_Y_MIN_MM
+        first = min(max(math.floor(low / ROWS_PER_LEAF), 0), NUM_LEAF_PAIRS - 1)
+        stop = max(min(math.ceil(high / ROWS_PER_LEAF), NUM_LEAF_PAIRS), first + 1)
+        return first, stop
+
+    def forward(self, leaf_a: Tensor, leaf_b: Tensor, scalars: Tensor) -> tuple[Tensor, int]:
+        batch = leaf_a.shape[0]
+        shift = self.edge_shift
+        jaw_1 = sub_aperture_positions(scalars[:, 1], scalars[:, 2])  # (B, 7)
+        jaw_2 = sub_aperture_positions(scalars[:, 3], scalars[:, 4])
+        first, stop = self.open_leaves(jaw_1, jaw_2)
+        leaves = slice(first, stop)
+        a = sub_aperture_positions(leaf_a[:, :NUM_LEAF_PAIRS][:, leaves], leaf_a[:, NUM_LEAF_PAIRS:][:, leaves])
+        b = sub_aperture_positions(leaf_b[:, :NUM_LEAF_PAIRS][:, leaves], leaf_b[:, NUM_LEAF_PAIRS:][:, leaves])
+        columns = column_centres(leaf_a.device)
+        rows = leaf_grid_centres(leaf_a.device)[first * ROWS_PER_LEAF:stop * ROWS_PER_LEAF]
+        leaf_open = cell_coverage(a - shift, b + shift, columns)  # (B, L, 7, 256)
+        jaw_open = cell_coverage(jaw_1 - shift, jaw_2 + shift, rows)  # (B, 7, 5 L)
+        jaw_open = jaw_open.view(batch, SUB_APERTURES, stop - first, ROWS_PER_LEAF).permute(0, 2, 3, 1)
+        fluence = torch.matmul(jaw_open, leaf_open) / SUB_APERTURES  # (B, L, 5, 256)
+        return fluence.reshape(batch, -1, GRID_SIZE), first * ROWS_PER_LEAF
+
+
+def expand_to_leaf_grid(fluence: Tensor, first_row: int) -> Tensor:
+    """A cropped fluence (B, rows, 256) starting at leaf-grid row ``first_row`` -> (B, 260, 256)."""
+    return F.pad(fluence, (0, 0, first_row, LEAF_GRID_ROWS - first_row - fluence.shape[1]))
+
+
+class ResponseProfile(nn.Module):
+    """A learned 1-D response profile on the 1 mm grid, ``2 reach + 1`` taps: a mixture of
+    Gaussians of learned widths (starting at ``widths_mm``) and weights, each normalised on the
+    grid; at the start nearly all weight is on the Gaussian of width ``start_width_mm``."""
+
+    def __init__(self, reach: int, widths_mm: tuple[float, ...], start_width_mm: float) -> None:
+        super().__init__()
+        self.log_width = nn.Parameter(torch.tensor([math.log(w) for w in widths_mm]))
+        self.logits = nn.Parameter(torch.tensor([0.0 if w == start_width_mm else -6.0 for w in widths_mm]))
+        self.register_buffer("offsets", torch.arange(-reach, reach + 1, dtype=torch.float32), persistent=False)
+
+    def forward(self) -> Tensor:
+        width = self.log_width.exp()[:, None]
+        gaussians = torch.exp(-0.5 * (self.offsets[None, :] / width).square())
+        gaussians = gaussians / gaussians.sum(-1, keepdim=True)
+        return (torch.softmax(self.logits, 0)[:, None] * gaussians).sum(0)
+
+
+class DetectorResponse(nn.Module):
+    """Separable learned response: frame per MU = gain * Ky F Kx^T, (B, 260, 256) leaf-grid
+    fluence -> (B, 256, 256) imager frame (row 0 = most positive y)."""
+
+    def __init__(self, reach: int, widths_mm: tuple[float, ...], start_width_mm: float) -> None:
+        super().__init__()
+        self.profile_y = ResponseProfile(reach, widths_mm, start_width_mm)
+        self.profile_x = ResponseProfile(reach, widths_mm, start_width_mm)
+        self.log_gain = nn.Parameter(torch.zeros(()))
+
+    def forward(self, fluence: Tensor, first_row: int = 0) -> Tensor:
+        device = fluence.device
+        imager_y = GRID_SIZE / 2 - 0.5 - torch.arange(GRID_SIZE, device=device, dtype=torch.float32)
+        rows = leaf_grid_centres(device)[first_row:first_row + fluence.shape[-2]]
+        columns = column_centres(device)
+        ky = toeplitz(self.profile_y(), imager_y, rows) * self.log_gain.exp()
+        kx = toeplitz(self.profile_x(), columns, columns)
+        return ky @ (fluence @ kx.t())
+
+
+@dataclass(frozen=True)
+class ApertureForwardConfig:
+    """The forward model's response: reach (mm each side), the Gaussians' starting widths (mm) and
+    the width that holds the weight at the start."""
+
+    response_reach: int = 128
+    response_widths_mm: tuple[float, ...] = (0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0)
+    start_width_mm: float = 1.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "response_widths_mm", tuple(float(w) for w in self.response_widths_mm))
+        if self.start_width_mm not in self.response_widths_mm:
+            raise ValueError(f"start_width_mm {self.start_width_mm} must be one of {self.response_widths_mm}")
+
+
+class ApertureForwardModel(nn.Module):
+    """Control point -> EPID frame through the aperture's fluence and a learned detector response."""
+
+    def __init__(self, config: ApertureForwardConfig | None = None) -> None:
+        super().__init__()
+        self.config = config or ApertureForwardConfig()
+        self.aperture = ApertureFluence()
+        self.response = DetectorResponse(
+            self.config.response_reach, self.config.response_widths_mm, self.config.start_width_mm
+        )
+
+    def parameter_groups(self) -> list[tuple[list[nn.Parameter], float]]:
+        """Every parameter is physical: one group at ``PHYSICS_LR_FACTOR``."""
+        return [(list(self.parameters()), PHYSICS_LR_FACTOR)]
+
+    def render(self, leaf_a: Tensor, leaf_b: Tensor, scalars: Tensor) -> tuple[Tensor, Tensor, int]:
+        """(frame per MU (B, 256, 256), cropped fluence (B, rows, 256), its first leaf-grid row)."""
+        fluence, first_row = self.aperture(leaf_a.float(), leaf_b.float(), scalars.float())
+        return self.response(fluence, first_row), fluence, first_row
+
+    def forward(self, leaf_a: Tensor, leaf_b: Tensor, scalars: Tensor) -> tuple[Tensor, Tensor]:
+        """Predict ``(epid (B,1,256,256), latent (B,1,64,64))`` from leaves (B,104) mm and scalars (B,5)."""
+        _check_vector("leaf_a", leaf_a, NUM_LEAVES)
+        _check_vector("leaf_b", leaf_b, NUM_LEAVES)
+        _check_vector("scalars", scalars, NUM_SCALARS)
+        per_mu, fluence, first_row = self.render(leaf_a, leaf_b, scalars)
+        epid = per_mu * scalars[:, :1, None].float()
+        return epid.unsqueeze(1), fluence_latent(fluence, first_row)
+
+
+def fluence_latent(fluence: Tensor, first_row: int) -> Tensor:
+    """A cropped leaf-grid fluence -> (B, 1, 64, 64): the imager's fluence pooled to 4 mm."""
+    return F.avg_pool2d(to_imager(expand_to_leaf_grid(fluence, first_row)).unsqueeze(1), LATENT_POOL)
+
+
+# --------------------------------------------------------------------------- inverse model
+
+
+class RowBlock(nn.Module):
+    """Residual block on the (leaf row, x) grid: a conv along x, ReLU, a conv over neighbouring leaf
+    rows and x, the shortcut, ReLU. (B, C, 52, W) -> same."""
+
+    def __init__(self, channels: int, width: int) -> None:
+        super().__init__()
+        self.along = nn.Conv2d(channels, channels, (1, width), padding=(0, width // 2))
+        self.across = nn.Conv2d(channels, channels, (3, width), padding=(1, width // 2))
+
+    def forward(self, h: Tensor) -> Tensor:
+        return F.relu(h + self.across(F.relu(self.along(h))))
+
+
+class LineBlock(nn.Module):
+    """Residual block of two dilated convolutions along one axis. (B, C, L) -> same."""
+
+    def __init__(self, channels: int, dilation: int) -> None:
+        super().__init__()
+        self.first = nn.Conv1d(channels, channels, 5, padding=2 * dilation, dilation=dilation)
+        self.second = nn.Conv1d(channels, channels, 5, padding=2 * dilation, dilation=dilation)
+
+    def forward(self, h: Tensor) -> Tensor:
+        return F.relu(h + self.second(F.relu(self.first(h))))
+
+
+def boundary_softmax(logits: Tensor) -> Tensor:
+    """Logits on n cells (..., n) -> soft windows on their n - 1 inner boundaries (..., n - 1)."""
+    return torch.softmax(0.5 * (logits[..., 1:] + logits[..., :-1]), -1)
+
+
+def edge_moments(density: Tensor, window: Tensor, positions: Tensor, floor: float = 1e-4
+                 ) -> tuple[Tensor, Tensor, Tensor]:
+    """Centroid (mm), spread (mm) and mean of a step ``density`` seen through a soft ``window``.
+
+    density, window: (..., n) >= 0 on the cell boundaries at ``positions`` (n,) mm; the window
+    sums to 1. ``floor`` keeps the centroid at the window's own where there is no step.
+    """
+    weights = (density + floor) * window
+    total = weights.sum(-1)
+    centre = (weights * positions).sum(-1) / total
+    spread = ((weights * (positions - centre.unsqueeze(-1)).square()).sum(-1) / total).clamp_min(1e-6).sqrt()
+    return centre, spread, (density * window).sum(-1)
+
+
+def row_visibility(jaw_1: tuple[Tensor, Tensor], jaw_2: tuple[Tensor, Tensor], leaf_lower_mm: Tensor
+                   ) -> tuple[Tensor, Tensor]:
+    """How each leaf row is open between moving jaws during a frame.
+
+    jaw_1, jaw_2: (start, end) positions (B,) mm; leaf_lower_mm: (52,) the rows' lower edges.
+    Returns (open fraction of the row averaged over the 7 sub-apertures, mean time t of its
+    opening), each (B, 52).
+    """
+    t = torch.linspace(0.0, 1.0, SUB_APERTURES, device=leaf_lower_mm.device)
+    low = torch.maximum(sub_aperture_positions(*jaw_1)[:, :, None], leaf_lower_mm)
+    high = torch.minimum(sub_aperture_positions(*jaw_2)[:, :, None], leaf_lower_mm + LEAF_WIDTH_MM)
+    open_fraction = ((high - low) / LEAF_WIDTH_MM).clamp(0.0, 1.0)  # (B, 7, 52)
+    mean_time = (open_fraction * t[None, :, None]).sum(1) / (open_fraction.sum(1) + 1e-3)
+    return open_fraction.mean(1), mean_time
+
+
+class MotionReadout(nn.Module):
+    """One edge's (prev, curr) positions from the moments of its two frames.
+
+    Features: curr minus prev centroid, both spreads, both log step masses, the mass change and
+    ``extra`` per-row features; an MLP returns offsets (mm) from the prev and curr centroids,
+    starting at zero.
+    """
+
+    def __init__(self, hidden: int, extra: int = 0) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(6 + extra, hidden), nn.GELU(), nn.Linear(hidden, hidden), nn.GELU(),
+                                 nn.Linear(hidden, 2))
+        nn.init.zeros_(self.net[-1].weight)
+        nn.init.zeros_(self.net[-1].bias)
+
+    def forward(self, prev: tuple[Tensor, Tensor, Tensor], curr: tuple[Tensor, Tensor, Tensor],
+                extra: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        features = torch.stack([curr[0] - prev[0], prev[1], curr[1], torch.log(prev[2] + 1e-3),
+                                torch.log(curr[2] + 1e-3), curr[2] - prev[2]], -1)
+        if extra is not None:
+            features = torch.cat([features, extra], -1)
+        offsets = self.net(features)
+        return prev[0] + offsets[..., 0], curr[0] + offsets[..., 1]
+
+
+@dataclass(frozen=True)
+class LeafEdgeInverseConfig:
+    """Sizes of the inverse model: the window CNN (``channels`` on the (leaf row, x) grid in
+    ``depth`` blocks, a coarse branch of ``coarse_channels`` pooled ``coarse_pool`` x), the jaw
+    CNN, the readout MLPs' width, the pixel rows the row deblur reaches beyond its leaf, and the
+    optimisation steps of the eval-mode fit to the forward model's rendering (0 = none)."""
+
+    channels: int = 8
+    depth: int = 3
+    coarse_channels: int = 16
+    coarse_depth: int = 2
+    coarse_pool: int = 8
+    jaw_channels: int = 16
+    jaw_depth: int = 3
+    readout_hidden: int = 32
+    deblur_reach_rows: int = 10
+    fit_steps: int = 150
+
+    def __post_init__(self) -> None:
+        if GRID_SIZE % self.coarse_pool:
+            raise ValueError(f"coarse_pool {self.coarse_pool} must divide {GRID_SIZE}")
+        if min(self.channels, self.coarse_channels, self.jaw_channels, self.readout_hidden) < 1:
+            raise ValueError("channel counts must be positive")
+
+
+class LeafEdgeInverseModel(nn.Module):
+    """EPID frame pair -> control points through leaf-edge moments (see the module docstring)."""
+
+    def __init__(self, config: LeafEdgeInverseConfig | None = None) -> None:
+        super().__init__()
+        self.config = config = config or LeafEdgeInverseConfig()
+        c = config.channels
+        self.stem = nn.Conv2d(2, c, (9, 7), stride=(ROWS_PER_LEAF, 1), padding=(2, 3))
+        self.blocks = nn.Sequential(*(RowBlock(c, 7) for _ in range(config.depth)))
+        self.to_coarse = nn.Conv2d(c, config.coarse_channels, 1)
+        self.coarse = nn.Sequential(*(RowBlock(config.coarse_channels, 5) for _ in range(config.coarse_depth)))
+        self.from_coarse = nn.Conv2d(config.coarse_channels, c, 1)
+        self.refine = RowBlock(c, 7)
+        self.window_head = nn.Conv2d(c, 4, (1, 7), padding=(0, 3))  # bank A prev, curr; bank B prev, curr
+        reach = config.deblur_reach_rows
+        self.row_deblur = nn.Conv2d(1, 1, (ROWS_PER_LEAF + 2 * reach, 1), stride=(ROWS_PER_LEAF, 1),
+                                    padding=(reach, 0), bias=False)
+        with torch.no_grad():
+            self.row_deblur.weight.zero_()
+            self.row_deblur.weight[0, 0, reach:reach + ROWS_PER_LEAF, 0] = 1.0 / ROWS_PER_LEAF
+        self.leaf_readout = nn.ModuleList(MotionReadout(config.readout_hidden, extra=4) for _ in range(2))
+        self.jaw_stem = nn.Conv1d(4, config.jaw_channels, 5, padding=2)
+        self.jaw_blocks = nn.Sequential(*(LineBlock(config.jaw_channels, 2**i) for i in range(config.jaw_depth)))
+        self.jaw_head = nn.Conv1d(config.jaw_channels, 4, 3, padding=1)  # jaw_1 prev, curr; jaw_2 prev, curr
+        self.jaw_readout = nn.ModuleList(MotionReadout(config.readout_hidden) for _ in range(2))
+        self.aperture = ApertureFluence()
+        self.in_field_y = nn.Parameter(torch.zeros(LEAF_GRID_ROWS))
+        self.in_field_x = nn.Parameter(torch.zeros(GRID_SIZE))
+        self.__dict__["renderer"] = None  # a forward model, held outside the module tree
+
+    def link_renderer(self, forward_model: ApertureForwardModel | None) -> None:
+        """Refine eval-mode estimates with ``forward_model``'s rendering (None: network only).
+
+        The forward model is referenced, not registered: its parameters stay its own."""
+        self.__dict__["renderer"] = forward_model
+
+    def parameter_groups(self) -> list[tuple[list[nn.Parameter], float]]:
+        """The network at factor 1, the physical parameters (edge shift, in-field weights) at
+        ``PHYSICS_LR_FACTOR``."""
+        physical = [self.aperture.edge_shift, self.in_field_y, self.in_field_x]
+        ids = {id(p) for p in physical}
+        return [([p for p in self.parameters() if id(p) not in ids], 1.0), (physical, PHYSICS_LR_FACTOR)]
+
+    def forward(self, epid_prev: Tensor, epid_curr: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Predict ``(leaf_a (B,104) mm, leaf_b (B,104) mm, scalars (B,5), latent (B,1,64,64))``."""
+        frames = torch.cat([as_frame_batch("epid_prev", epid_prev), as_frame_batch("epid_curr", epid_curr)], 1)
+        frames = frames.float()
+        leaf_a, leaf_b, jaws = self.estimate(frames)
+        renderer = self.renderer
+        if not self.training and renderer is not None and self.config.fit_steps > 0:
+            from epid.aperture_fit import fit_to_frames
+
+            leaf_a, leaf_b, jaws, mu = fit_to_frames(renderer, frames, leaf_a, leaf_b, jaws, self.config.fit_steps)
+        else:
+            mu = self.mu_estimate(frames[:, 1], leaf_a.detach(), leaf_b.detach(), jaws.detach())
+        scalars = torch.cat([mu[:, None], jaws], 1)
+        fluence, first_row = self.aperture(leaf_a, leaf_b, scalars)
+        return leaf_a, leaf_b, scalars, fluence_latent(fluence, first_row)
+
+    def estimate(self, frames: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The network's estimate from frames (B, 2, 256, 256) [prev, curr]: leaf_a, leaf_b (B, 104)
+        and jaws (B, 4) [jaw_1 prev, jaw_1 curr, jaw_2 prev, jaw_2 curr], mm."""
+        batch = frames.shape[0]
+        peak = frames.amax(dim=(-2, -1), keepdim=True).clamp_min(1e-6)
+        leaf_grid = to_leaf_grid(frames / peak)  # (B, 2, 260, 256)
+        if leaf_grid.device.type == "cpu":
+            leaf_grid = leaf_grid.contiguous(memory_format=torch.channels_last)
+        jaws = self.jaws(leaf_grid)
+        jaw_now = jaws.detach()
+        leaf_lower = torch.arange(NUM_LEAF_PAIRS, device=frames.device) * LEAF_WIDTH_MM + MLC_Y_MIN_MM
+        curr_open = row_visibility((jaw_now[:, 0], jaw_now[:, 1]), (jaw_now[:, 2], jaw_now[:, 3]), leaf_lower)
+        prev_open = row_visibility((2 * jaw_now[:, 0] - jaw_now[:, 1], jaw_now[:, 0]),
+                                   (2 * jaw_now[:, 2] - jaw_now[:, 3], jaw_now[:, 2]), leaf_lower)
+        visibility = torch.stack([*prev_open, *curr_open], -1)  # (B, 52, 4)
+        windows = boundary_softmax(self.window_logits(leaf_grid))  # (B, 4, 52, 255)
+        profiles = self.row_deblur(leaf_grid.reshape(batch * 2, 1, LEAF_GRID_ROWS, GRID_SIZE))
+        step = torch.diff(profiles.reshape(batch, 2, NUM_LEAF_PAIRS, GRID_SIZE), dim=-1)
+        boundaries = column_centres(frames.device)[1:] - 0.5
+        banks = []
+        for bank, density in enumerate((F.relu(step), F.relu(-step))):
+            prev = edge_moments(density[:, 0], windows[:, 2 * bank], boundaries)
+            curr = edge_moments(density[:, 1], windows[:, 2 * bank + 1], boundaries)
+            banks.append(torch.cat(self.leaf_readout[bank](prev, curr, visibility), 1))
+        return banks[0], banks[1], jaws
+
+    def window_logits(self, leaf_grid: Tensor) -> Tensor:
+        """The CNN on both frames' leaf grids -> window logits (B, 4, 52, 256)."""
+        pool = self.config.coarse_pool
+        h = self.blocks(F.relu(self.stem(leaf_grid)))
+        coarse = self.coarse(F.avg_pool2d(self.to_coarse(h), (1, pool)))
+        h = self.refine(h + self.from_coarse(coarse).repeat_interleave(pool, dim=-1))
+        return self.window_head(h)
+
+    def jaws(self, leaf_grid: Tensor) -> Tensor:
+        """Jaws (B, 4) [jaw_1 prev, jaw_1 curr, jaw_2 prev, jaw_2 curr] from the row maxima."""
+        row_max = leaf_grid.amax(-1)  # (B, 2, 260)
+        h = F.relu(self.jaw_stem(torch.cat([leaf_grid.mean(-1), row_max], 1)))
+        windows = boundary_softmax(self.jaw_head(self.jaw_blocks(h)))  # (B, 4, 259)
+        step = torch.diff(row_max, dim=-1)
+        boundaries = leaf_grid_centres(leaf_grid.device)[1:] - 0.5
+        jaws = []
+        for side, density in enumerate((F.relu(step), F.relu(-step))):
+            prev = edge_moments(density[:, 0], windows[:, 2 * side], boundaries)
+            curr = edge_moments(density[:, 1], windows[:, 2 * side + 1], boundaries)
+            jaws.extend(self.jaw_readout[side](prev, curr))
+        return torch.stack(jaws, 1)
+
+    def mu_estimate(self, frame: Tensor, leaf_a: Tensor, leaf_b: Tensor, jaws: Tensor) -> Tensor:
+        """MU (B,) of the curr frame (B, 256, 256): its sum over the expected sum per MU of the
+        aperture the leaves and jaws describe (in-field weights learned per row and column)."""
+        fluence, first_row = self.aperture(leaf_a, leaf_b, torch.cat([jaws.new_zeros(len(jaws), 1), jaws], 1))
+        rows = slice(first_row, first_row + fluence.shape[1])
+        weight = (1 + self.in_field_y[rows])[:, None] * (1 + self.in_field_x)[None, :]
+        expected = (fluence * weight).sum((-2, -1)) + MIN_EXPECTED_SUM
+        log_mu = torch.log(frame.sum((-2, -1)).clamp_min(1e-6)) - torch.log(expected)
+        return torch.exp(log_mu.clamp(max=math.log(MAX_MU)))
+
+
+def link_pair(forward_model: ApertureForwardModel, inverse_model: LeafEdgeInverseModel) -> None:
+    """Let the inverse model refine its eval-mode estimates with the forward model's rendering."""
+    inverse_model.link_renderer(forward_model)
+
+
+SIZES: dict[str, tuple[ApertureForwardConfig, LeafEdgeInverseConfig]] = {
+    "full": (ApertureForwardConfig(), LeafEdgeInverseConfig()),
+    "small": (ApertureForwardConfig(), LeafEdgeInverseConfig(depth=2, coarse_depth=1, fit_steps=60)),
+    "tiny": (
+        ApertureForwardConfig(response_reach=32, response_widths_mm=(1.0, 4.0, 16.0)),
+        LeafEdgeInverseConfig(channels=4, depth=1, coarse_channels=4, coarse_depth=1, jaw_channels=4, jaw_depth=1,
+                              readout_hidden=8, deblur_reach_rows=2, fit_steps=3),
+    ),
+}
+"""Named sizes: full, small (a shallower window CNN, a shorter fit) and tiny (smoke tests)."""

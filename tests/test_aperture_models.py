@@ -1,0 +1,151 @@
+"""The aperture family: its fluence against the frame engine's masks, its detector response
+against scipy's convolution, the row crop, the inverse model's layout and parameter groups,
+the fit to a rendering, and rebuilding a pair from a checkpoint."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import scipy.signal
+import torch
+
+from epid import aperture_models as am
+from epid.aperture_fit import fit_to_frames
+from epid.checkpoint import build_models_from_checkpoint
+from epid.families import CrossModel, PairConfig, build_models
+from epid.imaging import rasterize
+
+
+def whole_mm_control_points(batch: int, seed: int = 0, move_mm: float = 0.0):
+    """Leaves and jaws at whole millimetres (prev and curr differ by whole 6ths of ``move_mm``)."""
+    gen = torch.Generator().manual_seed(seed)
+    leaf_a = -torch.randint(10, 60, (batch, 52), generator=gen).float()
+    leaf_b = leaf_a + torch.randint(10, 60, (batch, 52), generator=gen).float()
+    jaw_1 = -torch.randint(20, 90, (batch,), generator=gen).float()
+    jaw_2 = jaw_1 + torch.randint(20, 120, (batch,), generator=gen).float()
+    leaf_a_pair = torch.cat([leaf_a, leaf_a + move_mm], 1)
+    leaf_b_pair = torch.cat([leaf_b, leaf_b + move_mm], 1)
+    scalars = torch.stack([torch.full((batch,), 10.0), jaw_1, jaw_1, jaw_2, jaw_2], 1)
+    return leaf_a_pair, leaf_b_pair, scalars
+
+
+def imager_fluence(fluence: torch.Tensor, first_row: int) -> torch.Tensor:
+    return am.to_imager(am.expand_to_leaf_grid(fluence, first_row))
+
+
+def test_fluence_of_a_still_aperture_is_the_frame_engines_mask():
+    leaf_a, leaf_b, scalars = whole_mm_control_points(4)
+    fluence, first_row = am.ApertureFluence()(leaf_a, leaf_b, scalars)
+    masks = rasterize(leaf_a[:, 52:], leaf_b[:, 52:], scalars[:, 2], scalars[:, 4])
+    torch.testing.assert_close(imager_fluence(fluence, first_row), masks)
+
+
+def test_fluence_of_a_moving_aperture_averages_the_seven_sub_apertures():
+    leaf_a, leaf_b, scalars = whole_mm_control_points(3, seed=1, move_mm=12.0)  # 2 mm per sub-aperture
+    fluence, first_row = am.ApertureFluence()(leaf_a, leaf_b, scalars)
+    expected = sum(rasterize(leaf_a[:, :52] + 2.0 * k, leaf_b[:, :52] + 2.0 * k, scalars[:, 1], scalars[:, 3])
+                   for k in range(7)) / 7
+    torch.testing.assert_close(imager_fluence(fluence, first_row), expected)
+
+
+def test_fluence_covers_a_cell_by_the_length_of_the_opening_in_it():
+    aperture = am.ApertureFluence()
+    leaf_a = torch.full((1, 104), -10.3)
+    leaf_b = torch.full((1, 104), 20.25)
+    scalars = torch.tensor([[1.0, -50.0, -50.0, 50.0, 50.0]])
+    row = imager_fluence(*aperture(leaf_a, leaf_b, scalars))[0, 100]
+    columns = am.column_centres()
+    assert row[columns == -10.5].item() == pytest.approx(0.3)  # cell [-11, -10)
+    assert row[columns == -9.5].item() == 1.0
+    assert row[columns == 20.5].item() == pytest.approx(0.25)  # cell [20, 21)
+    assert row[columns == 21.5].item() == 0.0
+    with torch.no_grad():
+        aperture.edge_shift.fill_(0.5)
+    row = imager_fluence(*aperture(leaf_a, leaf_b, scalars))[0, 100]
+    assert row[columns == -10.5].item() == pytest.approx(0.8)
+    assert row[columns == -11.5].item() == 0.0
+
+
+def test_detector_response_is_a_same_size_convolution_with_the_profiles_outer_product():
+    response = am.DetectorResponse(reach=20, widths_mm=(1.0, 3.0), start_width_mm=3.0)
+    with torch.no_grad():
+        response.profile_x.logits.copy_(torch.tensor([0.3, -0.2]))
+        response.log_gain.fill_(0.1)
+    leaf_a, leaf_b, scalars = whole_mm_control_points(2, seed=3, move_mm=6.0)
+    fluence, first_row = am.ApertureFluence()(leaf_a, leaf_b, scalars)
+    frame = response(fluence, first_row)
+    kernel = np.outer(response.profile_y().detach().numpy(), response.profile_x().detach().numpy()) * np.exp(0.1)
+    full = am.expand_to_leaf_grid(fluence, first_row).detach().numpy()
+    for i in range(2):
+        reference = scipy.signal.convolve2d(full[i], kernel, mode="same")  # kernel symmetric in y: no flip issue
+        expected = reference[am.IMAGER_MARGIN:am.IMAGER_MARGIN + 256][::-1]
+        np.testing.assert_allclose(frame[i].detach().numpy(), expected, atol=1e-5)
+
+
+def test_forward_model_crop_gives_the_uncropped_frame(monkeypatch):
+    forward, _ = build_models("tiny", "aperture")
+    leaf_a, leaf_b, scalars = whole_mm_control_points(3, seed=4, move_mm=3.0)
+    epid, latent = forward(leaf_a + 0.37, leaf_b - 0.21, scalars)
+    monkeypatch.setattr(am.ApertureFluence, "open_leaves", lambda self, jaw_1, jaw_2: (0, 52))
+    epid_full, latent_full = forward(leaf_a + 0.37, leaf_b - 0.21, scalars)
+    torch.testing.assert_close(epid, epid_full)
+    torch.testing.assert_close(latent, latent_full)
+    assert epid.shape == (3, 1, 256, 256) and latent.shape == (3, 1, 64, 64)
+    torch.testing.assert_close(epid[1], 10.0 * forward.render(leaf_a + 0.37, leaf_b - 0.21, scalars)[0][1:2])
+
+
+@pytest.mark.parametrize("size", ["tiny", "full"])
+def test_inverse_model_layout_and_parameter_groups(size):
+    forward, inverse = build_models(size, "aperture")
+    leaf_a, leaf_b, scalars = whole_mm_control_points(2, seed=5, move_mm=3.0)
+    frames, _ = forward(leaf_a, leaf_b, scalars)
+    out = inverse(frames, frames[:, 0])
+    assert [tuple(t.shape) for t in out] == [(2, 104), (2, 104), (2, 5), (2, 1, 64, 64)]
+    assert all(torch.isfinite(t).all() for t in out)
+    for model in (forward, inverse):
+        grouped = [id(p) for params, _ in model.parameter_groups() for p in params]
+        assert sorted(grouped) == sorted(id(p) for p in model.parameters())
+    sum(t.sum() for t in out).backward()
+    assert inverse.stem.weight.grad is not None and inverse.leaf_readout[0].net[0].weight.grad is not None
+
+
+def test_fit_moves_a_perturbed_estimate_to_the_rendered_geometry():
+    torch.manual_seed(0)
+    forward, _ = build_models("tiny", "aperture")
+    with torch.no_grad():
+        forward.response.profile_x.log_width.fill_(np.log(2.0))
+        forward.response.profile_y.log_width.fill_(np.log(2.0))
+    leaf_a, leaf_b, scalars = whole_mm_control_points(2, seed=6, move_mm=3.0)
+    leaf_a, leaf_b = leaf_a + 0.4, leaf_b + 0.3  # off the grid
+    with torch.no_grad():  # the prev frame's motion starts 3 mm before prev: constant speed
+        prev = forward.render(torch.cat([leaf_a[:, :52] - 3.0, leaf_a[:, :52]], 1),
+                              torch.cat([leaf_b[:, :52] - 3.0, leaf_b[:, :52]], 1), scalars)[0] * 7.0
+        curr = forward.render(leaf_a, leaf_b, scalars)[0] * 12.0
+    frames = torch.stack([prev, curr], 1)
+    jaws = scalars[:, 1:]
+    start_a, start_b = leaf_a + 0.8, leaf_b - 0.8
+    fitted_a, fitted_b, fitted_jaws, mu = fit_to_frames(forward, frames, start_a, start_b, jaws + 0.5, 60)
+    open_rows = am.row_visibility((jaws[:, 1], jaws[:, 1]), (jaws[:, 3], jaws[:, 3]),
+                                  torch.arange(52) * 5.0 - 130.0)[0] > 0.99
+    error_before = (start_a[:, 52:] - leaf_a[:, 52:]).abs()[open_rows].mean()
+    error_after = (fitted_a[:, 52:] - leaf_a[:, 52:]).abs()[open_rows].mean()
+    assert error_before == pytest.approx(0.8)
+    assert error_after < 0.2
+    assert (fitted_jaws - jaws).abs().max() < 0.3
+    torch.testing.assert_close(mu, torch.full((2,), 12.0), rtol=0.02, atol=0.0)
+
+
+def test_a_checkpoint_rebuilds_a_linked_pair_and_training_unlinks_it():
+    forward, inverse = build_models("tiny", "aperture")
+    assert inverse.renderer is forward
+    config = PairConfig.of(forward, inverse)
+    checkpoint = {"model_config": config.to_dict(), "forward_model": forward.state_dict(),
+                  "inverse_model": inverse.state_dict()}
+    rebuilt_forward, rebuilt_inverse = build_models_from_checkpoint(checkpoint)
+    assert config.to_dict()["family"] == "aperture"
+    assert rebuilt_inverse.renderer is rebuilt_forward and not rebuilt_inverse.training
+    leaf_a, leaf_b, scalars = whole_mm_control_points(1, seed=7, move_mm=3.0)
+    torch.testing.assert_close(rebuilt_forward(leaf_a, leaf_b, scalars)[0], forward(leaf_a, leaf_b, scalars)[0])
+    CrossModel(rebuilt_forward, rebuilt_inverse)
+    assert rebuilt_inverse.renderer is None
+    assert "renderer" not in dict(rebuilt_inverse.named_modules())
