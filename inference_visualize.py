@@ -159,7 +159,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise InputError(f"--checkpoint {args.checkpoint!r}: no such file (train first, or pass --checkpoint)")
     device = resolve_device(args.device, given=f"--device {args.device!r}")
 
-    from epid import evaluate, plots
+    from epid import evaluate, plots, quality
 
     started = time.perf_counter()
     _stage(f"loading checkpoint {args.checkpoint}")
@@ -190,6 +190,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     _stage(f"gamma {criteria.describe()}")
     gamma = gamma_maps(samples.epid_curr, predictions.epid, criteria, device, batch_size=args.batch_size)
     records = evaluate.sample_metrics(samples, predictions, gamma)
+    _stage("quality figures (gamma 3 %/3 mm, 3 %/2 mm, 2 %/2 mm; leaves, jaws and MU of both control points)")
+    report = quality.assess(samples, predictions, device=device)
+    report.write_json(output_dir / "quality.json", checkpoint=str(args.checkpoint), epoch=checkpoint["epoch"],
+                      split=args.split, synthesis=settings.describe())
 
     _stage(f"writing {len(records)} sample figures, losses.png, summary.png and summary.csv to {output_dir}")
     evaluate.write_metrics_csv(output_dir / "summary.csv", records)
@@ -203,6 +207,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         plots.save_figure(figure, output_dir / f"dataset_{ref.dataset_id:03d}_sample_{ref.sample:04d}.png")
 
     print(pattern_table(evaluate.pattern_means(records)))
+    print(f"Quality ({len(records)} samples; quality.json):\n{report.table()}")
     _stage(f"done in {time.perf_counter() - started:.1f} s")
     return 0
 

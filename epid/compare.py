@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from epid import evaluate, plots
+from epid import evaluate, plots, quality
 from epid.checkpoint import (
     CheckpointError,
     build_models_from_checkpoint,
@@ -230,18 +230,24 @@ def evaluate_checkpoints(
     samples = evaluate.synthesise_samples(refs, synthesis, kernel, device)
     seconds = {"synthesis": time.perf_counter() - started}
     with_gamma = evaluate.spread(range(len(samples)), gamma_samples)
-    records = {}
+    records, reports = {}, {}
     for checkpoint in checkpoints:
         started = time.perf_counter()
         predictions = evaluate.predict(checkpoint.models, samples, device)
         gamma = torch.full(samples.epid_curr.shape[:1] + samples.epid_curr.shape[-2:], math.nan)
+        rates = {name: torch.full((len(samples),), math.nan) for name in quality.QUALITY_CRITERIA}
         if with_gamma:
             gamma[with_gamma] = gamma_maps(
                 samples.epid_curr[with_gamma], predictions.epid[with_gamma], criteria, device
             )
+            subset = quality.pass_rates(samples.subset(with_gamma), predictions.subset(with_gamma), device)
+            for name, rate in subset.items():
+                rates[name][with_gamma] = rate
         records[checkpoint.name] = evaluate.sample_metrics(samples, predictions, gamma)
+        reports[checkpoint.name] = quality.assess(samples, predictions, rates)
         seconds[checkpoint.name] = time.perf_counter() - started
-    return Evaluation(list(samples.refs), synthesis, criteria, len(with_gamma), records, seconds)
+    return Evaluation(list(samples.refs), synthesis, criteria, len(with_gamma), records, seconds, reports)
+
 
 
 # --------------------------------------------------------------------------- the whole comparison
@@ -332,6 +338,8 @@ class Comparison:
         sections += [weight_tables(diff) for diff in self.weight_diffs]
         if self.evaluation is not None:
             sections.append(evaluation_tables(self.evaluation, self.summaries, ranked))
+            sections += [f"Quality of {name} (gamma on {self.evaluation.gamma_samples} samples):\n{report.table()}"
+                         for name, report in self.evaluation.quality.items()]
         sections.append(rankings_table(ranked))
         return "\n\n".join(sections)
 
@@ -360,6 +368,7 @@ class Comparison:
             "gamma_samples": evaluation.gamma_samples,
             "seconds": evaluation.seconds,
             "metrics": self.summaries,
+            "quality": {name: report.to_dict() for name, report in evaluation.quality.items()},
         }
 
     def write(self, output_dir: Path, settings: Mapping[str, Any], log_y: bool) -> list[Path]:

@@ -11,7 +11,7 @@ import csv
 import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +80,8 @@ class Evaluation:
     gamma_samples: int
     records: dict[str, list[evaluate.SampleMetrics]]
     seconds: dict[str, float]
+    quality: dict[str, Any] = field(default_factory=dict)
+    """``epid.quality.QualityReport`` per checkpoint (gamma on the gamma samples only)."""
 
     def summary(self, name: str) -> dict[str, dict[str, float]]:
         """``group -> metric -> value`` for ``"all"`` and each pattern: the means (and

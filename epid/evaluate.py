@@ -117,6 +117,11 @@ class Predictions:
     leaf_b: Tensor
     scalars: Tensor
 
+    def subset(self, rows: Sequence[int]) -> Predictions:
+        """The predictions of ``rows``, in that order."""
+        index = torch.as_tensor(list(rows), dtype=torch.long)
+        return Predictions(*(getattr(self, name)[index] for name in ("epid", "leaf_a", "leaf_b", "scalars")))
+
 
 @dataclass(frozen=True)
 class SampleMetrics:
@@ -133,6 +138,8 @@ class SampleMetrics:
     mu_abs_error: float
     forward_mse: float
     forward_mae: float
+    curr_leaf_mae_band_mm: float
+    mu_error_percent: float
 
 
 METRIC_NAMES = tuple(f.name for f in fields(SampleMetrics))[3:]
@@ -144,6 +151,8 @@ METRIC_LABELS = {
     "mu_abs_error": "MU abs error (MU)",
     "forward_mse": "forward MSE",
     "forward_mae": "forward MAE",
+    "curr_leaf_mae_band_mm": "curr leaf MAE in jaw band (mm)",
+    "mu_error_percent": "MU relative error (%)",
 }
 
 
@@ -349,6 +358,9 @@ def sample_metrics(samples: SampleSet, predictions: Predictions, gamma: Tensor) 
         jaw_band(samples.scalars[:, 2], samples.scalars[:, 4]),
     ], dim=1).repeat(1, 2)
     leaf_band = (leaf_error * band).sum(1) / band.sum(1).clamp(min=1)
+    curr = torch.cat([torch.zeros(NUM_LEAF_PAIRS, dtype=torch.bool), torch.ones(NUM_LEAF_PAIRS, dtype=torch.bool)])
+    curr_band = band & curr.repeat(2)
+    curr_leaf_band = (leaf_error * curr_band).sum(1) / curr_band.sum(1).clamp(min=1)
     scalar_error = (predictions.scalars - samples.scalars).abs()
 
     records = []
@@ -361,6 +373,8 @@ def sample_metrics(samples: SampleSet, predictions: Predictions, gamma: Tensor) 
             jaw_mae_mm=float(scalar_error[i, 1:].mean()),
             mu_abs_error=float(scalar_error[i, 0]),
             forward_mse=float(forward_mse[i]), forward_mae=float(forward_mae[i]),
+            curr_leaf_mae_band_mm=float(curr_leaf_band[i]) if curr_band[i].any() else math.nan,
+            mu_error_percent=float(100 * scalar_error[i, 0] / samples.scalars[i, 0].clamp(min=1e-6)),
         ))
     return records
 

@@ -488,3 +488,37 @@ def metrics_figure(summaries: Mapping[str, Mapping[str, Mapping[str, float]]], c
     figure.suptitle(f"{title}\nx axis: sample group (number of samples)", fontsize=10)
     figure.legend(handles=handles, loc="outside lower center", ncols=min(len(handles), 7), fontsize=9)
     return figure
+
+
+# --------------------------------------------------------------------------- quality against training time
+
+QUALITY_FIGSIZE = (13.0, 4.8)
+QUALITY_PANELS = (  # (curve key, final key, axis label, target, target label)
+    ("gamma_3_2mm_mean", "gamma_3_2mm_mean", "gamma pass rate 3 %/2 mm, mean (%)", 95.0, "TG-218 tolerance 95 %"),
+    ("curr_leaf_mae_mm", "curr_leaf_mae_mm", "curr leaf MAE in the jaw band (mm)", 1.0, "TG-142 1 mm"),
+)
+
+
+def quality_figure(runs: Mapping[str, Mapping[str, Any]], title: str) -> Figure:
+    """Quality against training time of one or more benchmark runs (``quality.json`` contents by
+    name): each run's curve (network estimates at epoch ends) and its final evaluation (star)."""
+    figure = new_figure(QUALITY_FIGSIZE)
+    figure.suptitle(title)
+    for column, (curve_key, final_key, label, target, target_label) in enumerate(QUALITY_PANELS):
+        axes = figure.add_subplot(1, len(QUALITY_PANELS), column + 1)
+        for index, (name, run) in enumerate(runs.items()):
+            colour = f"C{index}"
+            curve = run.get("curve") or {}
+            axes.plot(curve.get("minutes", []), curve.get(curve_key, []), "o-", color=colour, markersize=3,
+                      label=f"{name}: during training")
+            final = run["groups"]["all"].get(final_key, math.nan)
+            axes.plot([run.get("trained_minutes", math.nan)], [final], "*", color=colour, markersize=14,
+                      label=f"{name}: final, {final:.3g}")
+        axes.axhline(target, color="0.4", linestyle=":", linewidth=1.2, label=target_label)
+        axes.set_xlabel("training time (min, synthesis included)")
+        axes.set_ylabel(label)
+        if curve_key.endswith("_mm"):
+            axes.set_yscale("log")
+        axes.grid(True, alpha=0.3)
+        axes.legend(fontsize=8)
+    return figure

@@ -165,6 +165,8 @@ def test_metrics_of_hand_worked_errors():
     assert first.forward_mse == pytest.approx(0.1**2 * 50 * 80 / 256**2, rel=1e-4)
     assert first.forward_mae == pytest.approx(0.1 * 50 * 80 / 256**2, rel=1e-4)
     assert first.gamma_pass_percent == pytest.approx(100.0)
+    assert first.curr_leaf_mae_band_mm == 0.0  # the curr leaf moved is outside the band
+    assert first.mu_error_percent == pytest.approx(100 * 1.5 / float(samples.scalars[0, 0]))
     assert second.leaf_mae_band_mm == second.leaf_mae_mm == second.jaw_mae_mm == second.mu_abs_error == 0
     assert 0 < second.gamma_pass_percent < 100
     failing = float((gamma[1] > 1).sum())
@@ -183,15 +185,16 @@ def test_jaw_band_follows_the_leaf_band_formula():
 
 def test_pattern_means_ignore_missing_values():
     records = [
-        evaluate.SampleMetrics(0, "regular", 1, 90.0, 1.0, 2.0, 3.0, 4.0, 0.1, 0.2),
-        evaluate.SampleMetrics(1, "regular", 1, math.nan, 3.0, 2.0, 3.0, 4.0, 0.3, 0.2),
-        evaluate.SampleMetrics(200, "irregular", 1, 50.0, 5.0, 6.0, 7.0, 8.0, 0.5, 0.6),
+        evaluate.SampleMetrics(0, "regular", 1, 90.0, 1.0, 2.0, 3.0, 4.0, 0.1, 0.2, 1.0, 5.0),
+        evaluate.SampleMetrics(1, "regular", 1, math.nan, 3.0, 2.0, 3.0, 4.0, 0.3, 0.2, math.nan, 3.0),
+        evaluate.SampleMetrics(200, "irregular", 1, 50.0, 5.0, 6.0, 7.0, 8.0, 0.5, 0.6, 2.0, 1.0),
     ]
     means = evaluate.pattern_means(records)
     assert list(means) == ["regular", "irregular", "all"]
     assert means["regular"]["gamma_pass_percent"] == 90.0
     assert means["regular"]["leaf_mae_band_mm"] == 2.0
     assert means["all"]["count"] == 3 and means["all"]["gamma_pass_percent"] == 70.0
+    assert means["regular"]["curr_leaf_mae_band_mm"] == 1.0 and means["all"]["mu_error_percent"] == 3.0
 
 
 def test_synthesis_settings_come_from_variables_then_checkpoint_then_defaults():
