@@ -3,10 +3,10 @@
 For each batch size and variant (precision, models side by side, torch.compile) it times a full
 cross-training step (both models forward, cross-training loss, backward, AdamW step) with the
 models placed as training places them (``CrossModel.place``: channels_last weights on the CPU)
-and prints
-the median step time, samples/s, FLOPs per sample (torch.utils.flop_counter.FlopCounterMode,
+and prints the median step time, samples/s, FLOPs per sample (torch.utils.flop_counter.FlopCounterMode,
 forward + backward), the achieved FLOP rate and its fraction of the machine's measured matmul
-peak in the same precision. Variants are timed round-robin, one step each per round, so that
+peak in the same precision, after the CPU's features and the precision EPID_PRECISION=auto
+chooses on this machine. Variants are timed round-robin, one step each per round, so that
 load from other processes on a shared machine affects all of them alike.
 
     python -m bench.bench_models                      # fp32, bf16, bf16 side by side; batch 8 and 32
@@ -30,6 +30,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from epid.dataset import Batch
+from epid.devices import choose_precision
 from epid.distributed import tune_host_allocator
 from epid.families import CrossModel, build_models
 from epid.imaging import GRID_SIZE
@@ -123,19 +124,29 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def matmul_peak_flops(dtype: torch.dtype, device: torch.device, repeats: int = 10) -> float:
-    """Best FLOP/s of square matmuls (n = 1024, 2048, 4096) in ``dtype``: the measured peak."""
-    best = 0.0
+def matmul_peak_flops(dtype: torch.dtype, device: torch.device, repeats: int = 10, budget_s: float = 5.0) -> float:
+    """Best FLOP/s of square matmuls (n = 1024, 2048, 4096) in ``dtype``: the measured peak.
+
+    Each size gets at most ``repeats`` products or about ``budget_s`` seconds, and a size is
+    skipped when its product would take longer than that (8 times the size before): on CPUs
+    without native bfloat16 (AVX2) one bf16 product of n = 4096 takes minutes.
+    """
+    best, seconds_each = 0.0, 0.0
     for n in (1024, 2048, 4096):
+        if seconds_each * 8 > budget_s:
+            break
         a = torch.randn(n, n, device=device, dtype=dtype)
         b = torch.randn(n, n, device=device, dtype=dtype)
         a @ b
-        for _ in range(repeats):
+        times: list[float] = []
+        while len(times) < repeats and sum(times) < budget_s:
             synchronize(device)
             start = time.perf_counter()
             a @ b
             synchronize(device)
-            best = max(best, 2.0 * n**3 / (time.perf_counter() - start))
+            times.append(time.perf_counter() - start)
+        seconds_each = min(times)
+        best = max(best, 2.0 * n**3 / seconds_each)
     return best
 
 
@@ -231,8 +242,10 @@ def main(argv: list[str] | None = None) -> None:
         f"OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}, host allocator tuned {allocator_tuned}, "
         f"model size {args.size}"
     )
+    auto = choose_precision("auto", device)
+    print(f"EPID_PRECISION=auto would train in {auto.name} here ({auto.reason})")
     for dtype, peak in peaks.items():
-        print(f"measured matmul peak {dtype or torch.float32!s:>15}: {peak / 1e12:6.3f} TFLOP/s")
+        print(f"measured matmul peak {dtype or torch.float32!s:>15}: {peak / 1e12:.3g} TFLOP/s")
     header = (
         f"{'variant':<22}{'batch':>6}{'step ms':>10}{'samples/s':>11}{'GFLOP/sample':>14}"
         f"{'TFLOP/s':>9}{'% peak':>8}{'cpu ms':>9}"

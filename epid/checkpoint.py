@@ -8,7 +8,8 @@ A checkpoint is a dict of tensors, numbers, strings, lists and dicts only, so
   (``epid.families.PairConfig.to_dict()``: {"family", "forward": config, "inverse": config}),
   optimizer, schedule (the learning-rate schedule's base rate and shape), scaler (or None), rng,
   history {"train": {term: [...]}, "val": {term: [...]}, "gamma_pass": [...], "lr": [...],
-  "samples_per_s": [...], ...}, best_val_loss, best_epoch, config (Config.to_dict()),
+  "samples_per_s": [...], ...}, best_val_loss, best_epoch, window_cursor (where the next capped
+  epoch starts in each rank's window stream; 0 when missing), config (Config.to_dict()),
   dataset_ids, world_size, torch_version, and ``interrupted`` (None, or where an epoch was
   stopped by a signal: {"epoch", "batches_done", "rank_train_sums", "rank_train_samples", ...},
   the loss sums and sample counts of every rank so far). ``epid.run_state`` writes and reads
@@ -36,7 +37,7 @@ import torch
 
 from epid.errors import InputError
 from epid.families import LEGACY, PairConfig
-from epid.files import fsync_directory
+from epid.files import fsync_directory, temporary_path
 
 FORMAT_VERSION = 2
 REQUIRED_KEYS = ("format_version", "epoch", "forward_model", "inverse_model", "model_config")
@@ -57,7 +58,7 @@ def save_checkpoint(path: str | Path, payload: Mapping[str, Any]) -> None:
     """Write ``payload`` to ``path`` atomically (temporary file, fsync, rename, fsync folder)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    temporary = temporary_path(path)
     try:
         with open(temporary, "wb") as handle:
             torch.save(dict(payload), handle)
@@ -67,7 +68,6 @@ def save_checkpoint(path: str | Path, payload: Mapping[str, Any]) -> None:
     finally:
         temporary.unlink(missing_ok=True)
     fsync_directory(path.parent)
-
 
 
 def strip_wrapper_prefixes(state: Mapping[str, Any]) -> dict[str, Any]:

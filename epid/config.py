@@ -11,6 +11,7 @@ value and the expected form. Defaults reproduce the legacy behaviour.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import os
 from collections.abc import Mapping
@@ -19,6 +20,7 @@ from typing import Any
 
 from epid import sharding
 from epid.errors import InputError
+from epid.families import DEFAULT_FAMILY, FAMILIES
 from epid.sequences import DEFAULT_CONTROL_POINTS, NUM_DATASETS
 
 GLOBAL_BATCH = 128
@@ -152,6 +154,8 @@ class Variable:
             return "(unset)"
         if isinstance(self.default, bool):
             return "1" if self.default else "0"
+        if isinstance(self.default, float):
+            return f"{self.default:g}"
         return str(self.default)
 
 
@@ -242,13 +246,22 @@ class Config:
         "EPID_BATCH_ORDER", "sequential", Choice("sequential", "shuffled"), example="shuffled",
         meaning="order of batch windows: sequential (legacy) or shuffled each epoch from EPID_SEED and the epoch")
     # Model and optimisation
+    model: str = setting(
+        "EPID_MODEL", DEFAULT_FAMILY, Choice(*FAMILIES), example=DEFAULT_FAMILY,
+        meaning="model family: which forward and inverse networks are trained (a run resumes only in its "
+                "checkpoint's family)")
     model_size: str = setting(
         "EPID_MODEL_SIZE", "full", Choice("full", "small", "tiny"), example="tiny",
         meaning="model size preset: full (design sizes), small or tiny (smoke tests)")
     epochs: int = setting("EPID_EPOCHS", 2000, Integer(1), example="10", meaning="number of epochs")
     steps_per_epoch: int = setting(
         "EPID_STEPS_PER_EPOCH", 0, Integer(0), example="20",
-        meaning="cap on optimizer steps per epoch (0 = every batch window)")
+        meaning="cap on optimizer steps per epoch (0 = every batch window); a capped epoch goes on where the "
+                "one before stopped, through all windows before any repeats")
+    val_steps: int = setting(
+        "EPID_VAL_STEPS", 0, Integer(0), example="16",
+        meaning="validation batch windows per epoch over all ranks (0 = every window): a fixed set spread over "
+                "the selected datasets, the same every epoch")
     lr: float = setting(
         "EPID_LR", 1e-4, Real(0.0, above=True), example="3e-4",
         meaning="AdamW learning rate at global batch 128 (before EPID_LR_SCALING)")
@@ -281,9 +294,13 @@ class Config:
                 "instead of EPID_WARMUP_EPOCHS)")
     grad_accum: int = setting(
         "EPID_GRAD_ACCUM", 1, Integer(1), example="4", meaning="batches accumulated per optimizer step")
+    grad_clip: float = setting(
+        "EPID_GRAD_CLIP", 0.0, Real(0.0), example="1.0",
+        meaning="clip the global gradient norm to this value before each optimizer step (0 = off)")
     precision: str = setting(
         "EPID_PRECISION", "auto", Choice("auto", "bf16", "fp16", "fp32"), example="fp32",
-        meaning="autocast precision: auto is bf16 where the device supports it, else fp32")
+        meaning="autocast precision: auto is bf16 on GPUs that have it and on CPUs with AMX tiles, else fp32 "
+                "(the faster one; the start line says why)")
     compile: bool = setting(
         "EPID_COMPILE", False, Boolean(), example="1", meaning="compile the models with torch.compile")
     seed: int = setting(
@@ -295,6 +312,10 @@ class Config:
     early_stop_patience: int = setting(
         "EPID_EARLY_STOP_PATIENCE", 0, Integer(0), example="50",
         meaning="stop after this many epochs without a new best validation loss (0 = off)")
+    time_limit: float = setting(
+        "EPID_TIME_LIMIT", 0.0, Real(0.0), example="2820",
+        meaning="minutes of wall clock after which training stops after its current step, writing a checkpoint "
+                "that EPID_RESUME=1 continues (0 = no limit)")
     gamma_samples: int = setting(
         "EPID_GAMMA_SAMPLES", 64, Integer(0), example="16",
         meaning="validation samples whose forward-model gamma pass rate (3 %/3 mm) is reported each epoch (0 = off)")
@@ -308,6 +329,14 @@ class Config:
         meaning="continue from EPID_CHECKPOINT_PATH (next epoch, same schedule position and histories)")
     progress: bool = setting(
         "EPID_PROGRESS", True, Boolean(), example="0", meaning="progress bar on rank 0 when attached to a terminal")
+    log_seconds: float = setting(
+        "EPID_LOG_SECONDS", 300.0, Real(0.0, above=True), example="60",
+        meaning="without a terminal, rank 0 prints a progress line (step, samples/s, running loss, ETA of the "
+                "epoch and the run) every this many seconds or every tenth of an epoch, whichever comes first")
+    tensorboard: str = setting(
+        "EPID_TENSORBOARD", "", Text("a directory path"), example="runs/tb",
+        meaning="write TensorBoard event files here: loss terms, learning rate, samples/s, gamma pass rate and "
+                "validation frames per epoch (needs the tensorboard package); unset = off")
     timing_every: int = setting(
         "EPID_TIMING_EVERY", 0, Integer(0), example="50",
         meaning="print a timing line every N batches (0 = one line per epoch)")
@@ -364,6 +393,7 @@ VARIABLES: tuple[Variable, ...] = tuple(
     if VARIABLE in field.metadata
 )
 VARIABLE_OF_FIELD = {variable.field: variable for variable in VARIABLES}
+OTHER_VARIABLES = ("EPID_TEST_INDUCTOR",)  # read by the test suite, not by a run
 
 
 def _split_kernel(spec: str) -> tuple[str, str | None]:
@@ -418,6 +448,7 @@ def load_config(environ: Mapping[str, str] | None = None) -> Config:
     Raises ConfigError (one line: variable, value, expected form) on the first problem.
     """
     environ = os.environ if environ is None else environ
+    check_names(environ)
     values = {variable.field: _read(variable, environ) for variable in VARIABLES}
 
     torchrun_size = _torchrun_world_size(environ, values["world_size"])
@@ -463,8 +494,13 @@ def load_config(environ: Mapping[str, str] | None = None) -> Config:
     if kernel_path and not os.path.isfile(kernel_path):
         raise _fail("EPID_KERNEL", values["kernel"], f"no file {kernel_path!r}",
                     "path.mat or path.mat:variable of an existing file")
-    if values["cache_dir"] and os.path.exists(values["cache_dir"]) and not os.path.isdir(values["cache_dir"]):
-        raise _fail("EPID_CACHE_DIR", values["cache_dir"], "exists and is not a directory", "a directory path")
+    for name, field in (("EPID_CACHE_DIR", "cache_dir"), ("EPID_TENSORBOARD", "tensorboard")):
+        if values[field] and os.path.exists(values[field]) and not os.path.isdir(values[field]):
+            raise _fail(name, values[field], "exists and is not a directory", "a directory path")
+    sizes = FAMILIES[values["model"]].sizes
+    if values["model_size"] not in sizes:
+        raise _fail("EPID_MODEL_SIZE", values["model_size"], f"the {values['model']} family has no such size",
+                    f"one of {', '.join(sizes)}")
     if values["resume"] and not os.path.isfile(values["checkpoint_path"]):
         raise _fail(
             "EPID_RESUME", environ.get("EPID_RESUME", ""),
@@ -475,6 +511,19 @@ def load_config(environ: Mapping[str, str] | None = None) -> Config:
         raise _fail("EPID_CHECKPOINT_PATH", values["checkpoint_path"], "is a directory",
                     "a file path such as runs/a/epid.pth")
     return Config(**values)
+
+
+def check_names(environ: Mapping[str, str]) -> None:
+    """Raise ConfigError for the first ``EPID_*`` name that is no known variable, naming the closest
+    known ones (a misspelt variable would otherwise be ignored silently)."""
+    known = {variable.name.removeprefix("EPID_"): variable.name for variable in VARIABLES}
+    for name in sorted(environ):
+        if not name.startswith("EPID_") or name in known.values() or name in OTHER_VARIABLES:
+            continue
+        close = difflib.get_close_matches(name.removeprefix("EPID_"), list(known), n=2, cutoff=0.6)
+        hint = f"; did you mean {' or '.join(known[word] for word in close)}?" if close else ""
+        raise ConfigError(f"{name}={environ[name]!r}: not a known variable{hint} (expected one of the EPID_* "
+                          "variables that generate_and_train.py --help lists)")
 
 
 def _selection_variable(values: Mapping[str, Any]) -> tuple[str, str]:

@@ -133,8 +133,8 @@ def steps_per_epoch(
     number of steps. ``datasets_per_rank[r]`` is the number of datasets of rank ``r``
     (every rank computes it for every rank from the deterministic assignment, e.g.
     ``[len(ids) for ids in sharding.assign_all_ranks(...)]``). ``max_batches > 0``
-    caps the count (short smoke runs and benchmarks); with gradient accumulation pass
-    optimizer steps times accumulation steps.
+    caps the count (short epochs; with gradient accumulation pass optimizer steps times
+    accumulation steps); capped epochs take their windows from ``stream_windows``.
 
     Validation needs no equalisation when it runs without per-step collectives: each
     rank then evaluates each of its windows exactly once.
@@ -172,6 +172,34 @@ def epoch_windows(
     if steps is None:
         return ordered
     return [ordered[i % len(ordered)] for i in range(steps)]
+
+
+def stream_windows(
+    windows: Sequence[Window],
+    *,
+    order: str = "sequential",
+    seed: int = 0,
+    start: int = 0,
+    count: int,
+) -> list[Window]:
+    """``count`` windows of one rank's window stream from its position ``start`` (0-based).
+
+    The stream is the rank's windows in the order of epoch 1, then in the order of epoch 2, and
+    so on (``epoch_windows``): every window comes once in each pass through them. Capped epochs
+    (EPID_STEPS_PER_EPOCH) each take the next ``count`` windows from where the one before
+    stopped, so they go round all windows before any repeats, in either order.
+    """
+    if not windows:
+        raise ValueError("no windows to order")
+    taken: list[Window] = []
+    position = start
+    while len(taken) < count:
+        passes, offset = divmod(position, len(windows))
+        ordered = epoch_windows(windows, order=order, seed=seed, epoch=passes + 1)
+        part = ordered[offset:offset + count - len(taken)]
+        taken.extend(part)
+        position += len(part)
+    return taken
 
 
 # --------------------------------------------------------------------------- batches

@@ -1,10 +1,13 @@
 """Pre-flight checks: everything a rank would trip over, checked once before any rank starts.
 
 ``check(config)`` runs in the launching process of a training run and of ``EPID_DRY_RUN=1``
-alike: the device and backend on this node, the kernel file, the precision on the device,
-the checkpoint's folder, and the checkpoint to resume. Bad input raises InputError (one line,
-exit status 2 from the entry script) before anything is spawned; nothing is written. It
-returns notes on what a resumed run changes.
+alike: the device and backend on this node, the kernel file (read as a kernel), the precision
+on the device, the checkpoint's folder (writable), the TensorBoard package and folder
+(EPID_TENSORBOARD), and the checkpoint to resume (present, readable, of the same model family
+and size, its optimizer state fitting the models' parameter groups). Unknown ``EPID_*`` names
+and bad values are caught before, by ``epid.config.load_config``. Bad input raises InputError
+(one line, exit status 2 from the entry script) before anything is spawned; nothing is
+written. It returns notes on what a resumed run changes.
 """
 
 from __future__ import annotations
@@ -19,6 +22,9 @@ from epid.checkpoint import CheckpointError, build_models_from_checkpoint, load_
 from epid.config import Config
 from epid.devices import resolve_device, resolve_precision
 from epid.errors import InputError
+from epid.families import CrossModel
+from epid.optimizer import group_sizes, parameter_groups
+from epid.tensorboard_log import check_available
 
 
 def check(config: Config) -> list[str]:
@@ -27,6 +33,9 @@ def check(config: Config) -> list[str]:
     check_kernel(config)
     resolve_precision(config.precision, resolve_device(config.device))
     check_checkpoint_folder(config)
+    if config.tensorboard:
+        check_available(config.tensorboard)
+        check_writable(Path(config.tensorboard), f"EPID_TENSORBOARD={config.tensorboard!r}")
     if not config.resume:
         return []
     return resume_notes(config, load_checkpoint(config.checkpoint_path))
@@ -50,16 +59,19 @@ def check_kernel(config: Config) -> None:
 
     try:
         kernel_from_config(config.kernel_path, config.kernel_variable)
-    except InputError:
-        raise
-    except (ValueError, OSError, KeyError) as error:
+    except (InputError, ValueError, OSError, KeyError) as error:
         raise InputError(f"EPID_KERNEL={config.kernel!r}: {error}") from None
 
 
 def check_checkpoint_folder(config: Config) -> None:
-    """The checkpoint's folder can be made (its nearest existing ancestor is a folder) and files can
-    be written in it; nothing is created."""
-    folder = Path(config.checkpoint_path).absolute().parent
+    """The checkpoint's folder can be made and written in (``check_writable``)."""
+    check_writable(Path(config.checkpoint_path).absolute().parent, "EPID_CHECKPOINT_PATH folder")
+
+
+def check_writable(folder: Path, what: str) -> None:
+    """``folder`` can be made (its nearest existing ancestor is a folder) and files can be written
+    in it; nothing is created. InputError naming ``what`` otherwise."""
+    folder = folder.absolute()
     existing = folder
     while not existing.exists():
         existing = existing.parent
@@ -69,27 +81,39 @@ def check_checkpoint_folder(config: Config) -> None:
         with tempfile.TemporaryFile(dir=existing):
             pass
     except OSError as error:
-        raise InputError(
-            f"EPID_CHECKPOINT_PATH folder {str(folder)!r}: cannot write there ({error.strerror or error})"
-        ) from None
+        raise InputError(f"{what} {str(folder)!r}: cannot write there ({error.strerror or error})") from None
 
 
 def resume_notes(config: Config, checkpoint: dict[str, Any]) -> list[str]:
     """Check that ``checkpoint`` can continue under ``config``; describe what changes.
 
-    Raises CheckpointError when the model size differs, the models do not rebuild, the
-    optimizer state is missing, or the checkpoint already reached EPID_EPOCHS.
+    Raises CheckpointError when the model family or size differs, the models do not rebuild,
+    the optimizer state is missing or its parameter groups do not fit the models', or the
+    checkpoint already reached EPID_EPOCHS.
     """
     path = config.checkpoint_path
     saved = checkpoint.get("config") or {}
+    family = checkpoint["model_config"].get("family")
+    if family != config.model:
+        raise CheckpointError(
+            f"checkpoint {path!r} holds EPID_MODEL={family!r} models; EPID_MODEL={config.model!r} cannot resume it "
+            "(use the same family)"
+        )
     if saved.get("model_size", config.model_size) != config.model_size:
         raise CheckpointError(
             f"checkpoint {path!r} holds EPID_MODEL_SIZE={saved['model_size']!r} models; "
             f"EPID_MODEL_SIZE={config.model_size!r} cannot resume it (use the same size)"
         )
-    build_models_from_checkpoint(checkpoint)
+    models = build_models_from_checkpoint(checkpoint)
     if "optimizer" not in checkpoint:
         raise CheckpointError(f"checkpoint {path!r} has no optimizer state; it cannot be resumed")
+    saved_groups = [len(group["params"]) for group in checkpoint["optimizer"]["param_groups"]]
+    groups = group_sizes(parameter_groups(CrossModel(*models)))
+    if saved_groups != groups:
+        raise CheckpointError(
+            f"checkpoint {path!r} has optimizer parameter groups of {saved_groups} parameters; the models' "
+            f"learning-rate groups now hold {groups}; it cannot be resumed"
+        )
     epoch = int(checkpoint["epoch"])
     if epoch >= config.epochs:
         raise CheckpointError(

@@ -161,11 +161,26 @@ class IterationTimer:
 
 
 class ProgressDisplay:
-    """Rank 0's progress through an epoch: a tqdm bar on a terminal (EPID_PROGRESS), else, for
-    long epochs, ``PROGRESS_LINES_PER_EPOCH`` plain lines for cluster logs; nothing elsewhere."""
+    """Rank 0's progress through an epoch: a tqdm bar on a terminal (EPID_PROGRESS), else plain
+    lines for cluster logs; nothing on other ranks.
 
-    def __init__(self, epoch: int, steps: int, done: int, config: Config, is_main: bool) -> None:
-        self.epoch, self.steps, self.shown = epoch, steps, is_main
+    A plain line comes after a step when EPID_LOG_SECONDS have passed since the last line (or
+    the start of the epoch), and, in epochs of at least ``PROGRESS_LINES_MIN_STEPS`` steps, at
+    every tenth of the epoch; never after the last step (the epoch line follows). It gives
+    the step, samples/s over all ranks, the running mean loss of the epoch on rank 0 and the
+    ETA of the epoch and of the run: the epoch's remaining steps at the rate so far, plus the
+    remaining epochs at ``epoch_seconds`` (the last whole epoch, validation included) or, before
+    one, at the rate so far; a time limit (``deadline``, a ``time.perf_counter`` value) caps it.
+    """
+
+    def __init__(self, epoch: int, steps: int, done: int, config: Config, is_main: bool,
+                 epoch_seconds: float | None = None, deadline: float | None = None) -> None:
+        self.epoch, self.epochs, self.steps, self.shown = epoch, config.epochs, steps, is_main
+        self.global_batch, self.log_seconds = config.global_batch, config.log_seconds
+        self.epoch_seconds, self.deadline = epoch_seconds, deadline
+        self.every = math.ceil(steps / PROGRESS_LINES_PER_EPOCH) if steps >= PROGRESS_LINES_MIN_STEPS else 0
+        self.started = self.last_line = time.perf_counter()
+        self.first = done
         self.bar = None
         if is_main and config.progress and sys.stderr.isatty():
             from tqdm import tqdm
@@ -174,14 +189,29 @@ class ProgressDisplay:
                             dynamic_ncols=True)
 
     def step(self, done: int, loss: Callable[[], float]) -> None:
-        """Optimizer step ``done`` (1-based) is over; ``loss()`` reads its mean total loss."""
+        """Optimizer step ``done`` (1-based) is over; ``loss()`` reads the epoch's running mean loss."""
         if self.bar is not None:
             self.bar.update(1)
             self.bar.set_postfix(loss=f"{loss():.3e}", refresh=False)
             return
-        every = math.ceil(self.steps / PROGRESS_LINES_PER_EPOCH)
-        if self.shown and self.steps >= PROGRESS_LINES_MIN_STEPS and done % every == 0 and done < self.steps:
-            print(f"epoch {self.epoch}: step {done}/{self.steps}, loss {loss():.4e} (rank 0)", flush=True)
+        if not self.shown or done >= self.steps:
+            return
+        now = time.perf_counter()
+        if now - self.last_line >= self.log_seconds or (self.every and done % self.every == 0):
+            self.last_line = now
+            print(self.line(done, loss(), now), flush=True)
+
+    def line(self, done: int, loss: float, now: float) -> str:
+        """``epoch 3/10 step 40/400 (10 %) | 21.3 samples/s | loss 1.234e-02 | ETA epoch 0:05:12, run 1:02:40``."""
+        seconds_per_step = (now - self.started) / max(done - self.first, 1)
+        epoch_left = (self.steps - done) * seconds_per_step
+        run_left = epoch_left + (self.epochs - self.epoch) * (self.epoch_seconds or self.steps * seconds_per_step)
+        limit = ""
+        if self.deadline is not None and self.deadline - now < run_left:
+            run_left, limit = max(self.deadline - now, 0.0), " (time limit)"
+        return (f"epoch {self.epoch}/{self.epochs} step {done}/{self.steps} ({100 * done / self.steps:.0f} %) | "
+                f"{self.global_batch / seconds_per_step:.1f} samples/s | loss {loss:.4e} | "
+                f"ETA epoch {clock_text(epoch_left)}, run {clock_text(run_left)}{limit}")
 
     def close(self) -> None:
         if self.bar is not None:

@@ -5,9 +5,15 @@ windows and the gamma samples, and the loader that turns windows into batches on
 device (``epid.dataset``).
 
 Every rank takes the same number of optimizer steps per epoch: the largest window count of
-any rank (capped by EPID_STEPS_PER_EPOCH), rounded up to whole EPID_GRAD_ACCUM groups; a rank
-with fewer windows goes round its list again from the start. Validation visits each of the
-rank's validation windows once (with EPID_STEPS_PER_EPOCH, at most that many, evenly spread).
+any rank, rounded up to whole EPID_GRAD_ACCUM groups; a rank with fewer windows goes round
+its list again from the start. When EPID_STEPS_PER_EPOCH cuts that count, an epoch takes the
+next windows of the rank's window stream (``epid.dataset.stream_windows``) from the run's
+window cursor, which advances by the epoch's batches and is saved in the checkpoint: capped
+epochs go round all windows before any repeats.
+
+Validation visits each of the rank's validation windows once; with EPID_VAL_STEPS, only
+those of a fixed set of that many windows spread over all selected datasets (the same set
+every epoch and for any world size).
 """
 
 from __future__ import annotations
@@ -21,7 +27,16 @@ from torch import Tensor
 
 from epid import evaluate, sharding
 from epid.config import Config
-from epid.dataset import Batch, BatchLoader, EpidData, Window, epoch_windows, steps_per_epoch
+from epid.dataset import (
+    Batch,
+    BatchLoader,
+    EpidData,
+    Window,
+    dataset_windows,
+    epoch_windows,
+    steps_per_epoch,
+    stream_windows,
+)
 from epid.distributed import RankContext
 
 
@@ -40,29 +55,43 @@ class RankData:
         self.train_windows = self.data.windows("train", config.batch_size)
         shares = sharding.assign_all_ranks(config.dataset_ids, context.world_size, config.dataset_shuffle,
                                            config.dataset_seed)
-        batches = steps_per_epoch([len(ids) for ids in shares], n_control_points=config.control_points,
-                                  batch_size=config.batch_size, max_batches=config.steps_per_epoch * config.grad_accum)
+        counts = [len(ids) for ids in shares]
+        every = steps_per_epoch(counts, n_control_points=config.control_points, batch_size=config.batch_size)
+        batches = steps_per_epoch(counts, n_control_points=config.control_points, batch_size=config.batch_size,
+                                  max_batches=config.steps_per_epoch * config.grad_accum)
         self.steps = math.ceil(batches / config.grad_accum)
         self.batches = self.steps * config.grad_accum
-        self.val_windows = self._capped(self.data.windows("val", config.batch_size))
+        self.capped = self.batches < every
+        self.val_windows = self._validation_windows()
         own = set(self.dataset_ids)
         chosen = evaluate.gamma_subset(config.dataset_ids, config.control_points, config.gamma_samples)
         self.gamma_items = [item for item in chosen if item[0] in own]
         self._gamma_inputs: dict[str, Tensor] | None = None
 
-    def _capped(self, windows: list[Window]) -> list[Window]:
-        """Validation windows; with EPID_STEPS_PER_EPOCH, at most that many batches, evenly spread."""
-        cap = self.config.steps_per_epoch * self.config.grad_accum
-        if not cap or len(windows) <= cap:
-            return windows
-        return [windows[i * len(windows) // cap] for i in range(cap)]
-
-    def train_batches(self, epoch: int, first_batch: int = 0) -> Iterator[Batch]:
-        """The training batches of ``epoch`` from its batch ``first_batch`` (0-based) on."""
+    def _validation_windows(self) -> list[Window]:
+        """The rank's validation windows: all of them, or with EPID_VAL_STEPS its share of that many
+        windows spread over the validation windows of every selected dataset (in ID order)."""
         config = self.config
-        windows = epoch_windows(self.train_windows, order=config.batch_order, seed=config.seed, epoch=epoch,
-                                steps=self.batches)
-        return iter(self.loader.batches(windows[first_batch:]))
+        if not config.val_steps:
+            return self.data.windows("val", config.batch_size)
+        every = [window for dataset_id in sorted(config.dataset_ids)
+                 for window in dataset_windows(dataset_id, config.control_points, "val", config.batch_size)]
+        own = set(self.dataset_ids)
+        return [window for window in evaluate.spread(every, config.val_steps) if window.dataset_id in own]
+
+    def epoch_windows(self, epoch: int, cursor: int) -> list[Window]:
+        """The ``batches`` training windows of ``epoch`` (1-based), in order: the epoch's own order,
+        or in a capped epoch the next windows of the rank's stream from position ``cursor``."""
+        config = self.config
+        if self.capped:
+            return stream_windows(self.train_windows, order=config.batch_order, seed=config.seed, start=cursor,
+                                  count=self.batches)
+        return epoch_windows(self.train_windows, order=config.batch_order, seed=config.seed, epoch=epoch,
+                             steps=self.batches)
+
+    def train_batches(self, epoch: int, cursor: int, first_batch: int = 0) -> Iterator[Batch]:
+        """The training batches of ``epoch`` from its batch ``first_batch`` (0-based) on (``epoch_windows``)."""
+        return iter(self.loader.batches(self.epoch_windows(epoch, cursor)[first_batch:]))
 
     def val_batches(self) -> Iterator[Batch]:
         return iter(self.loader.batches(self.val_windows))

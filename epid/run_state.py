@@ -30,7 +30,9 @@ from epid.schedule import Schedule
 @dataclass
 class RunState:
     """Where a run is: its ID, the last completed epoch (1-based, 0 before the first), the
-    history of every epoch, the best validation loss so far, and ``interrupted``: None, or the
+    history of every epoch, the best validation loss so far, the window cursor (each rank's
+    position in its window stream, where the next capped epoch starts: ``epid.rank_data``), and
+    ``interrupted``: None, or the
     record of an epoch stopped by a signal ({"epoch", "batches_done", "rank_train_sums",
     "rank_train_samples", "train_seconds", "nonfinite_steps", "plan"})."""
 
@@ -39,6 +41,7 @@ class RunState:
     history: dict[str, Any] = field(default_factory=metrics_log.empty_history)
     best_val_loss: float = math.inf
     best_epoch: int = 0
+    window_cursor: int = 0
     interrupted: dict[str, Any] | None = None
 
 
@@ -59,6 +62,7 @@ def capture_run_state(model: CrossModel, optimizer: torch.optim.Optimizer, scale
         "history": state.history,
         "best_val_loss": state.best_val_loss,
         "best_epoch": state.best_epoch,
+        "window_cursor": state.window_cursor,
         "config": config.to_dict(),
         "dataset_ids": list(config.dataset_ids),
         "world_size": world_size,
@@ -71,8 +75,13 @@ def restore_run_state(checkpoint: dict[str, Any], optimizer: torch.optim.Optimiz
                       scaler: torch.amp.GradScaler) -> RunState:
     """Load the optimizer, scaler and generator states of ``checkpoint`` (from ``load_checkpoint``;
     its models are rebuilt from it beforehand, ``epid.checkpoint.build_models_from_checkpoint``)
-    and return where its run is."""
+    and return where its run is. The parameter groups keep the learning-rate factors the models
+    give them now (``epid.optimizer``); their layout must match the checkpoint's (checked before
+    the launch, ``epid.preflight``)."""
+    factors = [group.get("lr_factor", 1.0) for group in optimizer.param_groups]
     optimizer.load_state_dict(checkpoint["optimizer"])
+    for group, factor in zip(optimizer.param_groups, factors, strict=True):
+        group["lr_factor"] = factor
     _match_optimizer_layout(optimizer)
     if scaler.is_enabled() and checkpoint.get("scaler"):
         scaler.load_state_dict(checkpoint["scaler"])
@@ -86,6 +95,7 @@ def restore_run_state(checkpoint: dict[str, Any], optimizer: torch.optim.Optimiz
         history=history,
         best_val_loss=float(checkpoint.get("best_val_loss", math.inf)),
         best_epoch=int(checkpoint.get("best_epoch", 0)),
+        window_cursor=int(checkpoint.get("window_cursor", 0)),
         interrupted=checkpoint.get("interrupted"),
     )
 

@@ -96,10 +96,11 @@ class Schedule:
         return self.base_lr * (self._shape(position) / self.base_lr)
 
     def set(self, optimizer: torch.optim.Optimizer, epoch_index: int, step: int) -> float:
-        """Give every parameter group the rate of that step; the rate."""
+        """Give every parameter group the rate of that step times the group's ``lr_factor`` (1 when
+        it has none, ``epid.optimizer``); the rate."""
         rate = self.rate(self.position(epoch_index, step))
         for group in optimizer.param_groups:
-            group["lr"] = rate
+            group["lr"] = rate * group.get("lr_factor", 1.0)
         return rate
 
     def state_dict(self) -> dict[str, Any]:

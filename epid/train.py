@@ -12,15 +12,17 @@ AdamW optimizer, the learning-rate schedule (``epid.schedule``) and its data
   for each of its EPID_GRAD_ACCUM batches fetch the batch, run both models, compute the loss
   and run backward (gradients are all-reduced on the last batch only); agree with every rank,
   in one small all-reduce, whether any rank saw a non-finite loss (then every rank skips the
-  step) and whether any rank received SIGINT / SIGTERM (then every rank stops after the step
-  and rank 0 writes a checkpoint that resumes mid-epoch); take the optimizer step;
+  step) and whether any rank received SIGINT / SIGTERM or reached EPID_TIME_LIMIT (then every
+  rank stops after the step and rank 0 writes a checkpoint that resumes mid-epoch); take the
+  optimizer step (``epid.optimizer``: gradients clipped with EPID_GRAD_CLIP);
 * validation: each validation window of the rank once (no collectives inside), and the
   forward model's gamma pass rate (3 %/3 mm global, 10 % cutoff) on a fixed set of
   EPID_GAMMA_SAMPLES validation samples spread over the selected datasets;
 * the epoch's end: one all-reduce of the loss sums (weighted by sample counts), sample
   counts, gamma sums, step counts and stop flags; rank 0 decides early stopping and
-  broadcasts it, writes the checkpoint(s) (``epid.run_state``), ``metrics.csv`` and
-  ``losses.png``, and prints the epoch line (``epid.progress``).
+  broadcasts it, writes the checkpoint(s) (``epid.run_state``), ``metrics.csv``,
+  ``losses.png`` and the TensorBoard events (EPID_TENSORBOARD), and prints the epoch line
+  (``epid.progress``).
 
 Placement of the models (``ModelRunner``): DistributedDataParallel across ranks; on a single
 CPU rank with two or more threads, the forward and inverse models side by side on their own
@@ -47,14 +49,17 @@ from torch.nn.parallel import DistributedDataParallel
 from epid import distributed, metrics_log, preflight, side_by_side
 from epid.checkpoint import best_path, build_models_from_checkpoint, load_checkpoint, save_checkpoint
 from epid.config import Config, describe, rank_report
-from epid.devices import resolve_precision
+from epid.devices import choose_precision
 from epid.distributed import RankContext, StopSignal
 from epid.families import CrossModel, build_models
+from epid.files import remove_stale_temporaries
 from epid.losses import LOSS_TERMS, batch_losses
+from epid.optimizer import build_optimizer, optimizer_step
 from epid.progress import IterationTimer, ProgressDisplay, TimingReport, clock_text, epoch_line
 from epid.rank_data import RankData
 from epid.run_state import RunState, capture_run_state, restore_run_state, seed_rngs
 from epid.schedule import Schedule, ScheduleConfig
+from epid.tensorboard_log import FRAMES, TensorBoardLog
 from epid.validation import Validation
 
 NUM_TERMS = len(LOSS_TERMS)
@@ -63,15 +68,33 @@ NUM_TERMS = len(LOSS_TERMS)
 def launch(config: Config) -> int:
     """Train as ``config`` says on every rank of this node; return the process exit status.
 
-    0: finished, stopped early, or stopped by SIGINT / SIGTERM with a checkpoint written;
-    1: a rank failed or the run stopped on non-finite losses. Raises InputError (exit 2)
-    before any rank starts when the device, kernel or checkpoint to resume cannot work.
+    0: finished, stopped early, or stopped by SIGINT / SIGTERM or EPID_TIME_LIMIT with a
+    checkpoint written; 1: a rank failed or the run stopped on non-finite losses. Raises
+    InputError (exit 2) before any rank starts when the device, kernel or checkpoint to resume
+    cannot work. Temporary files that killed writers left beside the checkpoint are removed.
     """
     notes = preflight.check(config)
-    if os.environ.get("RANK", "0") == "0":  # under torchrun every rank runs this; rank 0 reports
-        for note in notes:
+    if os.environ.get("RANK", "0") == "0":  # under torchrun every rank runs this; rank 0 reports and cleans
+        for note in notes + stale_temporaries_notes(config):
             print(note, flush=True)
     return distributed.launch(run_rank, config)
+
+
+def stale_temporaries_notes(config: Config) -> list[str]:
+    """Remove the temporary files of this run's checkpoint, best checkpoint, metrics.csv and
+    losses.png whose writer process is gone; say which were removed and which were kept."""
+    checkpoint = Path(config.checkpoint_path)
+    folder = checkpoint.parent
+    removed, kept = remove_stale_temporaries([checkpoint, best_path(checkpoint), folder / metrics_log.CSV_NAME,
+                                              folder / metrics_log.PLOT_NAME])
+    notes = []
+    if removed:
+        notes.append(f"Removed {len(removed)} temporary file(s) in {folder} that writers which are gone left "
+                     f"behind: {', '.join(path.name for path in removed)}")
+    if kept:
+        notes.append(f"Kept {len(kept)} temporary file(s) in {folder} that running processes are writing (is "
+                     f"another run using this checkpoint?): {', '.join(path.name for path in kept)}")
+    return notes
 
 
 def run_rank(context: RankContext, config: Config) -> int:
@@ -108,6 +131,7 @@ class EpochTotals:
     gamma_pass: float
     steps_per_rank: list[int]
     stop_requested: bool
+    time_up: bool
 
 
 class ModelRunner:
@@ -146,27 +170,35 @@ class Trainer:
     """One rank's models, optimizer, schedule, data and run state, and the epoch loop."""
 
     def __init__(self, context: RankContext, config: Config, stop: StopSignal) -> None:
+        started = time.perf_counter()
+        self.deadline = started + 60.0 * config.time_limit if config.time_limit else None
         self.context, self.config, self.stop = context, config, stop
         self.device, self.is_main = context.device, context.is_main
-        self.amp_dtype = resolve_precision(config.precision, self.device)
+        self.precision = choose_precision(config.precision, self.device)
+        self.amp_dtype = self.precision.dtype
+        self.stopped_by = ""  # the stop line's start once a signal or the time limit stopped an epoch
         if self.device.type == "cuda":
             torch.backends.cuda.matmul.allow_tf32 = True
             torch.backends.cudnn.allow_tf32 = True
             torch.backends.cudnn.benchmark = True
         checkpoint = load_checkpoint(config.checkpoint_path) if config.resume else None
         seed_rngs(config.seed)
-        models = build_models(config.model_size) if checkpoint is None else build_models_from_checkpoint(checkpoint)
+        models = (build_models(config.model_size, config.model) if checkpoint is None
+                  else build_models_from_checkpoint(checkpoint))
         self.model = CrossModel(*models).place(self.device)
         self.runner = ModelRunner(self.model, context, config.compile)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.effective_lr,
-                                           weight_decay=config.weight_decay, fused=True)
+        self.optimizer = build_optimizer(self.model, config.effective_lr, config.weight_decay)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.amp_dtype == torch.float16)
         self.data = RankData(config, context)
         self.schedule = Schedule(ScheduleConfig.from_config(config, self.data.steps), config.effective_lr,
                                  self.data.steps)
-        self.validation = Validation(self.model, self.data, config, self.amp_dtype, self.is_main)
         self.state = RunState() if checkpoint is None else restore_run_state(checkpoint, self.optimizer, self.scaler)
         self.metrics = metrics_log.MetricsLog(Path(config.checkpoint_path).parent)
+        self.board = None
+        if self.is_main and config.tensorboard:
+            self.board = TensorBoardLog(config.tensorboard, self.state.epoch + 1, describe(config))
+        self.validation = Validation(self.model, self.data, config, self.amp_dtype, self.is_main,
+                                     keep_frames=FRAMES if self.board else 0)
 
     def run(self) -> int:
         """Every remaining epoch; the rank's exit status."""
@@ -174,6 +206,8 @@ class Trainer:
             return self._run_epochs()
         finally:
             self.runner.close()
+            if self.board is not None:
+                self.board.close()
 
     def _run_epochs(self) -> int:
         self._print_start()
@@ -190,15 +224,16 @@ class Trainer:
                 distributed.barrier()
                 return 0
             val_sums, val_samples, gamma = self.validation.run(self.runner.evaluate, epoch)
-            totals = reduce_epoch(train, val_sums, val_samples, gamma, self.context, self.stop.requested)
+            totals = reduce_epoch(train, val_sums, val_samples, gamma, self.context, self.stop.requested,
+                                  self._time_up())
             stop_early = self._decide_early_stop(epoch, totals)
             self._finish_epoch(epoch, train, totals, time.perf_counter() - epoch_started)
-            if totals.stop_requested:
-                self._print_stop(epoch, by_signal=True)
+            if totals.stop_requested or totals.time_up:
+                self._print_stop(epoch, self._stopped_by(totals.stop_requested))
                 distributed.barrier()
                 return 0
             if stop_early:
-                self._print_stop(epoch, by_signal=False)
+                self._print_stop(epoch, None)
                 break
         distributed.barrier()
         if self.is_main:
@@ -212,11 +247,13 @@ class Trainer:
         """The optimizer steps of ``epoch`` (from where an interrupted run stopped)."""
         config, accum = self.config, self.config.grad_accum
         result = self._resume_point(epoch)
-        batches = self.data.train_batches(epoch, result.batches_done)
+        batches = self.data.train_batches(epoch, self.state.window_cursor, result.batches_done)
         self.model.train()
         report = TimingReport("train", epoch, self.data.steps, "step", config, self.is_main)
         timer = IterationTimer(self.device, report, done=result.steps)
-        progress = ProgressDisplay(epoch, self.data.steps, result.steps, config, self.is_main)
+        epoch_seconds = self.state.history["epoch_s"][-1] if self.state.history["epoch_s"] else None
+        progress = ProgressDisplay(epoch, self.data.steps, result.steps, config, self.is_main, epoch_seconds,
+                                   self.deadline)
         consecutive, started = 0, time.perf_counter()
         for step in range(result.steps, self.data.steps):
             timer.start()
@@ -230,7 +267,7 @@ class Trainer:
                 timer.computed()
                 sums += torch.stack([losses[term].detach() for term in LOSS_TERMS]) * len(batch)
                 samples += len(batch)
-            nonfinite, stop = self._agree(sums[0])
+            nonfinite, signalled, time_up = self._agree(sums[0])
             if nonfinite:
                 consecutive += 1
                 result.nonfinite_steps += 1
@@ -238,31 +275,46 @@ class Trainer:
                     print(f"epoch {epoch} step {step + 1}: non-finite loss on some rank, step skipped "
                           f"({consecutive} in a row)", flush=True)
             else:
-                self.scaler.step(self.optimizer)
-                self.scaler.update()
+                optimizer_step(self.optimizer, self.scaler, config.grad_clip)
                 consecutive = 0
                 result.sums += sums
                 result.samples += samples
             self.optimizer.zero_grad(set_to_none=True)
             result.steps, result.batches_done = step + 1, (step + 1) * accum
             timer.end()
-            progress.step(result.steps, lambda sums=sums, samples=samples: (sums[0] / samples).item())
+            progress.step(result.steps, lambda: (result.sums[0] / result.samples).item())
             result.aborted = consecutive >= config.max_nonfinite_steps
-            result.interrupted = stop
-            if result.aborted or stop:
+            result.interrupted = signalled or time_up
+            if result.interrupted:
+                self.stopped_by = self._stopped_by(signalled)
+            if result.aborted or result.interrupted:
                 break
         timer.finish()
         progress.close()
         result.seconds += time.perf_counter() - started
         return result
 
-    def _agree(self, step_total: Tensor) -> tuple[bool, bool]:
-        """Whether any rank saw a non-finite loss this step, and whether any rank was asked to stop."""
+    def _agree(self, step_total: Tensor) -> tuple[bool, bool, bool]:
+        """Whether any rank saw a non-finite loss this step, whether any rank received a stop
+        signal, and whether any rank reached EPID_TIME_LIMIT."""
         flags = torch.stack([(~torch.isfinite(step_total)).float(),
-                             torch.full((), float(self.stop.requested), device=self.device)])
+                             torch.full((), float(self.stop.requested), device=self.device),
+                             torch.full((), float(self._time_up()), device=self.device)])
         distributed.all_reduce(flags, dist.ReduceOp.MAX)
-        nonfinite, stop = flags.tolist()
-        return nonfinite > 0, stop > 0
+        nonfinite, signalled, time_up = flags.tolist()
+        return nonfinite > 0, signalled > 0, time_up > 0
+
+    def _time_up(self) -> bool:
+        """Whether this rank has run for EPID_TIME_LIMIT."""
+        return self.deadline is not None and time.perf_counter() >= self.deadline
+
+    def _stopped_by(self, signalled: bool) -> str:
+        """What stopped the run, for the stop line: this rank's signal, another rank's, or the time limit."""
+        if self.stop.requested:
+            return f"Stopped by {self.stop.name}"
+        if signalled:
+            return "Stopped by a signal on another rank"
+        return f"Stopped: time limit of {self.config.time_limit:g} min reached"
 
     def _resume_point(self, epoch: int) -> TrainPass:
         """A fresh training pass, or the one an interrupted run left in ``epoch`` (this rank's sums)."""
@@ -305,7 +357,7 @@ class Trainer:
         elapsed = (history["elapsed_s"][-1] if history["elapsed_s"] else 0.0) + epoch_seconds
         record = {
             "train": totals.train, "val": totals.val, "gamma_pass": totals.gamma_pass,
-            "lr": self.optimizer.param_groups[0]["lr"],
+            "lr": self.schedule.rate(self.schedule.position(epoch - 1, self.data.steps - 1)),
             "samples_per_s": totals.train_samples / train.seconds if train.seconds > 0 else math.nan,
             "epoch_s": epoch_seconds, "elapsed_s": elapsed, "steps": totals.steps_per_rank[0],
             "nonfinite_steps": train.nonfinite_steps, "world_size": self.context.world_size,
@@ -314,6 +366,8 @@ class Trainer:
         history.setdefault("steps_per_rank", []).append(totals.steps_per_rank)
         self.schedule.set(self.optimizer, epoch, 0)  # the checkpoint's optimizer holds the next step's rate
         self.state.epoch = epoch
+        if self.data.capped:
+            self.state.window_cursor += self.data.batches
         if not self.is_main:
             return
         payload = self._payload()
@@ -322,6 +376,8 @@ class Trainer:
             save_checkpoint(best_path(self.config.checkpoint_path), payload)
         self.metrics.append(history)
         self.metrics.plot(history, self.state.best_epoch)
+        if self.board is not None:
+            self.board.epoch(epoch, record, self.validation.frames)
         print(epoch_line(epoch, self.config.epochs, record, self.device, self.new_best), flush=True)
 
     def _save_interrupted(self, epoch: int, train: TrainPass) -> None:
@@ -337,9 +393,8 @@ class Trainer:
             "nonfinite_steps": train.nonfinite_steps, "plan": self.data.plan(),
         }
         save_checkpoint(self.config.checkpoint_path, self._payload())
-        print(f"Stopped by {self.stop.name or 'a signal on another rank'} in epoch {epoch} after optimizer step "
-              f"{train.steps}/{self.data.steps}; checkpoint {self.config.checkpoint_path} written; resume with "
-              "EPID_RESUME=1", flush=True)
+        print(f"{self.stopped_by} in epoch {epoch} after optimizer step {train.steps}/{self.data.steps}; checkpoint "
+              f"{self.config.checkpoint_path} written; resume with EPID_RESUME=1", flush=True)
 
     def _payload(self) -> dict[str, Any]:
         return capture_run_state(self.model, self.optimizer, self.scaler, self.schedule, self.state, self.config,
@@ -352,15 +407,14 @@ class Trainer:
         if self.is_main:
             print(f"Resolved configuration:\n{describe(config)}\nDataset IDs per rank:\n{rank_report(config)}",
                   flush=True)
-            print(f"Every rank takes {self.data.steps} optimizer step(s) of {config.grad_accum} batch(es) per epoch "
-                  "(the largest rank share; ranks with fewer batch windows repeat their first windows)", flush=True)
+            print(self._plan_text(), flush=True)
         threads = f"{context.threads} thread(s)"
         if self.runner.side_by_side is not None:
             threads += " (forward and inverse models side by side on {} + {})".format(*self.runner.side_by_side.threads)
         line = (
             f"rank {context.rank}/{context.world_size} (local {context.local_rank}): pid {os.getpid()}, "
             f"device {self.device}, backend {context.backend or 'none'}, {threads}, "
-            f"precision {str(self.amp_dtype).removeprefix('torch.')}, {len(self.data.dataset_ids)} dataset(s), "
+            f"precision {self.precision.name} ({self.precision.reason}), {len(self.data.dataset_ids)} dataset(s), "
             f"{len(self.data.train_windows)} training and {len(self.data.val_windows)} validation window(s), "
             f"{len(self.data.gamma_items)} gamma sample(s)"
         )
@@ -368,12 +422,30 @@ class Trainer:
         if self.is_main:
             print("\n".join(lines), flush=True)
 
-    def _print_stop(self, epoch: int, by_signal: bool) -> None:
+    def _plan_text(self) -> str:
+        """How many steps an epoch takes, which windows it trains on and validates, what stops the run."""
+        config, data = self.config, self.data
+        lines = [f"Every rank takes {data.steps} optimizer step(s) of {config.grad_accum} batch(es) per epoch"]
+        if data.capped:
+            lines[0] += (f" (EPID_STEPS_PER_EPOCH): each epoch goes on through the rank's batch windows where the one "
+                         f"before stopped, from position {self.state.window_cursor}")
+        else:
+            lines[0] += " (the largest rank share; ranks with fewer batch windows repeat their first windows)"
+        if config.val_steps:
+            lines.append(f"Validation on a fixed set of {config.val_steps} batch window(s) spread over the selected "
+                         "datasets (EPID_VAL_STEPS)")
+        if config.time_limit:
+            lines.append(f"Training stops after the step that reaches {config.time_limit:g} min (EPID_TIME_LIMIT), "
+                         "with a checkpoint to resume from")
+        return "\n".join(lines)
+
+    def _print_stop(self, epoch: int, stopped_by: str | None) -> None:
+        """The stop line: after a signal or the time limit (``stopped_by``), or an early stop (None)."""
         if not self.is_main:
             return
-        if by_signal:
-            print(f"Stopped by {self.stop.name or 'a signal on another rank'} after epoch {epoch}; checkpoint "
-                  f"{self.config.checkpoint_path} written; resume with EPID_RESUME=1", flush=True)
+        if stopped_by:
+            print(f"{stopped_by} after epoch {epoch}; checkpoint {self.config.checkpoint_path} written; resume with "
+                  "EPID_RESUME=1", flush=True)
         else:
             print(f"Early stop after epoch {epoch}: no new best validation loss for {self.config.early_stop_patience} "
                   f"epoch(s) (best {self.state.best_val_loss:.4e} at epoch {self.state.best_epoch})", flush=True)
@@ -391,22 +463,23 @@ class Trainer:
 
 
 def reduce_epoch(train: TrainPass, val_sums: Tensor, val_samples: Tensor, gamma: tuple[Tensor, Tensor],
-                 context: RankContext, stop_requested: bool) -> EpochTotals:
-    """One all-reduce of everything the epoch line and the checkpoint need."""
+                 context: RankContext, stop_requested: bool, time_up: bool) -> EpochTotals:
+    """One all-reduce of everything the epoch line and the checkpoint need (``stop_requested``:
+    this rank received a stop signal; ``time_up``: it reached EPID_TIME_LIMIT)."""
     device, world = context.device, context.world_size
     steps = torch.zeros(world, device=device)
     steps[context.rank] = train.steps
-    stop = torch.full((1,), float(stop_requested), device=device)
+    stops = torch.tensor([float(stop_requested), float(time_up)], device=device)
     packed = torch.cat([train.sums, train.samples.view(1), val_sums, val_samples.view(1),
-                        gamma[0].view(1), gamma[1].view(1), stop, steps])
+                        gamma[0].view(1), gamma[1].view(1), stops, steps])
     values = distributed.all_reduce(packed).tolist()
     val = values[NUM_TERMS + 1:]
-    gamma_sum, gamma_count, stop_flag = val[NUM_TERMS + 1:NUM_TERMS + 4]
+    gamma_sum, gamma_count, stop_flag, time_flag = val[NUM_TERMS + 1:NUM_TERMS + 5]
     return EpochTotals(
         train=_means(values[:NUM_TERMS], values[NUM_TERMS]), val=_means(val[:NUM_TERMS], val[NUM_TERMS]),
         train_samples=int(values[NUM_TERMS]), val_samples=int(val[NUM_TERMS]),
         gamma_pass=gamma_sum / gamma_count if gamma_count else math.nan,
-        steps_per_rank=[int(v) for v in values[-world:]], stop_requested=stop_flag > 0,
+        steps_per_rank=[int(v) for v in values[-world:]], stop_requested=stop_flag > 0, time_up=time_flag > 0,
     )
 
 

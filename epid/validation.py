@@ -26,12 +26,18 @@ from epid.rank_data import RankData
 
 
 class Validation:
-    """Validation of one rank's models on its data."""
+    """Validation of one rank's models on its data.
+
+    ``frames``: after each pass, (dataset ID, sample, measured frame, predicted frame) of the
+    rank's first ``keep_frames`` gamma samples (frames (256, 256) on the CPU), for TensorBoard.
+    """
 
     def __init__(self, model: CrossModel, data: RankData, config: Config, amp_dtype: torch.dtype,
-                 is_main: bool) -> None:
+                 is_main: bool, keep_frames: int = 0) -> None:
         self.model, self.data, self.config = model, data, config
         self.device, self.amp_dtype, self.is_main = data.device, amp_dtype, is_main
+        self.keep_frames = keep_frames
+        self.frames: list[tuple[int, int, Tensor, Tensor]] = []
 
     def run(self, evaluate: Callable[..., Any], epoch: int) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor]]:
         """Loss sums (per term, weighted by batch size) and sample count over the validation
@@ -72,6 +78,9 @@ class Validation:
                 epid, _ = self.model.forward_model(inputs["leaf_a"][chunk], inputs["leaf_b"][chunk],
                                                    inputs["scalars"][chunk])
             predictions.append(epid[:, 0].float())
-        rates = gamma_pass_rate(gamma_maps(inputs["epid_curr"], torch.cat(predictions), device=self.device))
+        predicted = torch.cat(predictions)
+        self.frames = [(dataset_id, sample, inputs["epid_curr"][index].cpu(), predicted[index].cpu())
+                       for index, (dataset_id, sample) in enumerate(self.data.gamma_items[:self.keep_frames])]
+        rates = gamma_pass_rate(gamma_maps(inputs["epid_curr"], predicted, device=self.device))
         counted = ~torch.isnan(rates)
         return torch.where(counted, rates, 0.0).sum().to(self.device), counted.sum().float().to(self.device)

@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from epid.config import VARIABLES, Config, ConfigError, help_text, load_config, markdown_table
+from epid import families
+from epid.config import VARIABLE_OF_FIELD, VARIABLES, Config, ConfigError, help_text, load_config, markdown_table
 from epid.errors import InputError
 from tests.support import ROOT, clean_environment
 
@@ -125,7 +126,13 @@ def bad_values(tmp_path):
         "EPID_PIN_MEMORY": ("pinned", "1/0, true/false or yes/no"),
         "EPID_PREFETCH_FACTOR": ("0", "an integer >= 1"),
         "EPID_BATCH_ORDER": ("random", "sequential or shuffled"),
+        "EPID_MODEL": ("bigger", "legacy"),
         "EPID_MODEL_SIZE": ("huge", "full, small or tiny"),
+        "EPID_VAL_STEPS": ("-1", "an integer >= 0"),
+        "EPID_GRAD_CLIP": ("-1", "a number >= 0"),
+        "EPID_TIME_LIMIT": ("one hour", "not a number"),
+        "EPID_LOG_SECONDS": ("0", "a number > 0"),
+        "EPID_TENSORBOARD": (str(a_file), "exists and is not a directory"),
         "EPID_COLLECTIVE_TIMEOUT": ("0", "an integer >= 1"),
         "EPID_EPOCHS": ("0", "an integer >= 1"),
         "EPID_STEPS_PER_EPOCH": ("-2", "an integer >= 0"),
@@ -185,6 +192,33 @@ def test_combinations_are_checked(tmp_path):
         load_config({"EPID_RESUME": "1", "EPID_CHECKPOINT_PATH": str(tmp_path / "none.pth")})
 
 
+def test_a_model_size_the_family_lacks_is_named(monkeypatch):
+    legacy = families.FAMILIES[families.LEGACY]
+    only_full = dataclasses.replace(legacy, sizes={"full": legacy.sizes["full"]})
+    monkeypatch.setitem(families.FAMILIES, families.LEGACY, only_full)
+    with pytest.raises(ConfigError, match=r"^EPID_MODEL_SIZE='tiny': the legacy family has no such size; expected one "
+                                          r"of full$"):
+        load_config({"EPID_MODEL_SIZE": "tiny"})
+
+
+def test_the_model_families_are_the_registered_ones():
+    assert VARIABLE_OF_FIELD["model"].parse.words == tuple(families.FAMILIES)
+    assert load_config({}).model == families.DEFAULT_FAMILY
+
+
+@pytest.mark.parametrize("name, suggestion", [("EPID_BATCHSIZE", "did you mean EPID_BATCH_SIZE or EPID_BATCH_ORDER?"),
+                                              ("EPID_EPOCH", "did you mean EPID_EPOCHS?"),
+                                              ("EPID_TENSORBORD", "did you mean EPID_TENSORBOARD?"),
+                                              ("EPID_QWERTY", "not a known variable (expected")])
+def test_an_unknown_epid_name_is_rejected_with_the_closest_known_names(name, suggestion):
+    with pytest.raises(ConfigError) as caught:
+        load_config({name: "64", "EPID_EPOCHS": "3"})
+    message = str(caught.value)
+    assert message.startswith(f"{name}='64': not a known variable") and suggestion in message
+    assert "\n" not in message
+    assert load_config({"EPID_TEST_INDUCTOR": "1"}) == load_config({})  # the test suite's own switch
+
+
 def run_script(env_update, *args):
     return subprocess.run(
         [sys.executable, str(ROOT / "generate_and_train.py"), *args],
@@ -200,6 +234,17 @@ def test_entry_script_reports_bad_value_in_one_line_and_exits_2():
         "expected start:stop[:step] with IDs in 0..639"
     )
     assert "Traceback" not in result.stderr
+
+
+def test_a_misspelt_variable_stops_the_run_before_anything_starts(tmp_path):
+    checkpoint = tmp_path / "run" / "epid.pth"
+    result = run_script({"EPID_BATCHSIZE": "64", "EPID_CHECKPOINT_PATH": str(checkpoint)})
+    assert result.returncode == 2
+    assert result.stderr.strip() == (
+        "generate_and_train.py: error: EPID_BATCHSIZE='64': not a known variable; did you mean EPID_BATCH_SIZE or "
+        "EPID_BATCH_ORDER? (expected one of the EPID_* variables that generate_and_train.py --help lists)"
+    )
+    assert result.stdout == "" and not checkpoint.parent.exists()
 
 
 def test_dry_run_prints_config_and_rank_ids():

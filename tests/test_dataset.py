@@ -204,6 +204,22 @@ def test_uneven_shards_take_equal_steps_and_see_all_their_windows(world_size, or
             assert plan[len(full) :] == full[: steps - len(full)]
 
 
+@pytest.mark.parametrize("order", ds.BATCH_ORDERS)
+def test_capped_epochs_go_round_every_window_before_any_repeats(order):
+    windows = counting_data([0, 1, 2]).windows("train", 4)  # 3 datasets x 5 windows
+    cap = 4
+    epochs = [ds.stream_windows(windows, order=order, seed=3, start=cap * e, count=cap) for e in range(8)]
+    stream = [window for epoch in epochs for window in epoch]
+    passes = [stream[i:i + len(windows)] for i in range(0, len(stream) - len(windows) + 1, len(windows))]
+    assert len(passes) == 2
+    for index, one_pass in enumerate(passes):  # every window once per pass, in the pass's epoch order
+        assert one_pass == ds.epoch_windows(windows, order=order, seed=3, epoch=index + 1)
+    assert set(epochs[0]).isdisjoint(epochs[1]) and set(epochs[1]).isdisjoint(epochs[2])
+    assert set(epochs[0] + epochs[1] + epochs[2]) | set(epochs[3][:3]) == set(windows)
+    # a stream continued from a saved position takes exactly the windows the straight stream takes
+    assert ds.stream_windows(windows, order=order, seed=3, start=6, count=11) == stream[6:17]
+
+
 def test_step_cap_limits_every_rank():
     counts = [3, 2]
     assert ds.steps_per_epoch(counts, n_control_points=N_SMALL, batch_size=4, max_batches=2) == 2
