@@ -10,6 +10,7 @@ chooses on this machine. Variants are timed round-robin, one step each per round
 load from other processes on a shared machine affects all of them alike.
 
     python -m bench.bench_models                      # fp32, bf16, bf16 side by side; batch 8 and 32
+    python -m bench.bench_models --model legacy       # the legacy family's models
     python -m bench.bench_models --variants bf16 bf16+compile --profile
 """
 
@@ -32,7 +33,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from epid.dataset import Batch
 from epid.devices import choose_precision
 from epid.distributed import tune_host_allocator
-from epid.families import CrossModel, build_models
+from epid.families import DEFAULT_FAMILY, FAMILIES, CrossModel, build_models
 from epid.imaging import GRID_SIZE
 from epid.losses import cross_training_loss
 from epid.sequences import NUM_LEAF_PAIRS
@@ -88,11 +89,12 @@ class Variant:
 class TrainingStep:
     """Both models, AdamW (fused) and the cross-training loss, run as one callable step."""
 
-    def __init__(self, variant: Variant, size: str, device: torch.device, seed: int = 0) -> None:
+    def __init__(self, variant: Variant, size: str, device: torch.device, family: str = DEFAULT_FAMILY,
+                 seed: int = 0) -> None:
         torch.manual_seed(seed)
         self.variant = variant
         self.device = device
-        model = CrossModel(*build_models(size)).place(device)
+        model = CrossModel(*build_models(size, family)).place(device)
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=1e-4, fused=True)
         self.runner = torch.compile(model) if variant.compile else model
         if variant.side_by_side:
@@ -150,13 +152,13 @@ def matmul_peak_flops(dtype: torch.dtype, device: torch.device, repeats: int = 1
     return best
 
 
-def flops_per_sample(size: str, batch_size: int, device: torch.device) -> float:
+def flops_per_sample(size: str, batch_size: int, device: torch.device, family: str = DEFAULT_FAMILY) -> float:
     """Forward + backward FLOPs of one fp32 cross-training step, per sample (optimizer excluded).
 
     Attention runs as explicit matrix products here: FlopCounterMode does not count the fused
     CPU attention kernel.
     """
-    step = TrainingStep(Variant.parse("fp32"), size, device)
+    step = TrainingStep(Variant.parse("fp32"), size, device, family)
     batch = synthetic_batch(batch_size, device)
     counter = FlopCounterMode(display=False)
     with sdpa_kernel(SDPBackend.MATH), counter:
@@ -165,7 +167,8 @@ def flops_per_sample(size: str, batch_size: int, device: torch.device) -> float:
 
 
 def time_variants(
-    variants: list[Variant], size: str, batch_size: int, device: torch.device, steps: int, warmup: int
+    variants: list[Variant], size: str, batch_size: int, device: torch.device, steps: int, warmup: int,
+    family: str = DEFAULT_FAMILY,
 ) -> dict[str, list[tuple[float, float]]]:
     """(wall, process CPU) seconds of each step per variant, timed round-robin after warmup.
 
@@ -174,7 +177,7 @@ def time_variants(
     keeps waiting threads from spinning).
     """
     batch = synthetic_batch(batch_size, device)
-    runners = {v.name: TrainingStep(v, size, device) for v in variants}
+    runners = {v.name: TrainingStep(v, size, device, family) for v in variants}
     for runner in runners.values():
         for _ in range(warmup + (2 if runner.variant.compile else 0)):
             runner(batch)
@@ -190,12 +193,13 @@ def time_variants(
 
 
 def profile_variant(
-    variant: Variant, size: str, batch_size: int, device: torch.device, rows: int, shapes: bool = False
+    variant: Variant, size: str, batch_size: int, device: torch.device, rows: int, shapes: bool = False,
+    family: str = DEFAULT_FAMILY,
 ) -> None:
     """Print the operators that take the most time in two steps of ``variant``."""
     from torch.profiler import ProfilerActivity, profile
 
-    runner = TrainingStep(variant, size, device)
+    runner = TrainingStep(variant, size, device, family)
     batch = synthetic_batch(batch_size, device)
     for _ in range(3):
         runner(batch)
@@ -216,7 +220,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--variants", nargs="+", default=["fp32", "bf16", "bf16+side"],
         help="PRECISION[+side][+compile], PRECISION in fp32|bf16|fp16 (side = the models side by side)",
     )
-    parser.add_argument("--size", default="full", help="model size preset (epid.models.SIZES)")
+    parser.add_argument("--model", default=DEFAULT_FAMILY, choices=sorted(FAMILIES),
+                        help=f"model family (default {DEFAULT_FAMILY})")
+    parser.add_argument("--size", default="full", help="model size preset of the family")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
     parser.add_argument("--steps", type=int, default=7, help="timed steps per variant")
@@ -240,7 +246,7 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"torch {torch.__version__}, device {device}, threads {torch.get_num_threads()}, "
         f"OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}, host allocator tuned {allocator_tuned}, "
-        f"model size {args.size}"
+        f"model {args.model} {args.size}"
     )
     auto = choose_precision("auto", device)
     print(f"EPID_PRECISION=auto would train in {auto.name} here ({auto.reason})")
@@ -252,8 +258,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     rows = []
     for batch_size in args.batch_sizes:
-        flops = flops_per_sample(args.size, batch_size, device)
-        times = time_variants(variants, args.size, batch_size, device, args.steps, args.warmup)
+        flops = flops_per_sample(args.size, batch_size, device, args.model)
+        times = time_variants(variants, args.size, batch_size, device, args.steps, args.warmup, args.model)
         for variant in variants:
             step_s = statistics.median(wall for wall, _ in times[variant.name])
             cpu_s = statistics.median(cpu for _, cpu in times[variant.name])
@@ -265,7 +271,8 @@ def main(argv: list[str] | None = None) -> None:
             )
         if args.profile:
             for variant in variants:
-                profile_variant(variant, args.size, batch_size, device, rows=25, shapes=args.profile_shapes)
+                profile_variant(variant, args.size, batch_size, device, rows=25, shapes=args.profile_shapes,
+                                family=args.model)
     print(header)
     print("\n".join(rows))
 

@@ -3,7 +3,9 @@
 Sections (each runs the real entry script as a subprocess, two epochs of ``--steps`` optimizer
 steps; the second epoch is measured, the first pays for warm-up):
 
-* ``cpu``: 1 rank, default model, per-rank batch 8, every CPU thread. Reports the training
+The models are those of ``--model`` (default: the default family), trained with its recipe.
+
+* ``cpu``: 1 rank, full size, per-rank batch 8, every CPU thread. Reports the training
   samples/s (frame synthesis, forward, backward, optimizer, per-step agreement included) and
   the same step without the data path (one batch reused, same precision and threads, in this
   process), and their ratio, medians of ``--repeats`` alternated runs. Targets: >= 25
@@ -15,6 +17,7 @@ steps; the second epoch is measured, the first pays for warm-up):
 
     python -m bench.bench_train                    # every section that can run here
     python -m bench.bench_train --sections cpu --steps 10
+    python -m bench.bench_train --model legacy
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ from epid.config import load_config
 from epid.dataset import EpidData
 from epid.devices import resolve_device, resolve_precision
 from epid.distributed import available_cpus, tune_host_allocator
+from epid.families import DEFAULT_FAMILY, FAMILIES
 
 LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 TIMING = re.compile(r"^\[TIMING\]\[train\] epoch 2 steps \S+: data_wait (\S+) h2d (\S+) compute (\S+) iter (\S+)",
@@ -95,7 +99,7 @@ def model_only_rate(variables: dict[str, str], steps: int, warmup: int = 3) -> f
     dtype = resolve_precision(config.precision, device)
     side = side_by_side.used_for(device, threads, distributed=False, compiled=False)
     step = TrainingStep(Variant("training", None if dtype == torch.float32 else dtype, side, False),
-                        config.model_size, device)
+                        config.model_size, device, config.model)
     times = []
     try:
         for index in range(warmup + steps):
@@ -110,8 +114,8 @@ def model_only_rate(variables: dict[str, str], steps: int, warmup: int = 3) -> f
     return len(batch) / statistics.median(times)
 
 
-def cpu_section(steps: int, workdir: Path, repeats: int) -> None:
-    variables = {"EPID_DEVICE": "cpu", "EPID_BATCH_SIZE": "8", "EPID_DATASET_IDS": "0,80,160,240"}
+def cpu_section(steps: int, workdir: Path, repeats: int, model: str) -> None:
+    variables = {"EPID_MODEL": model, "EPID_DEVICE": "cpu", "EPID_BATCH_SIZE": "8", "EPID_DATASET_IDS": "0,80,160,240"}
     runs, model_rates = [], []
     for _ in range(repeats):  # alternated, so that load from other processes affects both alike
         runs.append(run_training(variables, steps, workdir))
@@ -119,7 +123,7 @@ def cpu_section(steps: int, workdir: Path, repeats: int) -> None:
     end_to_end = sorted(runs, key=lambda figures: figures["samples_per_s"])[len(runs) // 2]
     model_only = statistics.median(model_rates)
     ratio = end_to_end["samples_per_s"] / model_only
-    print(f"[cpu] 1 rank x {available_cpus()} threads, full model, batch 8: "
+    print(f"[cpu] 1 rank x {available_cpus()} threads, {model} full, batch 8: "
           f"{end_to_end['samples_per_s']:.1f} samples/s end to end (target >= 25), "
           f"model-only {model_only:.1f} samples/s, ratio {100 * ratio:.0f} % (target >= 80 %)", flush=True)
     if "iter_ms" in end_to_end:
@@ -128,23 +132,24 @@ def cpu_section(steps: int, workdir: Path, repeats: int) -> None:
               f"iter {end_to_end['iter_ms']:.1f} ms", flush=True)
 
 
-def gloo_section(steps: int, workdir: Path, repeats: int) -> None:
-    shared = {"EPID_DEVICE": "cpu", "EPID_DATASET_IDS": "0,80", "EPID_BACKEND": "gloo"}
+def gloo_section(steps: int, workdir: Path, repeats: int, model: str) -> None:
+    shared = {"EPID_MODEL": model, "EPID_DEVICE": "cpu", "EPID_DATASET_IDS": "0,80", "EPID_BACKEND": "gloo"}
     two_ranks, one_rank = [], []
     for _ in range(repeats):
         two_ranks.append(run_training({**shared, "EPID_WORLD_SIZE": "2", "EPID_BATCH_SIZE": "4", "EPID_THREADS": "1"},
                                       steps, workdir)["samples_per_s"])
         one_rank.append(run_training({**shared, "EPID_WORLD_SIZE": "1", "EPID_BATCH_SIZE": "8", "EPID_THREADS": "2"},
                                      steps, workdir)["samples_per_s"])
-    print(f"[gloo] global batch 8, full model: 2 ranks x 1 thread {statistics.median(two_ranks):.1f} samples/s, "
+    print(f"[gloo] global batch 8, {model} full: 2 ranks x 1 thread {statistics.median(two_ranks):.1f} samples/s, "
           f"1 rank x 2 threads {statistics.median(one_rank):.1f} samples/s (medians of {repeats})", flush=True)
 
 
-def gpu_section(steps: int, workdir: Path, repeats: int) -> None:
+def gpu_section(steps: int, workdir: Path, repeats: int, model: str) -> None:
     if not torch.cuda.is_available():
         print("[gpu] skipped: CUDA is not available", flush=True)
         return
-    figures = run_training({"EPID_DEVICE": "cuda", "EPID_BATCH_SIZE": "128", "EPID_DATASET_IDS": "0,80,160,240"},
+    figures = run_training({"EPID_MODEL": model, "EPID_DEVICE": "cuda", "EPID_BATCH_SIZE": "128",
+                            "EPID_DATASET_IDS": "0,80,160,240"},
                            steps, workdir)
     share = figures.get("data_wait_share", float("nan"))
     print(f"[gpu] {torch.cuda.get_device_name(0)}, 1 rank, batch 128: {figures['samples_per_s']:.1f} samples/s, "
@@ -164,10 +169,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20, help="optimizer steps per measured epoch")
     parser.add_argument("--repeats", type=int, default=3,
                         help="alternated repetitions of the CPU measurements (medians)")
+    parser.add_argument("--model", default=DEFAULT_FAMILY, choices=sorted(FAMILIES),
+                        help=f"model family, trained with its recipe (default {DEFAULT_FAMILY})")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench_train_") as workdir:
         for name in args.sections:
-            SECTIONS[name](args.steps, Path(workdir), args.repeats)
+            SECTIONS[name](args.steps, Path(workdir), args.repeats, args.model)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,12 @@ meaning, example and parser (which also states the expected form). ``VARIABLES``
 (``help_text``), the README's table (``markdown_table``) and ``describe`` are derived from
 these fields. ``load_config`` reads the variables from an environment mapping, validates each
 value and the combinations, and raises ``ConfigError`` with one line naming the variable, the
-value and the expected form. Defaults reproduce the legacy behaviour.
+value and the expected form.
+
+The model family (EPID_MODEL, default ``aperture``) brings its training recipe
+(``epid.families.ModelFamily.recipe``): values that replace the variables' own defaults when
+those variables are unset. The variables' own defaults, which ``Config()`` holds, are the
+legacy recipe: ``EPID_MODEL=legacy`` reproduces the legacy behaviour.
 """
 
 from __future__ import annotations
@@ -21,11 +26,10 @@ from typing import Any
 from epid import sharding
 from epid.errors import InputError
 from epid.families import DEFAULT_FAMILY, FAMILIES
+from epid.parsers import Boolean, Choice, Device, Integer, Parser, Real, Text
 from epid.sequences import DEFAULT_CONTROL_POINTS, NUM_DATASETS
 
 GLOBAL_BATCH = 128
-TRUE_WORDS = ("1", "true", "yes", "on")
-FALSE_WORDS = ("0", "false", "no", "off")
 VARIABLE = "variable"  # the metadata key of a Config field read from the environment
 
 
@@ -33,99 +37,7 @@ class ConfigError(InputError):
     """A bad EPID_* value; the message is one line fit to show the user as is."""
 
 
-# --------------------------------------------------------------------------- parsers
-
-
-class Integer:
-    """An integer, at least ``minimum`` when given."""
-
-    def __init__(self, minimum: int | None = None) -> None:
-        self.minimum = minimum
-        self.expected = "an integer" if minimum is None else f"an integer >= {minimum}"
-
-    def __call__(self, text: str) -> int:
-        try:
-            value = int(text.strip())
-        except ValueError:
-            raise ValueError("not an integer") from None
-        if self.minimum is not None and value < self.minimum:
-            raise ValueError
-        return value
-
-
-class Real:
-    """A finite number, at least ``minimum`` (above it when ``above``)."""
-
-    def __init__(self, minimum: float = 0.0, above: bool = False) -> None:
-        self.minimum, self.above = minimum, above
-        self.expected = f"a number {'>' if above else '>='} {minimum:g}"
-
-    def __call__(self, text: str) -> float:
-        try:
-            value = float(text.strip())
-        except ValueError:
-            raise ValueError("not a number") from None
-        if not math.isfinite(value) or value < self.minimum or (self.above and value <= self.minimum):
-            raise ValueError
-        return value
-
-
-class Choice:
-    """One of ``words``, in any case."""
-
-    def __init__(self, *words: str, expected: str | None = None) -> None:
-        self.words = words
-        self.expected = expected or f"{', '.join(words[:-1])} or {words[-1]}"
-
-    def __call__(self, text: str) -> Any:
-        word = text.strip().lower()
-        if not self.accepts(word):
-            raise ValueError
-        return self.value(word)
-
-    def accepts(self, word: str) -> bool:
-        return word in self.words
-
-    def value(self, word: str) -> Any:
-        return word
-
-
-class Boolean(Choice):
-    """1/0, true/false, yes/no or on/off, in any case."""
-
-    def __init__(self) -> None:
-        super().__init__(*TRUE_WORDS, *FALSE_WORDS, expected="1/0, true/false or yes/no")
-
-    def value(self, word: str) -> bool:
-        return word in TRUE_WORDS
-
-
-class Device(Choice):
-    """auto, cpu, cuda or cuda:N (whether the device exists is checked before the launch)."""
-
-    def __init__(self) -> None:
-        super().__init__("auto", "cpu", "cuda", expected="auto, cpu, cuda or cuda:N")
-
-    def accepts(self, word: str) -> bool:
-        return super().accepts(word) or (word.startswith("cuda:") and word[5:].isdigit())
-
-
-class Text:
-    """Any text, stripped; ``check`` (which raises ValueError) validates it when given."""
-
-    def __init__(self, expected: str, check: Any = None) -> None:
-        self.expected, self.check = expected, check
-
-    def __call__(self, text: str) -> str:
-        if self.check is not None:
-            self.check(text)
-        return text.strip()
-
-
-Parser = Integer | Real | Choice | Text
-
-
-# --------------------------------------------------------------------------- declarations
+# --------------------------------------------------------------------------- parsarations
 
 
 @dataclass(frozen=True)
@@ -247,7 +159,7 @@ class Config:
         meaning="order of batch windows: sequential (legacy) or shuffled each epoch from EPID_SEED and the epoch")
     # Model and optimisation
     model: str = setting(
-        "EPID_MODEL", DEFAULT_FAMILY, Choice(*FAMILIES), example=DEFAULT_FAMILY,
+        "EPID_MODEL", DEFAULT_FAMILY, Choice(*FAMILIES), example="legacy",
         meaning="model family: which forward and inverse networks are trained (a run resumes only in its "
                 "checkpoint's family)")
     model_size: str = setting(
@@ -449,6 +361,7 @@ def load_config(environ: Mapping[str, str] | None = None) -> Config:
     """
     environ = os.environ if environ is None else environ
     check_names(environ)
+    environ = with_recipe(environ)
     values = {variable.field: _read(variable, environ) for variable in VARIABLES}
 
     torchrun_size = _torchrun_world_size(environ, values["world_size"])
@@ -513,6 +426,31 @@ def load_config(environ: Mapping[str, str] | None = None) -> Config:
     return Config(**values)
 
 
+RECIPE_YIELDS_TO = {"EPID_WARMUP_STEPS": ("EPID_WARMUP_EPOCHS", "EPID_LR_UPDATE")}
+"""A family recipe's value of the key is left out when the user sets one of these variables."""
+
+
+def with_recipe(environ: Mapping[str, str]) -> dict[str, str]:
+    """``environ`` with the EPID_MODEL family's recipe filling the variables it leaves unset (a
+    recipe value also gives way to the variables of ``RECIPE_YIELDS_TO`` that are set)."""
+    def unset(name: str) -> bool:
+        return not environ.get(name, "").strip()
+
+    family_name = _read(VARIABLE_OF_FIELD["model"], environ)
+    filled = dict(environ)
+    for name, text in FAMILIES[family_name].recipe.items():
+        if unset(name) and all(unset(other) for other in RECIPE_YIELDS_TO.get(name, ())):
+            filled[name] = text
+    return filled
+
+
+def recipe_defaults(variable: Variable, quote: str = "") -> str:
+    """``; aperture 2e-3``: what the families' recipes put in place of the variable's default
+    (values between ``quote`` marks)."""
+    return "".join(f"; {name} {quote}{entry.recipe[variable.name]}{quote}" for name, entry in FAMILIES.items()
+                   if variable.name in entry.recipe)
+
+
 def check_names(environ: Mapping[str, str]) -> None:
     """Raise ConfigError for the first ``EPID_*`` name that is no known variable, naming the closest
     known ones (a misspelt variable would otherwise be ignored silently)."""
@@ -537,9 +475,10 @@ def _selection_variable(values: Mapping[str, Any]) -> tuple[str, str]:
 def help_text() -> str:
     """Every variable with its default and meaning, for ``--help``."""
     width = max(len(variable.name) for variable in VARIABLES)
-    lines = ["Environment variables (unset or empty means the default):", ""]
+    lines = ["Environment variables (unset or empty means the default; where a model family's recipe has its",
+             "own default, it follows the variable's own, which the legacy family uses):", ""]
     for item in VARIABLES:
-        lines.append(f"  {item.name:<{width}}  default {item.shown_default}")
+        lines.append(f"  {item.name:<{width}}  default {item.shown_default}{recipe_defaults(item)}")
         lines.append(f"  {'':<{width}}  {item.meaning} (e.g. {item.example})")
     return "\n".join(lines)
 
@@ -548,7 +487,8 @@ def markdown_table() -> str:
     """The README's variable table (``python -m epid.config`` prints it)."""
     rows = ["| Variable | Meaning | Default | Example |", "|---|---|---|---|"]
     for item in VARIABLES:
-        rows.append(f"| `{item.name}` | {item.meaning} | `{item.shown_default}` | `{item.example}` |")
+        default = f"`{item.shown_default}`{recipe_defaults(item, '`')}"
+        rows.append(f"| `{item.name}` | {item.meaning} | {default} | `{item.example}` |")
     return "\n".join(rows)
 
 

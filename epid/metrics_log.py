@@ -20,7 +20,8 @@ from epid.losses import LOSS_TERMS
 
 CSV_NAME = "metrics.csv"
 PLOT_NAME = "losses.png"
-SCALAR_SERIES = ("gamma_pass", "lr", "samples_per_s", "epoch_s", "elapsed_s", "steps", "nonfinite_steps", "world_size")
+SCALAR_SERIES = ("gamma_pass", "lr", "samples_per_s", "train_samples", "epoch_s", "elapsed_s", "steps",
+                 "nonfinite_steps", "world_size")
 COLUMNS = (
     "epoch",
     *(f"train_{term}" for term in LOSS_TERMS),
@@ -36,6 +37,18 @@ def empty_history() -> dict[str, Any]:
         "val": {term: [] for term in LOSS_TERMS},
         **{name: [] for name in SCALAR_SERIES},
     }
+
+
+def restored_history(saved: Mapping[str, Any]) -> dict[str, Any]:
+    """A checkpoint's history with every series of this version: a series the checkpoint's writer
+    did not record yet (such as ``train_samples``) is NaN for the epochs it holds."""
+    history = empty_history()
+    history.update(saved)
+    epochs = len(history["train"]["total"])
+    for name in SCALAR_SERIES:
+        if not history[name] and epochs:
+            history[name] = [math.nan] * epochs
+    return history
 
 
 def append_epoch(history: dict[str, Any], record: Mapping[str, Any]) -> None:

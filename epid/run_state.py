@@ -87,8 +87,7 @@ def restore_run_state(checkpoint: dict[str, Any], optimizer: torch.optim.Optimiz
         scaler.load_state_dict(checkpoint["scaler"])
     if checkpoint.get("rng"):
         set_rng_state(checkpoint["rng"])
-    history = metrics_log.empty_history()
-    history.update(checkpoint.get("history") or {})
+    history = metrics_log.restored_history(checkpoint.get("history") or {})
     return RunState(
         run_id=str(checkpoint.get("run_id") or uuid.uuid4().hex),
         epoch=int(checkpoint["epoch"]),

@@ -32,6 +32,7 @@ threads (``epid.side_by_side``).
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import sys
@@ -43,7 +44,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 from epid import distributed, metrics_log, preflight, side_by_side
@@ -65,8 +66,16 @@ from epid.validation import Validation
 NUM_TERMS = len(LOSS_TERMS)
 
 
-def launch(config: Config) -> int:
+EpochObserver = Callable[[int, nn.Module, nn.Module, int], None]
+"""Called on rank 0 after each epoch's checkpoint: (epoch, forward model, inverse model, training
+samples seen over all ranks since the run began); the models are left in training mode after it."""
+
+
+def launch(config: Config, observer: EpochObserver | None = None) -> int:
     """Train as ``config`` says on every rank of this node; return the process exit status.
+
+    ``observer`` (a single process only: EPID_WORLD_SIZE=1, no torchrun) watches the models at
+    every epoch end, for example to measure their quality during the run (``bench/bench_quality.py``).
 
     0: finished, stopped early, or stopped by SIGINT / SIGTERM or EPID_TIME_LIMIT with a
     checkpoint written; 1: a rank failed or the run stopped on non-finite losses. Raises
@@ -77,7 +86,11 @@ def launch(config: Config) -> int:
     if os.environ.get("RANK", "0") == "0":  # under torchrun every rank runs this; rank 0 reports and cleans
         for note in notes + stale_temporaries_notes(config):
             print(note, flush=True)
-    return distributed.launch(run_rank, config)
+    if observer is None:
+        return distributed.launch(run_rank, config)
+    if config.world_size != 1 or config.launched_by_torchrun:
+        raise ValueError("an epoch observer needs a single-process run (EPID_WORLD_SIZE=1, no torchrun)")
+    return distributed.launch(functools.partial(run_rank, observer=observer), config)
 
 
 def stale_temporaries_notes(config: Config) -> list[str]:
@@ -97,11 +110,11 @@ def stale_temporaries_notes(config: Config) -> list[str]:
     return notes
 
 
-def run_rank(context: RankContext, config: Config) -> int:
+def run_rank(context: RankContext, config: Config, observer: EpochObserver | None = None) -> int:
     """Train on one rank until the last epoch, early stopping, a stop signal or a failure."""
     stop = StopSignal().install()
     try:
-        return Trainer(context, config, stop).run()
+        return Trainer(context, config, stop, observer).run()
     finally:
         stop.restore()
 
@@ -169,8 +182,10 @@ class ModelRunner:
 class Trainer:
     """One rank's models, optimizer, schedule, data and run state, and the epoch loop."""
 
-    def __init__(self, context: RankContext, config: Config, stop: StopSignal) -> None:
+    def __init__(self, context: RankContext, config: Config, stop: StopSignal,
+                 observer: EpochObserver | None = None) -> None:
         started = time.perf_counter()
+        self.observer = observer
         self.deadline = started + 60.0 * config.time_limit if config.time_limit else None
         self.context, self.config, self.stop = context, config, stop
         self.device, self.is_main = context.device, context.is_main
@@ -359,6 +374,7 @@ class Trainer:
             "train": totals.train, "val": totals.val, "gamma_pass": totals.gamma_pass,
             "lr": self.schedule.rate(self.schedule.position(epoch - 1, self.data.steps - 1)),
             "samples_per_s": totals.train_samples / train.seconds if train.seconds > 0 else math.nan,
+            "train_samples": totals.train_samples,
             "epoch_s": epoch_seconds, "elapsed_s": elapsed, "steps": totals.steps_per_rank[0],
             "nonfinite_steps": train.nonfinite_steps, "world_size": self.context.world_size,
         }
@@ -379,6 +395,10 @@ class Trainer:
         if self.board is not None:
             self.board.epoch(epoch, record, self.validation.frames)
         print(epoch_line(epoch, self.config.epochs, record, self.device, self.new_best), flush=True)
+        if self.observer is not None:
+            seen = int(sum(count for count in history["train_samples"] if math.isfinite(count)))
+            self.observer(epoch, self.model.forward_model, self.model.inverse_model, seen)
+            self.model.train()
 
     def _save_interrupted(self, epoch: int, train: TrainPass) -> None:
         """Checkpoint of a signal-stopped epoch: weights now, history up to the last full epoch, and

@@ -54,7 +54,7 @@ def format_1_checkpoint(path: Path, model: CrossModel, interrupted: dict | None 
 @pytest.fixture
 def tiny_model() -> CrossModel:
     torch.manual_seed(0)
-    return CrossModel(*build_models("tiny"))
+    return CrossModel(*build_models("tiny", "legacy"))
 
 
 def test_a_format_1_checkpoint_loads_as_the_current_format_and_rebuilds_its_models(tmp_path, tiny_model):
@@ -86,7 +86,8 @@ def test_training_resumes_from_a_format_1_checkpoint(tmp_path, tiny_model):
     path = tmp_path / "epid.pth"
     format_1_checkpoint(path, tiny_model)
     before = torch.load(path, weights_only=True)
-    env = clean_environment(EPID_CHECKPOINT_PATH=str(path), EPID_RESUME="1", EPID_EPOCHS="3", EPID_MODEL_SIZE="tiny",
+    env = clean_environment(EPID_CHECKPOINT_PATH=str(path), EPID_RESUME="1", EPID_EPOCHS="3", EPID_MODEL="legacy",
+                            EPID_MODEL_SIZE="tiny",
                             EPID_CONTROL_POINTS="12", EPID_DATASET_IDS="0,80", EPID_BATCH_SIZE="4",
                             EPID_STEPS_PER_EPOCH="2", EPID_GAMMA_SAMPLES="0", EPID_THREADS="1", EPID_DEVICE="cpu",
                             EPID_PROGRESS="0")

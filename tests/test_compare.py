@@ -73,7 +73,7 @@ def write_checkpoint(path: Path, models: tuple[ForwardModel, InverseModel], *, p
 
 def tiny_models(seed: int) -> tuple[ForwardModel, InverseModel]:
     torch.manual_seed(seed)
-    return build_models("tiny")
+    return build_models("tiny", "legacy")
 
 
 def start_tiny_training(directory: Path, **variables: str) -> subprocess.Popen:

@@ -9,13 +9,25 @@ import sys
 import pytest
 
 from epid import families
-from epid.config import VARIABLE_OF_FIELD, VARIABLES, Config, ConfigError, help_text, load_config, markdown_table
+from epid.config import (
+    VARIABLE_OF_FIELD,
+    VARIABLES,
+    Config,
+    ConfigError,
+    help_text,
+    load_config,
+    markdown_table,
+    recipe_defaults,
+)
 from epid.errors import InputError
 from tests.support import ROOT, clean_environment
 
+LEGACY = {"EPID_MODEL": "legacy"}
 
-def test_defaults_are_the_legacy_run():
-    config = load_config({})
+
+def test_the_legacy_family_trains_with_the_variables_own_defaults_the_legacy_run():
+    config = load_config(LEGACY)
+    assert config == dataclasses.replace(Config(), model="legacy", batch_size=128)
     assert config.world_size == 1
     assert config.batch_size == 128
     assert config.dataset_shuffle is True
@@ -27,6 +39,27 @@ def test_defaults_are_the_legacy_run():
     assert config.noise_std == 0.005 and config.lr == 1e-4 and config.weight_decay == 1e-4
     assert config.checkpoint_path == "checkpoints/epid_checkpoint.pth"
     assert config.device == "auto" and config.kernel == "" and config.cache_dir == ""
+
+
+def test_the_default_family_brings_its_recipe_where_variables_are_unset():
+    config = load_config({})
+    assert config.model == families.DEFAULT_FAMILY == "aperture"
+    recipe = families.FAMILIES["aperture"].recipe
+    assert (config.batch_size, config.batch_order, config.lr) == (8, "shuffled", 2e-3)
+    assert (config.lr_schedule, config.lr_update, config.warmup_steps, config.grad_clip) == ("cosine", "step", 50, 1.0)
+    assert load_config(recipe) == config
+    for name, text in recipe.items():  # everything else is the variable's own default
+        variable = next(item for item in VARIABLES if item.name == name)
+        assert getattr(config, variable.field) == variable.parse(text)
+    others = [item for item in VARIABLES if item.name not in recipe and item.field != "model"]
+    assert all(getattr(config, item.field) == getattr(load_config(LEGACY), item.field) for item in others)
+    # a value the user sets wins; the recipe's warm-up in steps gives way to a warm-up in epochs
+    assert load_config({"EPID_LR": "5e-4", "EPID_BATCH_SIZE": "16"}).lr == 5e-4
+    assert load_config({"EPID_BATCH_SIZE": "16"}).batch_size == 16
+    by_epoch = load_config({"EPID_WARMUP_EPOCHS": "2"})
+    assert (by_epoch.warmup_epochs, by_epoch.warmup_steps, by_epoch.lr_update) == (2, 0, "step")
+    assert load_config({"EPID_LR_UPDATE": "epoch"}).warmup_steps == 0
+    assert "default 0.0001; aperture 2e-3" in help_text()
 
 
 def test_every_variable_is_a_config_field_with_its_default():
@@ -45,7 +78,7 @@ def test_every_variable_is_a_config_field_with_its_default():
 
 @pytest.mark.parametrize("world_size, batch", [(1, 128), (2, 64), (3, 42), (8, 16)])
 def test_default_batch_is_128_over_world_size(world_size, batch):
-    config = load_config({"EPID_WORLD_SIZE": str(world_size)})
+    config = load_config({**LEGACY, "EPID_WORLD_SIZE": str(world_size)})
     assert config.batch_size == batch
     assert load_config({"EPID_WORLD_SIZE": str(world_size), "EPID_BATCH_SIZE": "128"}).batch_size == 128
 
@@ -89,7 +122,7 @@ def test_learning_rate_scaling():
 
 
 def test_torchrun_world_size_wins_and_conflicts_are_named():
-    torchrun = {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1"}
+    torchrun = {**LEGACY, "RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1"}
     config = load_config(torchrun)
     assert config.world_size == 4 and config.batch_size == 32 and config.launched_by_torchrun
     with pytest.raises(ConfigError, match=r"^EPID_WORLD_SIZE='2': torchrun set WORLD_SIZE=4"):
@@ -183,11 +216,11 @@ def test_combinations_are_checked(tmp_path):
     with pytest.raises(ConfigError, match="rank 2 would get no dataset"):
         load_config({"EPID_WORLD_SIZE": "3", "EPID_DATASET_IDS": "1,2"})
     with pytest.raises(ConfigError, match="^EPID_WORLD_SIZE='200': the default per-rank batch"):
-        load_config({"EPID_WORLD_SIZE": "200", "EPID_BATCH_SIZE": ""})
+        load_config({**LEGACY, "EPID_WORLD_SIZE": "200", "EPID_BATCH_SIZE": ""})
     with pytest.raises(ConfigError, match="^EPID_WARMUP_STEPS='100': EPID_WARMUP_EPOCHS is also set"):
         load_config({"EPID_WARMUP_STEPS": "100", "EPID_WARMUP_EPOCHS": "1", "EPID_LR_UPDATE": "step"})
     with pytest.raises(ConfigError, match="^EPID_WARMUP_STEPS='100': the learning rate moves once per epoch"):
-        load_config({"EPID_WARMUP_STEPS": "100"})
+        load_config({**LEGACY, "EPID_WARMUP_STEPS": "100"})
     with pytest.raises(ConfigError, match="^EPID_RESUME='1': no checkpoint at EPID_CHECKPOINT_PATH"):
         load_config({"EPID_RESUME": "1", "EPID_CHECKPOINT_PATH": str(tmp_path / "none.pth")})
 
@@ -198,7 +231,7 @@ def test_a_model_size_the_family_lacks_is_named(monkeypatch):
     monkeypatch.setitem(families.FAMILIES, families.LEGACY, only_full)
     with pytest.raises(ConfigError, match=r"^EPID_MODEL_SIZE='tiny': the legacy family has no such size; expected one "
                                           r"of full$"):
-        load_config({"EPID_MODEL_SIZE": "tiny"})
+        load_config({**LEGACY, "EPID_MODEL_SIZE": "tiny"})
 
 
 def test_the_model_families_are_the_registered_ones():
@@ -250,7 +283,7 @@ def test_a_misspelt_variable_stops_the_run_before_anything_starts(tmp_path):
 def test_dry_run_prints_config_and_rank_ids():
     result = run_script({"EPID_DRY_RUN": "1", "EPID_WORLD_SIZE": "3", "EPID_DATASET_RANGE": "0:640:80"})
     assert result.returncode == 0, result.stderr
-    assert "EPID_WORLD_SIZE" in result.stdout and "EPID_BATCH_SIZE          = 42" in result.stdout
+    assert "EPID_WORLD_SIZE" in result.stdout and "EPID_BATCH_SIZE          = 8" in result.stdout  # aperture recipe
     rank_lines = re.findall(r"rank (\d): (\d) dataset\(s\): ([\d, ]+)", result.stdout)
     assert [int(rank) for rank, _, _ in rank_lines] == [0, 1, 2]
     seen = sorted(int(i) for _, _, ids in rank_lines for i in ids.split(", "))
@@ -262,7 +295,8 @@ def test_help_lists_every_variable_with_its_default():
     assert result.returncode == 0
     assert help_text() in result.stdout
     for variable in VARIABLES:
-        line = rf"^  {variable.name}\s+default {re.escape(variable.shown_default)}$"
+        shown = variable.shown_default + recipe_defaults(variable)
+        line = rf"^  {variable.name}\s+default {re.escape(shown)}$"
         assert re.search(line, result.stdout, re.MULTILINE)
 
 

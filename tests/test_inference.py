@@ -69,7 +69,7 @@ def checkpoint_path(tmp_path_factory) -> Path:
     """A checkpoint of freshly initialised tiny models (fast; no training needed)."""
     torch.manual_seed(0)
     path = tmp_path_factory.mktemp("run") / "epid.pth"
-    save_checkpoint(path, checkpoint_payload(*build_models("tiny")))
+    save_checkpoint(path, checkpoint_payload(*build_models("tiny", "legacy")))
     return path
 
 
@@ -338,7 +338,7 @@ def test_missing_checkpoint_is_named(tmp_path):
 
 
 def test_incompatible_checkpoint_is_named(tmp_path):
-    forward_model, inverse_model = build_models("tiny")
+    forward_model, inverse_model = build_models("tiny", "legacy")
     payload = checkpoint_payload(forward_model, inverse_model)
     payload["model_config"]["forward"]["d_model"] *= 2
     save_checkpoint(tmp_path / "other.pth", payload)

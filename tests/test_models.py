@@ -132,7 +132,7 @@ def count(model: torch.nn.Module) -> int:
 
 
 def test_default_parameter_counts_match_the_specification():
-    forward_model, inverse_model = build_models("full")
+    forward_model, inverse_model = build_models("full", "legacy")
     assert count(forward_model) == expected_forward_parameters() == 2_958_273
     assert count(inverse_model) == expected_inverse_parameters() == 3_109_702
     assert abs(count(forward_model) / 2.96e6 - 1) < 0.02
@@ -143,7 +143,7 @@ def test_default_parameter_counts_match_the_specification():
 
 @pytest.mark.parametrize("size", sorted(SIZES))
 def test_stored_pair_config_rebuilds_the_same_architecture_after_a_json_round_trip(size):
-    forward_model, inverse_model = build_models(size)
+    forward_model, inverse_model = build_models(size, "legacy")
     stored = json.loads(json.dumps(PairConfig.of(forward_model, inverse_model).to_dict()))
     assert stored["family"] == "legacy" and isinstance(stored["forward"]["unet_widths"], list)
     rebuilt = PairConfig.from_dict(stored)
@@ -171,7 +171,7 @@ def test_configs_are_checked_and_unknown_sizes_and_families_rejected():
 
 def test_initialisation_follows_the_specification():
     torch.manual_seed(0)
-    forward_model, inverse_model = build_models("full")
+    forward_model, inverse_model = build_models("full", "legacy")
     conv3 = forward_model.encoder.blocks[2].conv2.weight  # 128 x 128 x 3 x 3
     assert conv3.std().item() == pytest.approx(math.sqrt(2.0 / (128 * 9)), rel=0.03)
     to_latent = forward_model.to_latent.weight  # 4096 x 128, Xavier uniform
@@ -248,7 +248,7 @@ def test_the_generic_device_path_traces_on_the_meta_device():
     """Off the CPU the models use torch's own convolutions and fused attention."""
     shapes = {name: value.shape for name, value in vars(training_batch(3)).items()}
     with torch.device("meta"):
-        forward_model, inverse_model = build_models("tiny")
+        forward_model, inverse_model = build_models("tiny", "legacy")
         batch = SimpleNamespace(**{name: torch.empty(shape) for name, shape in shapes.items()})
         outputs = run_pair(forward_model, inverse_model, batch)
         cross_training_loss(outputs[:2], outputs[2:], batch)["total"].backward()
@@ -263,7 +263,7 @@ def test_the_generic_device_path_traces_on_the_meta_device():
 @pytest.mark.parametrize("batch", [1, 3])
 def test_output_shapes_for_every_accepted_frame_shape(batch):
     torch.manual_seed(0)
-    forward_model, inverse_model = build_models("tiny")
+    forward_model, inverse_model = build_models("tiny", "legacy")
     cps = control_points(batch)
     epid, latent = forward_model(cps.leaf_a, cps.leaf_b, cps.scalars)
     assert epid.shape == (batch, 1, GRID, GRID) and latent.shape == (batch, 1, 64, 64)
@@ -280,14 +280,14 @@ def test_output_shapes_for_every_accepted_frame_shape(batch):
     "leaf_shape, scalar_shape", [((2, 1, 104), (2, 5)), ((2, 104), (2, 1, 5)), ((2, 52), (2, 5))]
 )
 def test_forward_model_rejects_other_parameter_shapes(leaf_shape, scalar_shape):
-    forward_model, _ = build_models("tiny")
+    forward_model, _ = build_models("tiny", "legacy")
     with pytest.raises(ValueError, match="must have shape"):
         forward_model(torch.zeros(leaf_shape), torch.zeros(leaf_shape), torch.ones(scalar_shape))
 
 
 @pytest.mark.parametrize("shape", [(2, 2, GRID, GRID), (2, 1, 128, 128), (2, 1, 2, GRID, GRID), (GRID, GRID)])
 def test_inverse_model_rejects_other_frame_shapes(shape):
-    _, inverse_model = build_models("tiny")
+    _, inverse_model = build_models("tiny", "legacy")
     with pytest.raises(ValueError, match="epid_prev must have shape"):
         inverse_model(torch.zeros(shape), torch.zeros(shape))
     with pytest.raises(ValueError, match="epid_curr must have shape"):
@@ -295,13 +295,13 @@ def test_inverse_model_rejects_other_frame_shapes(shape):
 
 
 def test_inverse_model_names_its_two_towers():
-    _, inverse_model = build_models("tiny")
+    _, inverse_model = build_models("tiny", "legacy")
     with pytest.raises(ValueError, match="tower must be 'prev' or 'curr', got 'next'"):
         inverse_model.encode("next", torch.zeros(1, 1, GRID, GRID))
 
 
 def test_inverse_outputs_follow_the_sample_layout_in_mm_and_mu():
-    _, inverse_model = build_models("tiny")
+    _, inverse_model = build_models("tiny", "legacy")
     with torch.no_grad():
         for head, bias in [
             (inverse_model.leaf_head, [0.1, 0.2]),
@@ -323,7 +323,7 @@ def test_inverse_outputs_follow_the_sample_layout_in_mm_and_mu():
 
 
 def test_forward_tokens_pair_prev_and_curr_of_each_leaf_and_jaw():
-    forward_model, _ = build_models("tiny")
+    forward_model, _ = build_models("tiny", "legacy")
     with torch.no_grad():
         forward_model.positions.zero_()
         forward_model.cls_token.zero_()
@@ -342,7 +342,7 @@ def test_forward_tokens_pair_prev_and_curr_of_each_leaf_and_jaw():
 
 
 def test_forward_frame_is_the_per_mu_image_times_mu():
-    forward_model, _ = build_models("tiny")
+    forward_model, _ = build_models("tiny", "legacy")
     captured = {}
     forward_model.decoder.register_forward_hook(lambda module, args, out: captured.update(decoded=out))
     cps = control_points(3)
@@ -358,7 +358,7 @@ def test_forward_frame_is_the_per_mu_image_times_mu():
 
 def test_every_parameter_of_the_default_models_gets_a_finite_nonzero_gradient():
     torch.manual_seed(0)
-    forward_model, inverse_model = build_models("full")
+    forward_model, inverse_model = build_models("full", "legacy")
     batch = training_batch(2)
     forward_out = forward_model(batch.leaf_a, batch.leaf_b, batch.scalars)
     inverse_out = inverse_model(batch.epid_prev, batch.epid_curr)
@@ -372,7 +372,7 @@ def test_every_parameter_of_the_default_models_gets_a_finite_nonzero_gradient():
 
 def test_a_tiny_variant_overfits_one_batch():
     torch.manual_seed(0)
-    forward_model, inverse_model = build_models("tiny")
+    forward_model, inverse_model = build_models("tiny", "legacy")
     batch = training_batch(4)
     params = [*forward_model.parameters(), *inverse_model.parameters()]
     optimizer = torch.optim.AdamW(params, lr=3e-3, weight_decay=0.0)
@@ -406,7 +406,7 @@ def run_pair(forward_model, inverse_model, batch):
 
 def test_bf16_autocast_agrees_with_fp32():
     torch.manual_seed(0)
-    forward_model, inverse_model = build_models("small")
+    forward_model, inverse_model = build_models("small", "legacy")
     batch = training_batch(2)
     with torch.no_grad():
         reference = run_pair(forward_model, inverse_model, batch)
@@ -421,7 +421,7 @@ def test_bf16_autocast_agrees_with_fp32():
 
 def test_channels_last_models_and_inputs_give_the_same_result():
     torch.manual_seed(0)
-    forward_model, inverse_model = build_models("tiny")
+    forward_model, inverse_model = build_models("tiny", "legacy")
     batch = training_batch(2)
     reference = run_pair(forward_model, inverse_model, batch)
     forward_model.to(memory_format=torch.channels_last)
@@ -437,7 +437,7 @@ def test_channels_last_models_and_inputs_give_the_same_result():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="fp16 autocast needs CUDA")
 def test_fp16_autocast_on_cuda_agrees_with_fp32():
     torch.manual_seed(0)
-    forward_model, inverse_model = (m.cuda() for m in build_models("small"))
+    forward_model, inverse_model = (m.cuda() for m in build_models("small", "legacy"))
     batch = SimpleNamespace(**{k: v.cuda() for k, v in vars(training_batch(2)).items()})
     with torch.no_grad():
         reference = run_pair(forward_model, inverse_model, batch)
@@ -449,7 +449,7 @@ def test_fp16_autocast_on_cuda_agrees_with_fp32():
 
 def compiled_pair_matches_eager(backend: str) -> None:
     torch.manual_seed(0)
-    forward_model, inverse_model = build_models("tiny")
+    forward_model, inverse_model = build_models("tiny", "legacy")
     batch = training_batch(2)
     reference = run_pair(forward_model, inverse_model, batch)
     compiled = run_pair(

@@ -15,7 +15,7 @@ from epid.schedule import Schedule, ScheduleConfig
 
 def tiny_pair() -> CrossModel:
     torch.manual_seed(0)
-    return CrossModel(*build_models("tiny"))
+    return CrossModel(*build_models("tiny", "legacy"))
 
 
 def first_four_slower(model: nn.Module) -> list[tuple[list[nn.Parameter], float]]:

@@ -84,7 +84,7 @@ def test_the_variables_set_the_schedule_in_its_positions():
                           "EPID_EPOCHS": "4"})
     assert ScheduleConfig.from_config(config, steps_per_epoch=50) == ScheduleConfig(
         decay="cosine", update="step", warmup=30, restart_period=150, restart_factor=1, min_lr=1e-5, length=200)
-    by_epoch = load_config({"EPID_WARMUP_EPOCHS": "2", "EPID_EPOCHS": "7"})
+    by_epoch = load_config({"EPID_MODEL": "legacy", "EPID_WARMUP_EPOCHS": "2", "EPID_EPOCHS": "7"})
     assert ScheduleConfig.from_config(by_epoch, steps_per_epoch=50) == ScheduleConfig(warmup=2, length=7)
     in_steps = load_config({"EPID_WARMUP_EPOCHS": "2", "EPID_LR_UPDATE": "step", "EPID_EPOCHS": "7"})
     assert ScheduleConfig.from_config(in_steps, steps_per_epoch=50).warmup == 100

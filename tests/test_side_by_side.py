@@ -40,7 +40,7 @@ def step(runner, model: CrossModel, batch, autocast: torch.dtype | None) -> tupl
 def small_pair(threads):
     """The small models placed for training, a batch of 3 samples, and a side-by-side runner of them."""
     torch.manual_seed(0)
-    model = CrossModel(*build_models("small")).place(torch.device("cpu"))
+    model = CrossModel(*build_models("small", "legacy")).place(torch.device("cpu"))
     runner = SideBySide(model, threads)
     yield model, training_batch(3), runner
     runner.close()
@@ -73,7 +73,7 @@ def test_side_by_side_bf16_gradients_differ_from_sequential_ones_only_by_bf16_ro
 
 
 def test_workers_keep_their_own_thread_counts_and_the_callers_is_unchanged(threads):
-    runner = SideBySide(CrossModel(*build_models("tiny")), threads)
+    runner = SideBySide(CrossModel(*build_models("tiny", "legacy")), threads)
     try:
         assert runner.threads == (1, 2)  # the inverse model, the larger one, gets the odd thread
         assert runner.worker_threads() == (1, 2)
@@ -84,7 +84,7 @@ def test_workers_keep_their_own_thread_counts_and_the_callers_is_unchanged(threa
 
 def test_the_prev_frame_tower_runs_with_the_forward_model_and_the_rest_in_the_inverse_worker(threads):
     torch.manual_seed(0)
-    model = CrossModel(*build_models("tiny")).place(torch.device("cpu"))
+    model = CrossModel(*build_models("tiny", "legacy")).place(torch.device("cpu"))
     inverse = model.inverse_model
     parts = {
         "forward model": model.forward_model,
@@ -127,7 +127,7 @@ class WholeInverseModel(torch.nn.Module):
 
 def test_an_inverse_model_without_split_points_runs_whole_in_the_inverse_worker(threads):
     torch.manual_seed(0)
-    forward_model, inverse_model = build_models("small")
+    forward_model, inverse_model = build_models("small", "legacy")
     model = CrossModel(forward_model, WholeInverseModel(inverse_model)).place(torch.device("cpu"))
     seen: dict[str, set[str]] = {}
     for name, part in (("forward model", forward_model), ("inverse model", inverse_model)):
@@ -151,7 +151,7 @@ def test_an_inverse_model_without_split_points_runs_whole_in_the_inverse_worker(
 
 def test_without_gradients_it_returns_the_models_outputs_and_backward_needs_a_graph(threads):
     torch.manual_seed(0)
-    model = CrossModel(*build_models("tiny")).eval()
+    model = CrossModel(*build_models("tiny", "legacy")).eval()
     batch = training_batch(2)
     runner = SideBySide(model, threads)
     try:
@@ -176,9 +176,9 @@ def test_used_only_for_a_single_eager_cpu_rank_with_several_threads():
     assert not used_for(cpu, 4, distributed=False, compiled=True)
     assert not used_for(torch.device("meta"), 4, distributed=False, compiled=False)
     with pytest.raises(ValueError, match="at least 2 threads"):
-        SideBySide(CrossModel(*build_models("tiny")), 1)
+        SideBySide(CrossModel(*build_models("tiny", "legacy")), 1)
     with pytest.raises(ValueError, match="run on the CPU"):
-        SideBySide(CrossModel(*build_models("tiny")).to("meta"), 2)
+        SideBySide(CrossModel(*build_models("tiny", "legacy")).to("meta"), 2)
 
 
 @pytest.mark.timeout(300)

@@ -171,7 +171,7 @@ def test_metrics_csv_rows_and_plot(tmp_path):
         record = {
             "train": {term: 1.0 / (epoch + 1) for term in LOSS_TERMS},
             "val": {term: 2.0 / (epoch + 1) for term in LOSS_TERMS},
-            "gamma_pass": 90.0 + epoch, "lr": 1e-4, "samples_per_s": 10.0, "epoch_s": 1.0,
+            "gamma_pass": 90.0 + epoch, "lr": 1e-4, "samples_per_s": 10.0, "train_samples": 80, "epoch_s": 1.0,
             "elapsed_s": epoch + 1.0, "steps": 4, "nonfinite_steps": 0, "world_size": 2,
         }
         append_epoch(history, record)

@@ -151,6 +151,27 @@ def test_a_run_stopped_and_resumed_twice_ends_bit_identical_to_a_straight_run(wo
     assert actual["optimizer"]["param_groups"][0]["lr"] == pytest.approx(base, rel=1e-12)  # the cosine starts
 
 
+def test_the_aperture_recipe_resumes_bit_identical_after_a_mid_epoch_stop(tmp_path):
+    # the default family with its recipe: shuffled windows, a per-step warm-up and cosine, gradient
+    # clipping and two learning-rate groups (the renderer's physics at 10x)
+    settings = {"EPID_MODEL": "aperture", "EPID_STEPS_PER_EPOCH": "8", "EPID_EPOCHS": "2", "EPID_WARMUP_STEPS": "4"}
+    straight = tmp_path / "straight" / "epid.pth"
+    straight_run = start(straight, straight.parent / "run.log", **settings)
+    resumed = tmp_path / "resumed" / "epid.pth"
+    output = train_until_sigterm(resumed, epoch=1, step=5, **settings)
+    assert re.search(r"^Stopped by .* in epoch 1 after optimizer step", output, re.MULTILINE), output[-2000:]
+    train(resumed, EPID_RESUME="1", **settings)
+    finish(straight_run, straight.parent / "run.log")
+
+    expected, actual = load_checkpoint(straight), load_checkpoint(resumed)
+    assert actual["model_config"]["family"] == "aperture" and actual["epoch"] == expected["epoch"] == 2
+    assert_same(comparable(expected), comparable(actual))
+    assert actual["config"]["batch_order"] == "shuffled" and actual["config"]["grad_clip"] == 1.0
+    groups = actual["optimizer"]["param_groups"]
+    assert sorted(group["lr_factor"] for group in groups) == [1.0, 10.0]
+    assert max(group["lr"] for group in groups) == pytest.approx(10 * min(group["lr"] for group in groups))
+
+
 def test_fp16_gradient_scaler_state_survives_a_resume(tmp_path):
     settings = {"EPID_PRECISION": "fp16", "EPID_STEPS_PER_EPOCH": "3", "EPID_DATASET_IDS": "0",
                 "EPID_GAMMA_SAMPLES": "0", "EPID_EPOCHS": "2"}

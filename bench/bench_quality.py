@@ -1,0 +1,287 @@
+"""Model quality on arcs the model never trained on, after a wall-clock training budget.
+
+From scratch, trains the chosen model family with the project's default recipe (every EPID_*
+variable at its default for that family) for ``--minutes`` of wall clock, frame synthesis and
+the quality curve's evaluations included, on the dataset IDs that are multiples of 4 only;
+then evaluates on dataset IDs that are 2 mod 4 only: ``--eval-samples`` samples per dataset,
+drawn over the whole arc (seeded), from ``--eval-datasets`` datasets spread over all three
+patterns. The learning-rate schedule is laid out for the number of optimizer steps the budget
+allows at the step rate of a short calibration run (its time counts in the budget); a time
+limit stops training at the budget in any case.
+
+Writes to ``--output-dir`` (default ``quality_output``):
+
+* ``checkpoint.pth``: an ordinary training checkpoint (``inference_visualize.py`` and
+  ``compare_checkpoints.py`` read it);
+* ``quality.json``: every figure of ``epid.quality`` overall and per pattern, with the budget,
+  device, machine, samples seen, steps, the model and the curve;
+* ``quality.png``: quality against training time (gamma pass rate at 3 %/2 mm and curr leaf
+  MAE in the jaw band on a fixed subset of the evaluation samples, the models' network
+  estimates, before training and at every epoch end), with the final evaluation marked;
+
+and prints the table. Run from the repository root:
+
+    python -m bench.bench_quality                          # 20 minutes, default model
+    python -m bench.bench_quality --model legacy --output-dir quality_legacy
+    python -m bench.bench_quality --smoke                  # seconds: tiny model, short arcs
+    python -m bench.bench_quality --combine quality_output quality_legacy --output-dir both
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# isort: off
+import epid  # noqa: F401  (first: sets the OpenMP wait policy of training before torch loads)
+# isort: on
+
+import torch
+
+from epid import evaluate, families, plots, quality
+from epid.checkpoint import build_models_from_checkpoint, load_checkpoint
+from epid.cli import prepare_output_dir, run_main
+from epid.config import load_config
+from epid.devices import resolve_device
+from epid.errors import InputError
+from epid.kernel import default_kernel
+from epid.sequences import DEFAULT_CONTROL_POINTS
+from epid.train import launch
+
+PROGRAM = "python -m bench.bench_quality"
+TRAIN_RANGE = "0:640:4"
+EVAL_IDS = tuple(range(2, 640, 4))
+CURVE_EPOCHS = 10
+CURVE_SAMPLES_PER_DATASET = 2
+CALIBRATION_STEPS = 12
+PLAN_MARGIN = 0.92
+CPU_FEATURES = ("avx2", "avx512f", "avx512_bf16", "amx_tile")
+SMOKE = {"minutes": 0.6, "size": "tiny", "control_points": 66, "eval_datasets": 12, "eval_samples": 4}
+
+
+@dataclass
+class Curve:
+    """Quality at the end of every epoch: training minutes, samples seen and the figures."""
+
+    minutes: list[float] = field(default_factory=list)
+    samples: list[int] = field(default_factory=list)
+    gamma_3_2mm: list[float] = field(default_factory=list)
+    curr_leaf_mae_mm: list[float] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, list[float]]:
+        return {"minutes": self.minutes, "samples_seen": self.samples, "gamma_3_2mm_mean": self.gamma_3_2mm,
+                "curr_leaf_mae_mm": self.curr_leaf_mae_mm}
+
+
+def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog=PROGRAM, description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--minutes", type=float, default=20.0, help="training budget, wall clock (default 20)")
+    parser.add_argument("--output-dir", default="quality_output")
+    parser.add_argument("--model", default=families.DEFAULT_FAMILY, choices=sorted(families.FAMILIES),
+                        help=f"model family (default {families.DEFAULT_FAMILY})")
+    parser.add_argument("--size", default="full", help="model size preset (default full)")
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    parser.add_argument("--seed", type=int, default=0, help="EPID_SEED of the run (default 0)")
+    parser.add_argument("--control-points", type=int, default=DEFAULT_CONTROL_POINTS)
+    parser.add_argument("--eval-datasets", type=int, default=16, help="held-out datasets evaluated (>= 12)")
+    parser.add_argument("--eval-samples", type=int, default=8, help="samples per held-out dataset")
+    parser.add_argument("--smoke", action="store_true", help="a run of seconds: tiny model, short arcs")
+    parser.add_argument("--combine", nargs="+", metavar="DIR",
+                        help="train nothing: draw the runs of these output folders on one figure, "
+                             "OUTPUT_DIR/quality.png")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        for name, value in SMOKE.items():
+            setattr(args, name, value)
+    if args.minutes <= 0:
+        parser.error(f"--minutes {args.minutes}: expected a number > 0")
+    if args.eval_datasets < 12 or args.eval_datasets * args.eval_samples < 48:
+        parser.error("expected at least 12 evaluation datasets and 48 samples in all")
+    return args
+
+
+def training_environment(args: argparse.Namespace, output: Path, steps_per_epoch: int, epochs: int,
+                         minutes: float) -> dict[str, str]:
+    """The EPID_* variables of the benchmark's run into ``output``; everything else stays at the
+    family's recipe or the variable's default."""
+    return {
+        "EPID_MODEL": args.model, "EPID_MODEL_SIZE": args.size, "EPID_DEVICE": args.device,
+        "EPID_SEED": str(args.seed), "EPID_CONTROL_POINTS": str(args.control_points),
+        "EPID_DATASET_RANGE": TRAIN_RANGE, "EPID_CHECKPOINT_PATH": str(output / "checkpoint.pth"),
+        "EPID_EPOCHS": str(epochs), "EPID_STEPS_PER_EPOCH": str(steps_per_epoch),
+        "EPID_TIME_LIMIT": f"{minutes:.4g}", "EPID_VAL_STEPS": "2", "EPID_GAMMA_SAMPLES": "8",
+        "EPID_PROGRESS": "0",
+    }
+
+
+def evaluation_set(args: argparse.Namespace) -> evaluate.SampleSet:
+    """The held-out samples (IDs 2 mod 4), synthesised once with the default kernel and noise."""
+    ids = evaluate.spread(list(EVAL_IDS), args.eval_datasets)
+    refs = evaluate.select_samples(ids, args.eval_samples, seed=args.seed, n_control_points=args.control_points,
+                                   split="all")
+    settings = evaluate.SynthesisSettings(control_points=args.control_points, kernel="", noise_std=0.005,
+                                          noise_seed=0, sources={})
+    return evaluate.synthesise_samples(refs, settings, default_kernel())
+
+
+def curve_subset(samples: evaluate.SampleSet) -> evaluate.SampleSet:
+    """The first samples of every dataset: the curve's fixed subset."""
+    seen: dict[int, int] = {}
+    rows = []
+    for row, ref in enumerate(samples.refs):
+        seen[ref.dataset_id] = seen.get(ref.dataset_id, 0) + 1
+        if seen[ref.dataset_id] <= CURVE_SAMPLES_PER_DATASET:
+            rows.append(row)
+    return samples.subset(rows)
+
+
+def measure_step_seconds(args: argparse.Namespace, output: Path, observer: CurveObserver,
+                         device: torch.device) -> tuple[float, float]:
+    """Seconds per optimizer step of this recipe here and seconds of one curve evaluation.
+
+    The steps are timed in a real training run of ``CALIBRATION_STEPS`` steps (frame synthesis,
+    the models placed and run as training runs them, AdamW), its checkpoint then removed; the
+    curve evaluation is the observer's on freshly initialised models: the curve's first point.
+    """
+    probe = load_config(training_environment(args, output / "calibration", CALIBRATION_STEPS, 1, args.minutes))
+    torch.manual_seed(probe.seed)
+    model = families.CrossModel(*families.build_models(probe.model_size, probe.model)).to(device)
+    started = time.perf_counter()
+    observer(0, model.forward_model, model.inverse_model, 0)  # network estimates, as during training
+    observer_seconds = time.perf_counter() - started
+    if launch(probe) != 0:
+        raise RuntimeError("the calibration run failed")
+    history = load_checkpoint(probe.checkpoint_path)["history"]
+    shutil.rmtree(output / "calibration")
+    return probe.batch_size * probe.grad_accum / history["samples_per_s"][-1], observer_seconds
+
+
+def planned_steps(seconds_left: float, step_seconds: float, observer_seconds: float) -> int:
+    """Optimizer steps that fit in ``seconds_left``: every epoch end costs about one and a half
+    curve evaluations (the curve's, validation and the checkpoint), and a margin of
+    ``PLAN_MARGIN`` keeps the learning-rate decay's end inside the budget on a machine whose speed
+    varies; the time limit stops the run at the budget in any case."""
+    training_seconds = seconds_left - CURVE_EPOCHS * 1.5 * observer_seconds
+    return max(CURVE_EPOCHS, int(PLAN_MARGIN * training_seconds / step_seconds))
+
+
+class CurveObserver:
+    """Evaluates the network estimates on the curve subset at every epoch end (rank 0)."""
+
+    def __init__(self, subset: evaluate.SampleSet, device: torch.device, started: float) -> None:
+        self.subset, self.device, self.started = subset, device, started
+        self.curve = Curve()
+
+    def __call__(self, epoch: int, forward_model: torch.nn.Module, inverse_model: torch.nn.Module,
+                 samples_seen: int) -> None:
+        predictions = evaluate.predict((forward_model, inverse_model), self.subset, self.device)
+        forward_model.train()
+        inverse_model.train()
+        report = quality.assess(self.subset, predictions, device=self.device, criteria=("3%/2mm",))
+        figures = report.groups[quality.ALL]
+        self.curve.minutes.append((time.perf_counter() - self.started) / 60)
+        self.curve.samples.append(samples_seen)
+        self.curve.gamma_3_2mm.append(figures[quality.gamma_key("3%/2mm", "mean")])
+        self.curve.curr_leaf_mae_mm.append(figures["curr_leaf_mae_mm"])
+        print(f"[quality] epoch {epoch}: {self.curve.minutes[-1]:.1f} min, {samples_seen} samples, gamma 3 %/2 mm "
+              f"{self.curve.gamma_3_2mm[-1]:.1f} %, curr leaf MAE {self.curve.curr_leaf_mae_mm[-1]:.2f} mm "
+              "(network estimates)", flush=True)
+
+
+def machine(device: torch.device) -> str:
+    """The machine in words: the GPU, or the CPU model, its vector features and cores."""
+    if device.type == "cuda":
+        return f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}"
+    model, flags = platform.processor() or platform.machine(), set()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        for line in cpuinfo.read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                model = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+    features = [name for name in CPU_FEATURES if name in flags] or ["no AVX2"]
+    return f"{model} ({', '.join(features)}), {os.cpu_count()} cores, torch {torch.__version__}"
+
+
+def combine(folders: list[str], output: Path) -> None:
+    """One figure of the runs whose output folders are given (their ``quality.json``), by model."""
+    runs = {}
+    for folder in folders:
+        path = Path(folder) / "quality.json"
+        if not path.is_file():
+            raise InputError(f"--combine {folder!r}: no quality.json there (expected an output folder of this bench)")
+        written = json.loads(path.read_text())
+        runs[f"{written['model']} {written['size']}"] = written
+    first = next(iter(runs.values()))
+    title = (f"{first['budget_minutes']:g} min on {first['device']} ({first['machine']}), seed {first['seed']}, "
+             "held-out arcs")
+    plots.save_figure(plots.quality_figure(runs, title), output / "quality.png")
+    print(f"{PROGRAM}: wrote {output / 'quality.png'}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_arguments(argv)
+    output = prepare_output_dir(args.output_dir)
+    if args.combine:
+        combine(args.combine, output)
+        return 0
+    started = time.perf_counter()
+    device = resolve_device(args.device)
+    print(f"{PROGRAM}: {args.model} {args.size}, {args.minutes:g} min on {device} ({machine(device)})", flush=True)
+
+    samples = evaluation_set(args)
+    observer = CurveObserver(curve_subset(samples), device, started)
+    step_seconds, observer_seconds = measure_step_seconds(args, output, observer, device)
+    left = args.minutes * 60 - (time.perf_counter() - started)
+    steps = planned_steps(left, step_seconds, observer_seconds)
+    epochs = min(CURVE_EPOCHS, steps)
+    config = load_config(training_environment(args, output, math.ceil(steps / epochs), epochs, left / 60))
+    print(f"{PROGRAM}: {step_seconds:.3f} s per step and {observer_seconds:.1f} s per curve point measured: "
+          f"{epochs} epochs of {config.steps_per_epoch} steps (batch {config.batch_size}) planned for the "
+          f"{left / 60:.1f} min left", flush=True)
+
+    status = launch(config, observer=observer)
+    trained_minutes = (time.perf_counter() - started) / 60
+    if status != 0:
+        print(f"{PROGRAM}: training failed (status {status})", file=sys.stderr)
+        return status
+
+    checkpoint = load_checkpoint(output / "checkpoint.pth")
+    models = build_models_from_checkpoint(checkpoint, device)
+    evaluated = time.perf_counter()
+    predictions = evaluate.predict(models, samples, device)
+    report = quality.assess(samples, predictions, device=device)
+    evaluation_seconds = time.perf_counter() - evaluated
+    history = checkpoint.get("history") or {}
+    context = {
+        "model": args.model, "size": args.size, "budget_minutes": args.minutes,
+        "trained_minutes": round(trained_minutes, 2), "evaluation_seconds": round(evaluation_seconds, 1),
+        "device": str(device), "machine": machine(device), "seed": args.seed, "control_points": args.control_points,
+        "samples_seen": observer.curve.samples[-1] if observer.curve.samples else 0,
+        "steps": int(sum(history.get("steps", []))),
+        "epochs": int(checkpoint["epoch"]), "train_dataset_ids": TRAIN_RANGE,
+        "eval_dataset_ids": sorted({ref.dataset_id for ref in samples.refs}), "eval_samples": len(samples),
+        "config": checkpoint.get("config"), "curve": observer.curve.to_dict(),
+    }
+    report.write_json(output / "quality.json", **context)
+    written = json.loads((output / "quality.json").read_text())
+    title = f"{args.model} {args.size}: {args.minutes:g} min on {device}, held-out arcs"
+    plots.save_figure(plots.quality_figure({args.model: written}, title), output / "quality.png")
+    print(report.table())
+    print(f"{PROGRAM}: wrote {output / 'checkpoint.pth'}, {output / 'quality.json'}, {output / 'quality.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main, PROGRAM)

@@ -1,0 +1,85 @@
+"""``python -m bench.bench_quality --smoke``: a real run of seconds (tiny aperture models, short
+arcs) that trains on dataset IDs 0 mod 4, evaluates on IDs 2 mod 4 and writes its three files."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from matplotlib.image import imread
+
+from epid import quality
+from epid.checkpoint import build_models_from_checkpoint, load_checkpoint
+from epid.sequences import PATTERNS
+from tests.support import ROOT, clean_environment
+
+pytestmark = pytest.mark.timeout(300)
+
+CONTEXT_KEYS = {"model", "size", "budget_minutes", "trained_minutes", "evaluation_seconds", "device", "machine",
+                "seed", "samples_seen", "steps", "epochs", "train_dataset_ids", "eval_dataset_ids", "eval_samples",
+                "curve"}
+
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory):
+    output = tmp_path_factory.mktemp("quality")
+    done = subprocess.run([sys.executable, "-m", "bench.bench_quality", "--smoke", "--output-dir", str(output)],
+                          cwd=ROOT, env=clean_environment(), capture_output=True, text=True, timeout=240, check=False)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return output, done.stdout
+
+
+def test_the_smoke_run_writes_quality_json_with_every_metric_overall_and_per_pattern(smoke_run):
+    output, stdout = smoke_run
+    written = json.loads((output / "quality.json").read_text())
+    assert CONTEXT_KEYS <= set(written)
+    assert written["model"] == "aperture" and written["size"] == "tiny" and written["device"] == "cpu"
+    assert set(written["groups"]) == {quality.ALL, *PATTERNS}
+    for figures in written["groups"].values():
+        assert {metric.key for metric in quality.METRICS} <= set(figures)
+    overall = written["groups"][quality.ALL]
+    assert 0.0 <= overall["gamma_3_2mm_p5"] <= overall["gamma_3_2mm_mean"] <= 100.0
+    assert overall["gamma_2_2mm_mean"] <= overall["gamma_3_2mm_mean"] <= overall["gamma_3_3mm_mean"]
+    # held out: only dataset IDs 2 mod 4, at least 12 datasets and 48 samples
+    ids = written["eval_dataset_ids"]
+    assert len(ids) >= 12 and all(dataset_id % 4 == 2 for dataset_id in ids) and written["eval_samples"] >= 48
+    assert written["train_dataset_ids"] == "0:640:4"
+    curve = written["curve"]
+    assert curve["samples_seen"][0] == 0 and len(curve["minutes"]) >= 2
+    assert curve["samples_seen"] == sorted(curve["samples_seen"]) and curve["samples_seen"][-1] > 0
+    assert written["samples_seen"] == curve["samples_seen"][-1]
+    assert "curr leaf MAE in band (mm)" in stdout  # the table is printed
+
+
+def test_the_checkpoint_is_an_ordinary_one_trained_on_ids_0_mod_4(smoke_run):
+    output, _ = smoke_run
+    checkpoint = load_checkpoint(output / "checkpoint.pth")
+    assert checkpoint["model_config"]["family"] == "aperture"
+    assert checkpoint["dataset_ids"] and all(dataset_id % 4 == 0 for dataset_id in checkpoint["dataset_ids"])
+    forward_model, inverse_model = build_models_from_checkpoint(checkpoint)
+    assert inverse_model.renderer is forward_model  # rebuilt linked: evaluation refines with the rendering
+
+
+def test_quality_png_shows_the_curve(smoke_run):
+    output, _ = smoke_run
+    image = imread(output / "quality.png")
+    assert image.shape[0] > 300 and image.shape[1] > 600
+    gray = image[..., :3].mean(axis=2)
+    assert gray.std() > 0.05 and (gray < 0.5).mean() > 0.005
+    assert np.isfinite(gray).all()
+
+
+def test_combine_draws_runs_of_several_folders_on_one_figure(smoke_run, tmp_path):
+    output, _ = smoke_run
+    done = subprocess.run([sys.executable, "-m", "bench.bench_quality", "--combine", str(output),
+                           "--output-dir", str(tmp_path / "both")],
+                          cwd=ROOT, env=clean_environment(), capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    assert imread(tmp_path / "both" / "quality.png").shape[1] > 600
+    missing = subprocess.run([sys.executable, "-m", "bench.bench_quality", "--combine", str(tmp_path / "none")],
+                             cwd=ROOT, env=clean_environment(), capture_output=True, text=True, timeout=120,
+                             check=False)
+    assert missing.returncode == 2 and "no quality.json there" in missing.stderr
