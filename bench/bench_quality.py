@@ -184,8 +184,6 @@ class CurveObserver:
     def __call__(self, epoch: int, forward_model: torch.nn.Module, inverse_model: torch.nn.Module,
                  samples_seen: int) -> None:
         predictions = evaluate.predict((forward_model, inverse_model), self.subset, self.device)
-        forward_model.train()
-        inverse_model.train()
         report = quality.assess(self.subset, predictions, device=self.device, criteria=("3%/2mm",))
         figures = report.groups[quality.ALL]
         self.curve.minutes.append((time.perf_counter() - self.started) / 60)
