@@ -24,7 +24,8 @@ reaching past the imager). Latent: the predicted aperture's fluence pooled to 4 
 
 In eval mode, an inverse model linked to a forward model (``link_renderer``) refines the
 network's estimate by fitting the forward model's rendering of the prev and curr frames to the
-measured ones (``epid.aperture_fit``); training uses the network's estimate.
+measured ones, with a search over how each leaf's motion is split between the two frames
+(``epid.aperture_fit``); training uses the network's estimate.
 """
 
 from __future__ import annotations
@@ -321,7 +322,8 @@ class LeafEdgeInverseConfig:
     """Sizes of the inverse model: the window CNN (``channels`` on the (leaf row, x) grid in
     ``depth`` blocks, a coarse branch of ``coarse_channels`` pooled ``coarse_pool`` x), the jaw
     CNN, the readout MLPs' width, the pixel rows the row deblur reaches beyond its leaf, and the
-    optimisation steps of the eval-mode fit to the forward model's rendering (0 = none)."""
+    eval-mode fit to the forward model's rendering (``epid.aperture_fit``): its descent steps
+    (0 = no fit), split rounds and the descent steps after each round."""
 
     channels: int = 8
     depth: int = 3
@@ -332,13 +334,17 @@ class LeafEdgeInverseConfig:
     jaw_depth: int = 3
     readout_hidden: int = 32
     deblur_reach_rows: int = 10
-    fit_steps: int = 150
+    fit_steps: int = 100
+    split_rounds: int = 3
+    refine_steps: int = 40
 
     def __post_init__(self) -> None:
         if GRID_SIZE % self.coarse_pool:
             raise ValueError(f"coarse_pool {self.coarse_pool} must divide {GRID_SIZE}")
         if min(self.channels, self.coarse_channels, self.jaw_channels, self.readout_hidden) < 1:
             raise ValueError("channel counts must be positive")
+        if min(self.fit_steps, self.split_rounds, self.refine_steps) < 0:
+            raise ValueError("fit steps, split rounds and refine steps must be >= 0")
 
 
 class LeafEdgeInverseModel(nn.Module):
@@ -393,7 +399,8 @@ class LeafEdgeInverseModel(nn.Module):
         if not self.training and renderer is not None and self.config.fit_steps > 0:
             from epid.aperture_fit import fit_to_frames
 
-            leaf_a, leaf_b, jaws, mu = fit_to_frames(renderer, frames, leaf_a, leaf_b, jaws, self.config.fit_steps)
+            leaf_a, leaf_b, jaws, mu = fit_to_frames(renderer, frames, leaf_a, leaf_b, jaws, self.config.fit_steps,
+                                                     self.config.split_rounds, self.config.refine_steps)
         else:
             mu = self.mu_estimate(frames[:, 1], leaf_a.detach(), leaf_b.detach(), jaws.detach())
         scalars = torch.cat([mu[:, None], jaws], 1)
@@ -466,11 +473,13 @@ def link_pair(forward_model: ApertureForwardModel, inverse_model: LeafEdgeInvers
 
 SIZES: dict[str, tuple[ApertureForwardConfig, LeafEdgeInverseConfig]] = {
     "full": (ApertureForwardConfig(), LeafEdgeInverseConfig()),
-    "small": (ApertureForwardConfig(), LeafEdgeInverseConfig(depth=2, coarse_depth=1, fit_steps=60)),
+    "small": (ApertureForwardConfig(), LeafEdgeInverseConfig(depth=2, coarse_depth=1, fit_steps=60, split_rounds=2,
+                                                                         refine_steps=20)),
     "tiny": (
         ApertureForwardConfig(response_reach=32, response_widths_mm=(1.0, 4.0, 16.0)),
         LeafEdgeInverseConfig(channels=4, depth=1, coarse_channels=4, coarse_depth=1, jaw_channels=4, jaw_depth=1,
-                              readout_hidden=8, deblur_reach_rows=2, fit_steps=3),
+                              readout_hidden=8, deblur_reach_rows=2, fit_steps=3, split_rounds=1,
+                              refine_steps=2),
     ),
 }
 """Named sizes: full, small (a shallower window CNN, a shorter fit) and tiny (smoke tests)."""

@@ -86,9 +86,18 @@ def _after(first: Future, handover: Handover) -> None:
     _backward_through(handover)
 
 
-def used_for(device: torch.device, threads: int, *, distributed: bool, compiled: bool) -> bool:
-    """Whether training runs the models side by side: one CPU rank, 2+ threads, eager mode."""
-    return device.type == "cpu" and threads >= 2 and not distributed and not compiled
+def has_towers(inverse_model: torch.nn.Module | type) -> bool:
+    """Whether an inverse model (or its class) offers its encoder towers as split points
+    (``encode``, ``decode``)."""
+    return all(hasattr(inverse_model, name) for name in ("encode", "decode"))
+
+
+def used_for(device: torch.device, threads: int, *, distributed: bool, compiled: bool, towers: bool) -> bool:
+    """Whether training runs the models side by side: one CPU rank, 2+ threads, eager mode, and an
+    inverse model with split points (``towers``). Without them the forward worker idles while the
+    other runs the whole inverse model: for the aperture family, whose forward model is a few
+    matrix products, one model after the other on all threads is faster (README, Performance)."""
+    return device.type == "cpu" and threads >= 2 and not distributed and not compiled and towers
 
 
 class SideBySide:
@@ -106,7 +115,7 @@ class SideBySide:
         if devices != {"cpu"}:
             raise ValueError(f"side-by-side models run on the CPU, got parameters on {sorted(devices)}")
         self.model = model
-        self.towers = all(hasattr(model.inverse_model, name) for name in ("encode", "decode"))
+        self.towers = has_towers(model.inverse_model)
         inverse_threads = (threads + 1) // 2
         self.threads = (threads - inverse_threads, inverse_threads)
         self._workers = tuple(

@@ -135,6 +135,41 @@ def test_fit_moves_a_perturbed_estimate_to_the_rendered_geometry():
     torch.testing.assert_close(mu, torch.full((2,), 12.0), rtol=0.02, atol=0.0)
 
 
+def test_split_search_finds_where_prev_lies_when_descent_alone_does_not():
+    torch.manual_seed(0)
+    forward, _ = build_models("tiny", "aperture")
+    with torch.no_grad():
+        forward.response.profile_x.log_width.fill_(np.log(2.0))
+        forward.response.profile_y.log_width.fill_(np.log(2.0))
+    start, _, scalars = whole_mm_control_points(2, seed=6)
+    leaf_a, leaf_b = start[:, :52] + 0.4, _[:, :52] + 0.3
+    with torch.no_grad():  # 6 mm out from s to prev, 5 mm back from prev to curr
+        prev = forward.render(torch.cat([leaf_a, leaf_a + 6.0], 1), torch.cat([leaf_b, leaf_b + 6.0], 1), scalars)[0]
+        curr = forward.render(torch.cat([leaf_a + 6.0, leaf_a + 1.0], 1),
+                              torch.cat([leaf_b + 6.0, leaf_b + 1.0], 1), scalars)[0]
+    frames = torch.stack([7.0 * prev, 12.0 * curr], 1)
+    jaws = scalars[:, 1:]
+    # the estimate a reader of mean edge positions gives: each frame's mean position, at both ends
+    guess_a = torch.cat([leaf_a + 3.0, leaf_a + 3.5], 1)
+    guess_b = torch.cat([leaf_b + 3.0, leaf_b + 3.5], 1)
+    open_rows = am.row_visibility((jaws[:, 1], jaws[:, 1]), (jaws[:, 3], jaws[:, 3]),
+                                  torch.arange(52) * 5.0 - 130.0)[0] > 0.99
+    closed_rows = am.row_visibility((jaws[:, 1], jaws[:, 1]), (jaws[:, 3], jaws[:, 3]),
+                                    torch.arange(52) * 5.0 - 130.0)[0] == 0
+
+    def curr_error(rounds: int) -> tuple[torch.Tensor, torch.Tensor]:
+        fitted_a, fitted_b, _, _ = fit_to_frames(forward, frames, guess_a, guess_b, jaws, 60, rounds, 30)
+        error = torch.cat([(fitted_a[:, 52:] - leaf_a - 1.0)[open_rows], (fitted_b[:, 52:] - leaf_b - 1.0)[open_rows]])
+        moved = torch.cat([fitted_a - guess_a, fitted_b - guess_b], 1)[closed_rows.repeat(1, 4)]
+        return error.abs(), moved.abs()
+
+    descent_error, _ = curr_error(0)
+    searched_error, closed_moved = curr_error(1)
+    assert descent_error.mean() > 1.0 and descent_error.max() > 5.0  # stuck with prev on the wrong side
+    assert searched_error.mean() < 0.1 and searched_error.max() < 0.3
+    assert closed_moved.max() == 0.0  # rows no jaw opens keep the estimate
+
+
 def test_a_checkpoint_rebuilds_a_linked_pair_and_training_unlinks_it():
     forward, inverse = build_models("tiny", "aperture")
     assert inverse.renderer is forward

@@ -12,7 +12,7 @@ import torch
 
 from epid.families import CrossModel, build_models
 from epid.losses import cross_training_loss
-from epid.side_by_side import SideBySide, used_for
+from epid.side_by_side import SideBySide, has_towers, used_for
 from tests.support import ROOT, clean_environment
 from tests.test_models import training_batch
 
@@ -170,11 +170,13 @@ def test_without_gradients_it_returns_the_models_outputs_and_backward_needs_a_gr
 
 def test_used_only_for_a_single_eager_cpu_rank_with_several_threads():
     cpu = torch.device("cpu")
-    assert used_for(cpu, 2, distributed=False, compiled=False)
-    assert not used_for(cpu, 1, distributed=False, compiled=False)
-    assert not used_for(cpu, 4, distributed=True, compiled=False)
-    assert not used_for(cpu, 4, distributed=False, compiled=True)
-    assert not used_for(torch.device("meta"), 4, distributed=False, compiled=False)
+    assert used_for(cpu, 2, distributed=False, compiled=False, towers=True)
+    assert not used_for(cpu, 1, distributed=False, compiled=False, towers=True)
+    assert not used_for(cpu, 4, distributed=True, compiled=False, towers=True)
+    assert not used_for(cpu, 4, distributed=False, compiled=True, towers=True)
+    assert not used_for(torch.device("meta"), 4, distributed=False, compiled=False, towers=True)
+    assert not used_for(cpu, 2, distributed=False, compiled=False, towers=False)
+    assert has_towers(build_models("tiny", "legacy")[1]) and not has_towers(build_models("tiny", "aperture")[1])
     with pytest.raises(ValueError, match="at least 2 threads"):
         SideBySide(CrossModel(*build_models("tiny", "legacy")), 1)
     with pytest.raises(ValueError, match="run on the CPU"):
@@ -182,17 +184,19 @@ def test_used_only_for_a_single_eager_cpu_rank_with_several_threads():
 
 
 @pytest.mark.timeout(300)
-def test_a_single_rank_two_thread_run_trains_with_the_models_side_by_side(tmp_path):
+@pytest.mark.parametrize("family", ["legacy", "aperture"])
+def test_a_single_rank_two_thread_run_trains_side_by_side_when_the_inverse_model_has_towers(tmp_path, family):
     checkpoint = tmp_path / "epid.pth"
     env = clean_environment(
-        EPID_CONTROL_POINTS="12", EPID_DATASET_IDS="0", EPID_MODEL_SIZE="tiny", EPID_BATCH_SIZE="4",
+        EPID_MODEL=family, EPID_CONTROL_POINTS="12", EPID_DATASET_IDS="0", EPID_MODEL_SIZE="tiny", EPID_BATCH_SIZE="4",
         EPID_GAMMA_SAMPLES="2", EPID_THREADS="2", EPID_DEVICE="cpu", EPID_PROGRESS="0", EPID_EPOCHS="3",
         EPID_CHECKPOINT_PATH=str(checkpoint),
     )
     result = subprocess.run([sys.executable, str(ROOT / "generate_and_train.py")], env=env, cwd=ROOT,
                             capture_output=True, text=True, timeout=240, check=False)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-    assert "2 thread(s) (forward and inverse models side by side on 1 + 1)" in result.stdout
+    side_by_side = "2 thread(s) (forward and inverse models side by side on 1 + 1)" in result.stdout
+    assert side_by_side == (family == "legacy") and "2 thread(s)" in result.stdout
     saved = torch.load(checkpoint, weights_only=True)
     assert saved["epoch"] == 3
     train_totals = saved["history"]["train"]["total"]
