@@ -61,7 +61,7 @@ TRAIN_RANGE = "0:640:4"
 EVAL_IDS = tuple(range(2, 640, 4))
 CURVE_EPOCHS = 10
 CURVE_SAMPLES_PER_DATASET = 2
-CALIBRATION_STEPS = 10
+CALIBRATION_SAMPLES = 80
 PLAN_MARGIN = 0.95
 CPU_FEATURES = ("avx2", "avx512f", "avx512_bf16", "amx_tile")
 SMOKE = {"minutes": 0.6, "size": "tiny", "control_points": 66, "eval_datasets": 12, "eval_samples": 4}
@@ -148,12 +148,14 @@ def measure_step_seconds(args: argparse.Namespace, output: Path, observer: Curve
                          device: torch.device) -> tuple[float, float]:
     """Seconds per optimizer step of this recipe here and seconds of one curve evaluation.
 
-    The steps are timed in a real training run of two epochs of ``CALIBRATION_STEPS`` steps (frame
-    synthesis, the models placed and run as training runs them, AdamW), from the second epoch's
-    rate (the first pays for start-up), its checkpoint then removed; the curve evaluation is the
-    observer's on freshly initialised models: the curve's first point.
+    The steps are timed in a real training run of two epochs of about ``CALIBRATION_SAMPLES``
+    samples each (frame synthesis, the models placed and run as training runs them, AdamW), from
+    the second epoch's rate (the first pays for start-up), its checkpoint then removed; the curve
+    evaluation is the observer's on freshly initialised models: the curve's first point.
     """
-    probe = load_config(training_environment(args, output / "calibration", CALIBRATION_STEPS, 2, args.minutes))
+    recipe = load_config(training_environment(args, output / "calibration", 1, 2, args.minutes))
+    steps = math.ceil(CALIBRATION_SAMPLES / (recipe.batch_size * recipe.grad_accum))
+    probe = load_config(training_environment(args, output / "calibration", steps, 2, args.minutes))
     torch.manual_seed(probe.seed)
     model = families.CrossModel(*families.build_models(probe.model_size, probe.model)).to(device)
     started = time.perf_counter()
@@ -194,6 +196,19 @@ class CurveObserver:
         print(f"[quality] epoch {epoch}: {self.curve.minutes[-1]:.1f} min, {samples_seen} samples, gamma 3 %/2 mm "
               f"{self.curve.gamma_3_2mm[-1]:.1f} %, curr leaf MAE {self.curve.curr_leaf_mae_mm[-1]:.2f} mm "
               "(network estimates)", flush=True)
+
+
+def count_stopped_epoch(checkpoint: dict, observer: CurveObserver, device: torch.device, grad_accum: int) -> int:
+    """Where the time limit stopped an epoch part way: the curve gets its last point, from the final
+    weights and the samples of the stopped epoch added; returns that epoch's optimizer steps (0 when
+    the run ended at an epoch's end)."""
+    stopped = checkpoint.get("interrupted")
+    if not stopped:
+        return 0
+    pair = families.CrossModel(*build_models_from_checkpoint(checkpoint, device))  # network estimates
+    seen = observer.curve.samples[-1] if observer.curve.samples else 0
+    observer(stopped["epoch"], pair.forward_model, pair.inverse_model, seen + int(sum(stopped["rank_train_samples"])))
+    return int(stopped["batches_done"]) // grad_accum
 
 
 def machine(device: torch.device) -> str:
@@ -257,6 +272,7 @@ def main(argv: list[str] | None = None) -> int:
         return status
 
     checkpoint = load_checkpoint(output / "checkpoint.pth")
+    stopped_steps = count_stopped_epoch(checkpoint, observer, device, config.grad_accum)
     models = build_models_from_checkpoint(checkpoint, device)
     evaluated = time.perf_counter()
     predictions = evaluate.predict(models, samples, device)
@@ -268,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
         "trained_minutes": round(trained_minutes, 2), "evaluation_seconds": round(evaluation_seconds, 1),
         "device": str(device), "machine": machine(device), "seed": args.seed, "control_points": args.control_points,
         "samples_seen": observer.curve.samples[-1] if observer.curve.samples else 0,
-        "steps": int(sum(history.get("steps", []))),
+        "steps": int(sum(history.get("steps", []))) + stopped_steps,
         "epochs": int(checkpoint["epoch"]), "train_dataset_ids": TRAIN_RANGE,
         "eval_dataset_ids": sorted({ref.dataset_id for ref in samples.refs}), "eval_samples": len(samples),
         "config": checkpoint.get("config"), "curve": observer.curve.to_dict(),

@@ -9,6 +9,7 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 from matplotlib.image import imread
 
 from epid import quality
@@ -83,3 +84,23 @@ def test_combine_draws_runs_of_several_folders_on_one_figure(smoke_run, tmp_path
                              cwd=ROOT, env=clean_environment(), capture_output=True, text=True, timeout=120,
                              check=False)
     assert missing.returncode == 2 and "no quality.json there" in missing.stderr
+
+
+def test_an_epoch_the_time_limit_stopped_counts_its_steps_and_adds_the_last_curve_point(smoke_run):
+    from bench.bench_quality import count_stopped_epoch
+
+    output, _ = smoke_run
+    checkpoint = load_checkpoint(output / "checkpoint.pth")
+    calls = []
+
+    class Observer:
+        curve = type("Curve", (), {"samples": [0, 320]})()
+
+        def __call__(self, epoch, forward_model, inverse_model, samples_seen):
+            calls.append((epoch, samples_seen, inverse_model.renderer))
+
+    checkpoint["interrupted"] = None
+    assert count_stopped_epoch(checkpoint, Observer(), torch.device("cpu"), 1) == 0 and not calls
+    checkpoint["interrupted"] = {"epoch": 3, "batches_done": 6, "rank_train_samples": [24.0, 24.0]}
+    assert count_stopped_epoch(checkpoint, Observer(), torch.device("cpu"), 2) == 3
+    assert calls == [(3, 320 + 48, None)]  # the network's own estimates, as at every epoch end
