@@ -38,7 +38,7 @@ import torch
 from torch import Tensor, nn
 
 from epid.aperture_models import ROWS_PER_LEAF, column_centres, row_visibility, to_leaf_grid
-from epid.sequences import LEAF_WIDTH_MM, MLC_Y_MIN_MM, NUM_LEAF_PAIRS
+from epid.sequences import NUM_LEAF_PAIRS
 
 START_STEP_MM = 0.5
 REFINE_STEP_MM = 0.2
@@ -133,9 +133,8 @@ def _search_splits(renderer: nn.Module, measured: Tensor, geometry: Geometry) ->
             best_cost = torch.where(better, cost, best_cost)
             best_offset = torch.where(better, torch.full_like(cost, offset), best_offset)
     jaw_0, jaw_1, jaw_2 = (t.detach() for t in geometry[6:])
-    leaf_lower = torch.arange(NUM_LEAF_PAIRS, device=middle.device) * LEAF_WIDTH_MM + MLC_Y_MIN_MM
-    seen = (row_visibility((jaw_0[:, 0], jaw_1[:, 0]), (jaw_0[:, 1], jaw_1[:, 1]), leaf_lower)[0]
-            + row_visibility((jaw_1[:, 0], jaw_2[:, 0]), (jaw_1[:, 1], jaw_2[:, 1]), leaf_lower)[0]) > 0
+    seen = (row_visibility((jaw_0[:, 0], jaw_1[:, 0]), (jaw_0[:, 1], jaw_1[:, 1]))[0]
+            + row_visibility((jaw_1[:, 0], jaw_2[:, 0]), (jaw_1[:, 1], jaw_2[:, 1]))[0]) > 0
     best_offset = best_offset * seen
     for bank, offset in enumerate(best_offset):
         for point, sign in enumerate((-1.0, 1.0, -1.0)):

@@ -276,15 +276,15 @@ def edge_moments(density: Tensor, window: Tensor, positions: Tensor, floor: floa
     return centre, spread, (density * window).sum(-1)
 
 
-def row_visibility(jaw_1: tuple[Tensor, Tensor], jaw_2: tuple[Tensor, Tensor], leaf_lower_mm: Tensor
-                   ) -> tuple[Tensor, Tensor]:
-    """How each leaf row is open between moving jaws during a frame.
+def row_visibility(jaw_1: tuple[Tensor, Tensor], jaw_2: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+    """How each of the 52 leaf rows is open between moving jaws during a frame.
 
-    jaw_1, jaw_2: (start, end) positions (B,) mm; leaf_lower_mm: (52,) the rows' lower edges.
-    Returns (open fraction of the row averaged over the 7 sub-apertures, mean time t of its
-    opening), each (B, 52).
+    jaw_1, jaw_2: (start, end) positions (B,) mm. Returns (open fraction of the row averaged
+    over the 7 sub-apertures, mean time t of its opening), each (B, 52).
     """
-    t = torch.linspace(0.0, 1.0, SUB_APERTURES, device=leaf_lower_mm.device)
+    device = jaw_1[0].device
+    leaf_lower_mm = torch.arange(NUM_LEAF_PAIRS, device=device) * LEAF_WIDTH_MM + MLC_Y_MIN_MM
+    t = torch.linspace(0.0, 1.0, SUB_APERTURES, device=device)
     low = torch.maximum(sub_aperture_positions(*jaw_1)[:, :, None], leaf_lower_mm)
     high = torch.minimum(sub_aperture_positions(*jaw_2)[:, :, None], leaf_lower_mm + LEAF_WIDTH_MM)
     open_fraction = ((high - low) / LEAF_WIDTH_MM).clamp(0.0, 1.0)  # (B, 7, 52)
@@ -417,10 +417,9 @@ class LeafEdgeInverseModel(nn.Module):
             leaf_grid = leaf_grid.contiguous(memory_format=torch.channels_last)
         jaws = self.jaws(leaf_grid)
         jaw_now = jaws.detach()
-        leaf_lower = torch.arange(NUM_LEAF_PAIRS, device=frames.device) * LEAF_WIDTH_MM + MLC_Y_MIN_MM
-        curr_open = row_visibility((jaw_now[:, 0], jaw_now[:, 1]), (jaw_now[:, 2], jaw_now[:, 3]), leaf_lower)
+        curr_open = row_visibility((jaw_now[:, 0], jaw_now[:, 1]), (jaw_now[:, 2], jaw_now[:, 3]))
         prev_open = row_visibility((2 * jaw_now[:, 0] - jaw_now[:, 1], jaw_now[:, 0]),
-                                   (2 * jaw_now[:, 2] - jaw_now[:, 3], jaw_now[:, 2]), leaf_lower)
+                                   (2 * jaw_now[:, 2] - jaw_now[:, 3], jaw_now[:, 2]))
         visibility = torch.stack([*prev_open, *curr_open], -1)  # (B, 52, 4)
         windows = boundary_softmax(self.window_logits(leaf_grid))  # (B, 4, 52, 255)
         profiles = self.row_deblur(leaf_grid.reshape(batch * 2, 1, LEAF_GRID_ROWS, GRID_SIZE))

@@ -109,12 +109,23 @@ def test_inverse_model_layout_and_parameter_groups(size):
     assert inverse.stem.weight.grad is not None and inverse.leaf_readout[0].net[0].weight.grad is not None
 
 
-def test_fit_moves_a_perturbed_estimate_to_the_rendered_geometry():
+def tiny_forward_with_2mm_response() -> am.ApertureForwardModel:
+    """The tiny aperture forward model, every Gaussian of its response 2 mm wide."""
     torch.manual_seed(0)
     forward, _ = build_models("tiny", "aperture")
     with torch.no_grad():
         forward.response.profile_x.log_width.fill_(np.log(2.0))
         forward.response.profile_y.log_width.fill_(np.log(2.0))
+    return forward
+
+
+def still_jaw_opening(jaws: torch.Tensor) -> torch.Tensor:
+    """Open fraction (B, 52) of each leaf row between jaws (B, 4) that stay at their curr positions."""
+    return am.row_visibility((jaws[:, 1], jaws[:, 1]), (jaws[:, 3], jaws[:, 3]))[0]
+
+
+def test_fit_moves_a_perturbed_estimate_to_the_rendered_geometry():
+    forward = tiny_forward_with_2mm_response()
     leaf_a, leaf_b, scalars = whole_mm_control_points(2, seed=6, move_mm=3.0)
     leaf_a, leaf_b = leaf_a + 0.4, leaf_b + 0.3  # off the grid
     with torch.no_grad():  # the prev frame's motion starts 3 mm before prev: constant speed
@@ -125,8 +136,7 @@ def test_fit_moves_a_perturbed_estimate_to_the_rendered_geometry():
     jaws = scalars[:, 1:]
     start_a, start_b = leaf_a + 0.8, leaf_b - 0.8
     fitted_a, fitted_b, fitted_jaws, mu = fit_to_frames(forward, frames, start_a, start_b, jaws + 0.5, 60)
-    open_rows = am.row_visibility((jaws[:, 1], jaws[:, 1]), (jaws[:, 3], jaws[:, 3]),
-                                  torch.arange(52) * 5.0 - 130.0)[0] > 0.99
+    open_rows = still_jaw_opening(jaws) > 0.99
     error_before = (start_a[:, 52:] - leaf_a[:, 52:]).abs()[open_rows].mean()
     error_after = (fitted_a[:, 52:] - leaf_a[:, 52:]).abs()[open_rows].mean()
     assert error_before == pytest.approx(0.8)
@@ -136,13 +146,9 @@ def test_fit_moves_a_perturbed_estimate_to_the_rendered_geometry():
 
 
 def test_split_search_finds_where_prev_lies_when_descent_alone_does_not():
-    torch.manual_seed(0)
-    forward, _ = build_models("tiny", "aperture")
-    with torch.no_grad():
-        forward.response.profile_x.log_width.fill_(np.log(2.0))
-        forward.response.profile_y.log_width.fill_(np.log(2.0))
-    start, _, scalars = whole_mm_control_points(2, seed=6)
-    leaf_a, leaf_b = start[:, :52] + 0.4, _[:, :52] + 0.3
+    forward = tiny_forward_with_2mm_response()
+    bank_a, bank_b, scalars = whole_mm_control_points(2, seed=6)
+    leaf_a, leaf_b = bank_a[:, :52] + 0.4, bank_b[:, :52] + 0.3
     with torch.no_grad():  # 6 mm out from s to prev, 5 mm back from prev to curr
         prev = forward.render(torch.cat([leaf_a, leaf_a + 6.0], 1), torch.cat([leaf_b, leaf_b + 6.0], 1), scalars)[0]
         curr = forward.render(torch.cat([leaf_a + 6.0, leaf_a + 1.0], 1),
@@ -152,10 +158,8 @@ def test_split_search_finds_where_prev_lies_when_descent_alone_does_not():
     # the estimate a reader of mean edge positions gives: each frame's mean position, at both ends
     guess_a = torch.cat([leaf_a + 3.0, leaf_a + 3.5], 1)
     guess_b = torch.cat([leaf_b + 3.0, leaf_b + 3.5], 1)
-    open_rows = am.row_visibility((jaws[:, 1], jaws[:, 1]), (jaws[:, 3], jaws[:, 3]),
-                                  torch.arange(52) * 5.0 - 130.0)[0] > 0.99
-    closed_rows = am.row_visibility((jaws[:, 1], jaws[:, 1]), (jaws[:, 3], jaws[:, 3]),
-                                    torch.arange(52) * 5.0 - 130.0)[0] == 0
+    opening = still_jaw_opening(jaws)
+    open_rows, closed_rows = opening > 0.99, opening == 0
 
     def curr_error(rounds: int) -> tuple[torch.Tensor, torch.Tensor]:
         fitted_a, fitted_b, _, _ = fit_to_frames(forward, frames, guess_a, guess_b, jaws, 60, rounds, 30)
