@@ -116,10 +116,11 @@ def _search_splits(renderer: nn.Module, measured: Tensor, geometry: Geometry) ->
     ``geometry`` is updated in place."""
     leaves = [t.detach().clone() for t in geometry[:6]]
     a_0, a_1, a_2, b_0, b_1, b_2 = leaves
-    mu = _best_mu(_render_pair(renderer, geometry), measured).clamp_min(1e-6)
+    rendered = _render_pair(renderer, geometry)
+    mu = _best_mu(rendered, measured).clamp_min(1e-6)
     middle = torch.cat([a_0 + a_1 + b_0 + b_1, a_1 + a_2 + b_1 + b_2]) / 4  # (2B, 52) per frame
     bank_a_side = column_centres(middle.device) < middle[..., None]  # (2B, 52, 256)
-    best_cost = _edge_misfits(renderer, measured, geometry, mu, bank_a_side)  # (2, B, 52) at offset 0
+    best_cost = _edge_misfits(rendered, measured, mu, bank_a_side)  # (2, B, 52) at offset 0
     best_offset = torch.zeros_like(best_cost)
     even = torch.arange(NUM_LEAF_PAIRS, device=middle.device) % 2 == 0
     none = torch.zeros_like(even)
@@ -128,7 +129,7 @@ def _search_splits(renderer: nn.Module, measured: Tensor, geometry: Geometry) ->
             step_a, step_b = offset * moved
             shifted = [a_0 - step_a, a_1 + step_a, a_2 - step_a, b_0 - step_b, b_1 + step_b, b_2 - step_b,
                        *geometry[6:]]
-            cost = _edge_misfits(renderer, measured, shifted, mu, bank_a_side)
+            cost = _edge_misfits(_render_pair(renderer, shifted), measured, mu, bank_a_side)
             better = (cost < best_cost) & moved[:, None, :]
             best_cost = torch.where(better, cost, best_cost)
             best_offset = torch.where(better, torch.full_like(cost, offset), best_offset)
@@ -141,13 +142,11 @@ def _search_splits(renderer: nn.Module, measured: Tensor, geometry: Geometry) ->
             geometry[3 * bank + point].copy_(leaves[3 * bank + point] + sign * offset)
 
 
-def _edge_misfits(renderer: nn.Module, measured: Tensor, geometry: Geometry, mu: Tensor,
-                  bank_a_side: Tensor) -> Tensor:
+def _edge_misfits(rendered: Tensor, measured: Tensor, mu: Tensor, bank_a_side: Tensor) -> Tensor:
     """The misfit of each leaf edge's region, both frames summed: (2, B, 52) [bank A, bank B].
 
-    A region is the leaf's row of pixels on its bank's side of ``bank_a_side`` (2B, 52, 256);
-    frames are scaled by their MU ``mu`` (2B,)."""
-    rendered = _render_pair(renderer, geometry)
+    ``rendered`` (2B, 256, 256) is ``_render_pair``'s, scaled by the frames' MU ``mu`` (2B,); a
+    region is the leaf's row of pixels on its bank's side of ``bank_a_side`` (2B, 52, 256)."""
     misfit = (mu[:, None, None] * rendered - measured).square() / mu.square()[:, None, None]
     rows = to_leaf_grid(misfit).unflatten(-2, (NUM_LEAF_PAIRS, ROWS_PER_LEAF)).sum(-2)  # (2B, 52, 256)
     cost_a = (rows * bank_a_side).sum(-1)
