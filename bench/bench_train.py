@@ -97,8 +97,8 @@ def model_only_rate(variables: dict[str, str], steps: int, warmup: int = 3) -> f
     data = EpidData.from_config(config, config.dataset_ids[:1])
     batch = data.make_batch(data.windows("train", config.batch_size)[0], device)
     dtype = resolve_precision(config.precision, device)
-    side = side_by_side.used_for(device, threads, distributed=False, compiled=False,
-                                 towers=side_by_side.has_towers(families.family(config.model).inverse_model))
+    side = side_by_side.used_for(device, threads, families.family(config.model).inverse_model, distributed=False,
+                                 compiled=False)
     step = TrainingStep(Variant("training", None if dtype == torch.float32 else dtype, side, False),
                         config.model_size, device, config.model)
     times = []

@@ -92,12 +92,15 @@ def has_towers(inverse_model: torch.nn.Module | type) -> bool:
     return all(hasattr(inverse_model, name) for name in ("encode", "decode"))
 
 
-def used_for(device: torch.device, threads: int, *, distributed: bool, compiled: bool, towers: bool) -> bool:
+def used_for(device: torch.device, threads: int, inverse_model: torch.nn.Module | type, *, distributed: bool,
+             compiled: bool) -> bool:
     """Whether training runs the models side by side: one CPU rank, 2+ threads, eager mode, and an
-    inverse model with split points (``towers``). Without them the forward worker idles while the
-    other runs the whole inverse model: for the aperture family, whose forward model is a few
-    matrix products, one model after the other on all threads is faster (README, Performance)."""
-    return device.type == "cpu" and threads >= 2 and not distributed and not compiled and towers
+    inverse model (or its class) with split points (``has_towers``). Without them the forward
+    worker idles while the other runs the whole inverse model: for the aperture family, whose
+    forward model is a few matrix products, one model after the other on all threads is faster
+    (README, Performance)."""
+    return (device.type == "cpu" and threads >= 2 and not distributed and not compiled
+            and has_towers(inverse_model))
 
 
 class SideBySide:

@@ -165,8 +165,8 @@ class ModelRunner:
             self.ddp = DistributedDataParallel(compiled, device_ids=[device.index] if device.type == "cuda" else None,
                                                gradient_as_bucket_view=True, broadcast_buffers=False)
             self.train = self.ddp
-        elif side_by_side.used_for(device, context.threads, distributed=False, compiled=compile_models,
-                                   towers=side_by_side.has_towers(model.inverse_model)):
+        elif side_by_side.used_for(device, context.threads, model.inverse_model, distributed=False,
+                                   compiled=compile_models):
             self.side_by_side = side_by_side.SideBySide(model, context.threads)
             self.train = self.evaluate = self.side_by_side
         self.backward = (self.side_by_side or model).backward

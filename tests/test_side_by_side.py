@@ -170,13 +170,15 @@ def test_without_gradients_it_returns_the_models_outputs_and_backward_needs_a_gr
 
 def test_used_only_for_a_single_eager_cpu_rank_with_several_threads():
     cpu = torch.device("cpu")
-    assert used_for(cpu, 2, distributed=False, compiled=False, towers=True)
-    assert not used_for(cpu, 1, distributed=False, compiled=False, towers=True)
-    assert not used_for(cpu, 4, distributed=True, compiled=False, towers=True)
-    assert not used_for(cpu, 4, distributed=False, compiled=True, towers=True)
-    assert not used_for(torch.device("meta"), 4, distributed=False, compiled=False, towers=True)
-    assert not used_for(cpu, 2, distributed=False, compiled=False, towers=False)
-    assert has_towers(build_models("tiny", "legacy")[1]) and not has_towers(build_models("tiny", "aperture")[1])
+    legacy, aperture = build_models("tiny", "legacy")[1], build_models("tiny", "aperture")[1]
+    assert used_for(cpu, 2, legacy, distributed=False, compiled=False)
+    assert not used_for(cpu, 1, legacy, distributed=False, compiled=False)
+    assert not used_for(cpu, 4, legacy, distributed=True, compiled=False)
+    assert not used_for(cpu, 4, legacy, distributed=False, compiled=True)
+    assert not used_for(torch.device("meta"), 4, legacy, distributed=False, compiled=False)
+    assert not used_for(cpu, 2, aperture, distributed=False, compiled=False)
+    assert used_for(cpu, 2, type(legacy), distributed=False, compiled=False)  # a family's class answers alike
+    assert has_towers(legacy) and not has_towers(aperture)
     with pytest.raises(ValueError, match="at least 2 threads"):
         SideBySide(CrossModel(*build_models("tiny", "legacy")), 1)
     with pytest.raises(ValueError, match="run on the CPU"):
