@@ -33,11 +33,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import scipy.fft
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from epid.imaging import GRID_SIZE, SUB_APERTURES
+from epid.imaging import GRID_SIZE, SUB_APERTURES, aperture_fluence
 from epid.models import LATENT_SIZE, NUM_LEAVES, NUM_SCALARS, _check_vector, as_frame_batch
 from epid.sequences import LEAF_WIDTH_MM, MLC_Y_MIN_MM, NUM_LEAF_PAIRS
 
@@ -51,6 +52,8 @@ PHYSICS_LR_FACTOR = 10.0
 MIN_EXPECTED_SUM = 1.0
 """Added to the expected frame sum per MU (pixels), so that MU stays finite for a closed aperture."""
 MAX_MU = 200.0
+BROAD_START_WIDTH_MM = 32.0
+"""Starting width of the forward model's broad (backscatter) term."""
 
 
 def column_centres(device: torch.device | None = None) -> Tensor:
@@ -69,13 +72,6 @@ def sub_aperture_positions(prev: Tensor, curr: Tensor) -> Tensor:
     return prev.unsqueeze(-1) + (curr - prev).unsqueeze(-1) * t
 
 
-def cell_coverage(lower: Tensor, upper: Tensor, centres: Tensor) -> Tensor:
-    """Length (mm) of the opening [lower, upper] inside each 1 mm cell: (..., n) in [0, 1]."""
-    low = torch.maximum(lower.unsqueeze(-1), centres - 0.5)
-    high = torch.minimum(upper.unsqueeze(-1), centres + 0.5)
-    return (high - low).clamp(0.0, 1.0)
-
-
 def to_imager(leaf_grid: Tensor) -> Tensor:
     """(..., 260, W) leaf-grid rows (y ascending) -> (..., 256, W) imager rows (row 0 = most positive y)."""
     return leaf_grid[..., IMAGER_MARGIN:IMAGER_MARGIN + GRID_SIZE, :].flip(-2)
@@ -86,59 +82,54 @@ def to_leaf_grid(images: Tensor) -> Tensor:
     return F.pad(images.flip(-2), (0, 0, IMAGER_MARGIN, IMAGER_MARGIN))
 
 
-def toeplitz(taps: Tensor, out_centres: Tensor, in_centres: Tensor) -> Tensor:
-    """(n_out, n_in) matrix with ``taps[reach + in - out]`` (0 beyond the reach); centres whole mm apart."""
-    reach = (taps.shape[-1] - 1) // 2
-    offset = (in_centres[None, :] - out_centres[:, None]).round().long() + reach
-    inside = (offset >= 0) & (offset <= 2 * reach)
-    return torch.where(inside, taps[offset.clamp(0, 2 * reach)], taps.new_zeros(()))
-
-
 # --------------------------------------------------------------------------- forward model
 
 
 class ApertureFluence(nn.Module):
-    """Leaves and jaws of a frame's motion -> mean open fraction of each 1 mm cell per MU.
-
-    Openings are widened on both sides by a learned edge shift (mm, starting at 0). Only the leaf
-    rows that the jaws of the batch open are computed: returns (fluence (B, rows, 256), first
-    leaf-grid row), rows a multiple of 5 from a leaf's first row.
-    """
+    """Leaves and jaws of a frame's motion -> mean fluence of each 1 mm cell per MU, with the
+    physics of a real MLC learned (``epid.imaging.aperture_fluence``, the synthesis's own
+    rendering): a shift of every edge (mm, widening), a leaf-end offset per bank (mm), leaf, jaw
+    and interleaf transmission (%), and the tongue-and-groove strip's width (mm); all start at 0,
+    an opaque aperture with its nominal edges. Returns (fluence (B, 260, 256), first leaf-grid
+    row 0)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.edge_shift = nn.Parameter(torch.zeros(()))
-
-    def open_leaves(self, jaw_1: Tensor, jaw_2: Tensor) -> tuple[int, int]:
-        """The leaf pairs [first, stop) whose rows any of the jaws (B, 7) opens."""
-        shift = float(self.edge_shift.detach().clamp_min(0.0))
-        low = float(jaw_1.detach().min()) - shift - MLC_Y_MIN_MM
-        high = float(jaw_2.detach().max()) + shift - MLC_Y_MIN_MM
-        first = min(max(math.floor(low / ROWS_PER_LEAF), 0), NUM_LEAF_PAIRS - 1)
-        stop = max(min(math.ceil(high / ROWS_PER_LEAF), NUM_LEAF_PAIRS), first + 1)
-        return first, stop
+        self.leaf_end_offset = nn.Parameter(torch.zeros(2))
+        self.leaf_transmission_percent = nn.Parameter(torch.zeros(()))
+        self.jaw_transmission_percent = nn.Parameter(torch.zeros(()))
+        self.interleaf_leakage_percent = nn.Parameter(torch.zeros(()))
+        self.tongue_groove_mm = nn.Parameter(torch.zeros(()))
 
     def forward(self, leaf_a: Tensor, leaf_b: Tensor, scalars: Tensor) -> tuple[Tensor, int]:
         batch = leaf_a.shape[0]
-        shift = self.edge_shift
         jaw_1 = sub_aperture_positions(scalars[:, 1], scalars[:, 2])  # (B, 7)
         jaw_2 = sub_aperture_positions(scalars[:, 3], scalars[:, 4])
-        first, stop = self.open_leaves(jaw_1, jaw_2)
-        leaves = slice(first, stop)
-        a = sub_aperture_positions(leaf_a[:, :NUM_LEAF_PAIRS][:, leaves], leaf_a[:, NUM_LEAF_PAIRS:][:, leaves])
-        b = sub_aperture_positions(leaf_b[:, :NUM_LEAF_PAIRS][:, leaves], leaf_b[:, NUM_LEAF_PAIRS:][:, leaves])
-        columns = column_centres(leaf_a.device)
-        rows = leaf_grid_centres(leaf_a.device)[first * ROWS_PER_LEAF:stop * ROWS_PER_LEAF]
-        leaf_open = cell_coverage(a - shift, b + shift, columns)  # (B, L, 7, 256)
-        jaw_open = cell_coverage(jaw_1 - shift, jaw_2 + shift, rows)  # (B, 7, 5 L)
-        jaw_open = jaw_open.view(batch, SUB_APERTURES, stop - first, ROWS_PER_LEAF).permute(0, 2, 3, 1)
-        fluence = torch.matmul(jaw_open, leaf_open) / SUB_APERTURES  # (B, L, 5, 256)
-        return fluence.reshape(batch, -1, GRID_SIZE), first * ROWS_PER_LEAF
+        a = sub_aperture_positions(leaf_a[:, :NUM_LEAF_PAIRS], leaf_a[:, NUM_LEAF_PAIRS:]).transpose(1, 2)
+        b = sub_aperture_positions(leaf_b[:, :NUM_LEAF_PAIRS], leaf_b[:, NUM_LEAF_PAIRS:]).transpose(1, 2)
+        weights = leaf_a.new_full((batch, SUB_APERTURES), 1.0 / SUB_APERTURES)
+        fluence = aperture_fluence(
+            a, b, jaw_1, jaw_2, weights,
+            leaf_end_offset_a=self.edge_shift + self.leaf_end_offset[0],
+            leaf_end_offset_b=self.edge_shift + self.leaf_end_offset[1],
+            jaw_edge_offset=self.edge_shift, tongue_groove_mm=self.tongue_groove_mm,
+            leaf_transmission=self.leaf_transmission_percent / 100.0,
+            interleaf_leakage=self.interleaf_leakage_percent / 100.0,
+            jaw_transmission=self.jaw_transmission_percent / 100.0,
+        )
+        return fluence, 0
 
 
 def expand_to_leaf_grid(fluence: Tensor, first_row: int) -> Tensor:
     """A cropped fluence (B, rows, 256) starting at leaf-grid row ``first_row`` -> (B, 260, 256)."""
     return F.pad(fluence, (0, 0, first_row, LEAF_GRID_ROWS - first_row - fluence.shape[1]))
+
+
+def gaussian_taps(log_width: Tensor, offsets: Tensor) -> Tensor:
+    """Gaussians of widths exp(log_width) (K,) mm on ``offsets`` (n,) mm, each summing to 1: (K, n)."""
+    gaussians = torch.exp(-0.5 * (offsets[None, :] / log_width.exp()[:, None]).square())
+    return gaussians / gaussians.sum(-1, keepdim=True)
 
 
 class ResponseProfile(nn.Module):
@@ -153,30 +144,59 @@ class ResponseProfile(nn.Module):
         self.register_buffer("offsets", torch.arange(-reach, reach + 1, dtype=torch.float32), persistent=False)
 
     def forward(self) -> Tensor:
-        width = self.log_width.exp()[:, None]
-        gaussians = torch.exp(-0.5 * (self.offsets[None, :] / width).square())
-        gaussians = gaussians / gaussians.sum(-1, keepdim=True)
-        return (torch.softmax(self.logits, 0)[:, None] * gaussians).sum(0)
+        return (torch.softmax(self.logits, 0)[:, None] * gaussian_taps(self.log_width, self.offsets)).sum(0)
 
 
 class DetectorResponse(nn.Module):
-    """Separable learned response: frame per MU = gain * Ky F Kx^T, (B, 260, 256) leaf-grid
-    fluence -> (B, 256, 256) imager frame (row 0 = most positive y)."""
+    """Learned response: (B, 260, 256) leaf-grid fluence -> (B, 256, 256) imager frame per MU
+    (row 0 = most positive y), one FFT convolution with a 2-D kernel and a position-dependent
+    broad term.
+
+    The kernel is gain x (Ky Kx^T + sum_k c_k G_k G_k^T): a separable mixture (``ResponseProfile``
+    per axis) plus isotropic 2-D Gaussians of learned widths and signed weights c_k (starting
+    at 0), so it can be radially symmetric and not separable. The broad term is a wide
+    isotropic Gaussian blur of the fluence (learned width, starting at 32 mm) weighted per row
+    by b0 + b1 (row position, 0 at the top to 1 at the bottom), both starting at 0: backscatter
+    from a support arm on one side of the panel.
+    """
 
     def __init__(self, reach: int, widths_mm: tuple[float, ...], start_width_mm: float) -> None:
         super().__init__()
         self.profile_y = ResponseProfile(reach, widths_mm, start_width_mm)
         self.profile_x = ResponseProfile(reach, widths_mm, start_width_mm)
         self.log_gain = nn.Parameter(torch.zeros(()))
+        self.radial_log_width = nn.Parameter(torch.tensor([math.log(w) for w in widths_mm]))
+        self.radial_weight = nn.Parameter(torch.zeros(len(widths_mm)))
+        self.broad_log_width = nn.Parameter(torch.tensor([math.log(BROAD_START_WIDTH_MM)]))
+        self.broad_gain = nn.Parameter(torch.zeros(2))
+        self.reach = reach
+        self.fft_shape = (scipy.fft.next_fast_len(LEAF_GRID_ROWS + reach, real=True),
+                          scipy.fft.next_fast_len(GRID_SIZE + reach, real=True))
+
+    def kernel(self) -> Tensor:
+        """The 2-D kernel without the gain, (2 reach + 1, 2 reach + 1), rows along y."""
+        offsets = self.profile_y.offsets
+        radial = gaussian_taps(self.radial_log_width, offsets)
+        isotropic = torch.einsum("k,ki,kj->ij", self.radial_weight, radial, radial)
+        return torch.outer(self.profile_y(), self.profile_x()) + isotropic
+
+    def _spectrum(self, kernel: Tensor) -> Tensor:
+        """rfft2 of a centred kernel, wrapped so that its centre is at index (0, 0)."""
+        padded = F.pad(kernel, (0, self.fft_shape[1] - kernel.shape[1], 0, self.fft_shape[0] - kernel.shape[0]))
+        return torch.fft.rfft2(torch.roll(padded, (-self.reach, -self.reach), (0, 1)))
 
     def forward(self, fluence: Tensor, first_row: int = 0) -> Tensor:
-        device = fluence.device
-        imager_y = GRID_SIZE / 2 - 0.5 - torch.arange(GRID_SIZE, device=device, dtype=torch.float32)
-        rows = leaf_grid_centres(device)[first_row:first_row + fluence.shape[-2]]
-        columns = column_centres(device)
-        ky = toeplitz(self.profile_y(), imager_y, rows) * self.log_gain.exp()
-        kx = toeplitz(self.profile_x(), columns, columns)
-        return ky @ (fluence @ kx.t())
+        fluence = expand_to_leaf_grid(fluence.float(), first_row)
+        with torch.autocast(fluence.device.type, enabled=False):
+            spectrum = torch.fft.rfft2(fluence, s=self.fft_shape)
+            kernel = self.kernel() * self.log_gain.exp()
+            broad_taps = gaussian_taps(self.broad_log_width, self.profile_y.offsets)[0]
+            spectra = torch.stack([self._spectrum(kernel), self._spectrum(torch.outer(broad_taps, broad_taps))])
+            images = torch.fft.irfft2(spectrum[:, None] * spectra, s=self.fft_shape)
+        images = to_imager(images[..., :LEAF_GRID_ROWS, :GRID_SIZE])  # (B, 2, 256, 256)
+        rows = (torch.arange(GRID_SIZE, device=fluence.device, dtype=torch.float32) + 0.5) / GRID_SIZE
+        broad_weight = self.broad_gain[0] + self.broad_gain[1] * rows
+        return images[:, 0] + broad_weight[:, None] * images[:, 1]
 
 
 @dataclass(frozen=True)
@@ -197,6 +217,14 @@ class ApertureForwardConfig:
 class ApertureForwardModel(nn.Module):
     """Control point -> EPID frame through the aperture's fluence and a learned detector response."""
 
+    takes_prev_frame = True
+    ADDED_PARAMETERS = ("aperture.leaf_end_offset", "aperture.leaf_transmission_percent",
+                        "aperture.jaw_transmission_percent", "aperture.interleaf_leakage_percent",
+                        "aperture.tongue_groove_mm", "lag_percent", "response.radial_log_width",
+                        "response.radial_weight", "response.broad_log_width", "response.broad_gain")
+    """Parameters that checkpoints written before the realistic physics lack; their initial values
+    leave the model as it was."""
+
     def __init__(self, config: ApertureForwardConfig | None = None) -> None:
         super().__init__()
         self.config = config or ApertureForwardConfig()
@@ -204,24 +232,39 @@ class ApertureForwardModel(nn.Module):
         self.response = DetectorResponse(
             self.config.response_reach, self.config.response_widths_mm, self.config.start_width_mm
         )
+        self.lag_percent = nn.Parameter(torch.zeros(()))
 
     def parameter_groups(self) -> list[tuple[list[nn.Parameter], float]]:
         """Every parameter is physical: one group at ``PHYSICS_LR_FACTOR``."""
         return [(list(self.parameters()), PHYSICS_LR_FACTOR)]
 
+    @property
+    def lag_fraction(self) -> Tensor:
+        """The learned share of a recorded frame carried into the next one (0-d)."""
+        return self.lag_percent / 100.0
+
     def render(self, leaf_a: Tensor, leaf_b: Tensor, scalars: Tensor) -> tuple[Tensor, Tensor, int]:
-        """(frame per MU (B, 256, 256), cropped fluence (B, rows, 256), its first leaf-grid row)."""
+        """(signal per MU without lag (B, 256, 256), cropped fluence (B, rows, 256), its first
+        leaf-grid row)."""
         fluence, first_row = self.aperture(leaf_a.float(), leaf_b.float(), scalars.float())
         return self.response(fluence, first_row), fluence, first_row
 
-    def forward(self, leaf_a: Tensor, leaf_b: Tensor, scalars: Tensor) -> tuple[Tensor, Tensor]:
-        """Predict ``(epid (B,1,256,256), latent (B,1,64,64))`` from leaves (B,104) mm and scalars (B,5)."""
+    def forward(self, leaf_a: Tensor, leaf_b: Tensor, scalars: Tensor,
+                epid_prev: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """Predict ``(epid (B,1,256,256), latent (B,1,64,64))`` from leaves (B,104) mm and scalars (B,5).
+
+        With the recorded previous frame ``epid_prev`` (B,1,256,256), the prediction is the
+        recorded frame (1 - lag) x signal + lag x ``epid_prev`` (learned lag, starting at 0);
+        without it, the signal alone."""
         _check_vector("leaf_a", leaf_a, NUM_LEAVES)
         _check_vector("leaf_b", leaf_b, NUM_LEAVES)
         _check_vector("scalars", scalars, NUM_SCALARS)
         per_mu, fluence, first_row = self.render(leaf_a, leaf_b, scalars)
-        epid = per_mu * scalars[:, :1, None].float()
-        return epid.unsqueeze(1), fluence_latent(fluence, first_row)
+        epid = (per_mu * scalars[:, :1, None].float()).unsqueeze(1)
+        if epid_prev is not None:
+            lag = self.lag_fraction
+            epid = (1.0 - lag) * epid + lag * as_frame_batch("epid_prev", epid_prev).float()
+        return epid, fluence_latent(fluence, first_row)
 
 
 def fluence_latent(fluence: Tensor, first_row: int) -> Tensor:
@@ -350,6 +393,9 @@ class LeafEdgeInverseConfig:
 class LeafEdgeInverseModel(nn.Module):
     """EPID frame pair -> control points through leaf-edge moments (see the module docstring)."""
 
+    ADDED_PARAMETERS = ApertureForwardModel.ADDED_PARAMETERS[:6]
+    """As ``ApertureForwardModel.ADDED_PARAMETERS``: the aperture's physics and the lag."""
+
     def __init__(self, config: LeafEdgeInverseConfig | None = None) -> None:
         super().__init__()
         self.config = config = config or LeafEdgeInverseConfig()
@@ -375,6 +421,7 @@ class LeafEdgeInverseModel(nn.Module):
         self.aperture = ApertureFluence()
         self.in_field_y = nn.Parameter(torch.zeros(LEAF_GRID_ROWS))
         self.in_field_x = nn.Parameter(torch.zeros(GRID_SIZE))
+        self.lag_percent = nn.Parameter(torch.zeros(()))
         self.__dict__["renderer"] = None  # a forward model, held outside the module tree
 
     def link_renderer(self, forward_model: ApertureForwardModel | None) -> None:
@@ -386,7 +433,7 @@ class LeafEdgeInverseModel(nn.Module):
     def parameter_groups(self) -> list[tuple[list[nn.Parameter], float]]:
         """The network at factor 1, the physical parameters (edge shift, in-field weights) at
         ``PHYSICS_LR_FACTOR``."""
-        physical = [self.aperture.edge_shift, self.in_field_y, self.in_field_x]
+        physical = [*self.aperture.parameters(), self.in_field_y, self.in_field_x, self.lag_percent]
         ids = {id(p) for p in physical}
         return [([p for p in self.parameters() if id(p) not in ids], 1.0), (physical, PHYSICS_LR_FACTOR)]
 
@@ -394,15 +441,17 @@ class LeafEdgeInverseModel(nn.Module):
         """Predict ``(leaf_a (B,104) mm, leaf_b (B,104) mm, scalars (B,5), latent (B,1,64,64))``."""
         frames = torch.cat([as_frame_batch("epid_prev", epid_prev), as_frame_batch("epid_curr", epid_curr)], 1)
         frames = frames.float()
-        leaf_a, leaf_b, jaws = self.estimate(frames)
+        leaf_a, leaf_b, jaws = self.estimate(remove_lag(frames, self.lag_percent / 100.0))
         renderer = self.renderer
         if not self.training and renderer is not None and self.config.fit_steps > 0:
             from epid.aperture_fit import fit_to_frames
 
-            leaf_a, leaf_b, jaws, mu = fit_to_frames(renderer, frames, leaf_a, leaf_b, jaws, self.config.fit_steps,
-                                                     self.config.split_rounds, self.config.refine_steps)
+            leaf_a, leaf_b, jaws, mu = fit_to_frames(
+                renderer, remove_lag(frames, renderer.lag_fraction.detach()), leaf_a, leaf_b, jaws,
+                self.config.fit_steps, self.config.split_rounds, self.config.refine_steps)
         else:
-            mu = self.mu_estimate(frames[:, 1], leaf_a.detach(), leaf_b.detach(), jaws.detach())
+            mu = self.mu_estimate(remove_lag(frames, self.lag_percent / 100.0)[:, 1], leaf_a.detach(),
+                                  leaf_b.detach(), jaws.detach())
         scalars = torch.cat([mu[:, None], jaws], 1)
         fluence, first_row = self.aperture(leaf_a, leaf_b, scalars)
         return leaf_a, leaf_b, scalars, fluence_latent(fluence, first_row)
@@ -463,6 +512,14 @@ class LeafEdgeInverseModel(nn.Module):
         expected = (fluence * weight).sum((-2, -1)) + MIN_EXPECTED_SUM
         log_mu = torch.log(frame.sum((-2, -1)).clamp_min(1e-6)) - torch.log(expected)
         return torch.exp(log_mu.clamp(max=math.log(MAX_MU)))
+
+
+def remove_lag(frames: Tensor, lag: Tensor | float) -> Tensor:
+    """Frame pairs (B, 2, 256, 256) [prev, curr] with the curr frame's lag removed: the curr
+    frame recorded (1 - lag) S + lag x prev becomes the signal S (the prev frame keeps the lag of
+    the frame before it, which the pair does not show)."""
+    curr = (frames[:, 1] - lag * frames[:, 0]) / (1.0 - lag)
+    return torch.stack([frames[:, 0], curr], 1)
 
 
 def link_pair(forward_model: ApertureForwardModel, inverse_model: LeafEdgeInverseModel) -> None:

@@ -144,6 +144,15 @@ def _unsafe_reason(error: Exception) -> str:
     return (named or lines or ["unknown content"])[0].split(" was not an allowed")[0]
 
 
+def load_weights(model: torch.nn.Module, state: Mapping[str, Any]) -> None:
+    """Load a state dict strictly, except that parameters the model lists in ``ADDED_PARAMETERS``
+    (added after the checkpoint was written, neutral at their initial values) may be absent."""
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    absent = [name for name in missing if name not in getattr(model, "ADDED_PARAMETERS", ())]
+    if absent or unexpected:
+        raise RuntimeError(f"missing keys {absent}, unexpected keys {list(unexpected)}")
+
+
 def build_models_from_checkpoint(
     checkpoint: Mapping[str, Any], device: str | torch.device = "cpu"
 ) -> tuple[torch.nn.Module, torch.nn.Module]:
@@ -151,8 +160,8 @@ def build_models_from_checkpoint(
     family and size, weights loaded, in eval mode on ``device``."""
     try:
         forward_model, inverse_model = PairConfig.from_dict(checkpoint["model_config"]).build()
-        forward_model.load_state_dict(checkpoint["forward_model"])
-        inverse_model.load_state_dict(checkpoint["inverse_model"])
+        load_weights(forward_model, checkpoint["forward_model"])
+        load_weights(inverse_model, checkpoint["inverse_model"])
     except (TypeError, KeyError, RuntimeError, ValueError) as error:
         reason = str(error).strip().splitlines()[0]
         raise CheckpointError(f"checkpoint model does not match its model_config ({reason})") from None

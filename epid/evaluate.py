@@ -31,6 +31,7 @@ from torch import Tensor
 from epid.config import VARIABLE_OF_FIELD, Config
 from epid.dataset import Window, assemble_batch, num_samples, split_range
 from epid.errors import InputError
+from epid.families import predict_frames
 from epid.gamma import gamma_pass_rate
 from epid.imaging import render_frames
 from epid.kernel import kernel_from_config
@@ -322,7 +323,8 @@ def predict(
             def chunk(tensor: Tensor, window: slice = window) -> Tensor:
                 return tensor[window].to(device)
 
-            epid, _ = forward_model(chunk(samples.leaf_a), chunk(samples.leaf_b), chunk(samples.scalars))
+            epid, _ = predict_frames(forward_model, chunk(samples.leaf_a), chunk(samples.leaf_b),
+                                     chunk(samples.scalars), chunk(samples.epid_prev))
             leaf_a, leaf_b, scalars, _ = inverse_model(chunk(samples.epid_prev), chunk(samples.epid_curr))
             for name, value in (("epid", epid), ("leaf_a", leaf_a), ("leaf_b", leaf_b), ("scalars", scalars)):
                 outputs[name].append(value.float().cpu())

@@ -132,6 +132,15 @@ def build_models(size: str = "full", family_name: str = DEFAULT_FAMILY) -> tuple
     return PairConfig.preset(size, family_name).build()
 
 
+def predict_frames(forward_model: nn.Module, leaf_a: Tensor, leaf_b: Tensor, scalars: Tensor,
+                   epid_prev: Tensor) -> tuple[Tensor, Tensor]:
+    """The forward model's (epid, latent) for one batch; a model that predicts the detector's lag
+    (``takes_prev_frame``) also gets the recorded previous frame ``epid_prev``."""
+    if getattr(forward_model, "takes_prev_frame", False):
+        return forward_model(leaf_a, leaf_b, scalars, epid_prev)
+    return forward_model(leaf_a, leaf_b, scalars)
+
+
 class CrossModel(nn.Module):
     """The forward and inverse models as one module (one DDP wrapper, one optimizer)."""
 
@@ -146,7 +155,8 @@ class CrossModel(nn.Module):
         self, leaf_a: Tensor, leaf_b: Tensor, scalars: Tensor, epid_prev: Tensor, epid_curr: Tensor
     ) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor, Tensor, Tensor]]:
         """(forward model output, inverse model output) for one batch (shapes: ``epid.dataset.Batch``)."""
-        return self.forward_model(leaf_a, leaf_b, scalars), self.inverse_model(epid_prev, epid_curr)
+        return predict_frames(self.forward_model, leaf_a, leaf_b, scalars, epid_prev), self.inverse_model(
+            epid_prev, epid_curr)
 
     @staticmethod
     def backward(loss: Tensor) -> None:

@@ -22,6 +22,7 @@ separable terms are applied by FFT to the rasterised masks instead.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import math
 from collections import OrderedDict
@@ -33,6 +34,7 @@ import scipy.fft
 import torch
 
 from epid.devices import device_of, resolve_device
+from epid.physics import BACKSCATTER_SIGMA_MM, Physics
 from epid.sequences import LEAF_WIDTH_MM, MLC_Y_MIN_MM, NUM_LEAF_PAIRS, ControlPoints
 
 GRID_SIZE = 256
@@ -59,6 +61,7 @@ _LEAF_GRID_MARGIN = round((_GRID_ORIGIN_MM - _LEAF_GRID_ORIGIN_MM) / PIXEL_MM)
 """Leaf-grid rows below the imager's first row (and above its last)."""
 
 Device = torch.device | str | None
+IDEAL = Physics()
 
 
 def rasterize(
@@ -106,8 +109,10 @@ def render_frames(
     noise_std: float = 0.005,
     noise_seed: int = 0,
     device: Device = None,
+    physics: Physics | None = None,
 ) -> torch.Tensor:
-    """EPID frames (F, 256, 256) float32 on ``device`` (CPU when None); see ``FrameRenderer.render``.
+    """EPID frames (F, 256, 256) float32 on ``device`` (CPU when None); see ``FrameRenderer.render``
+    (``physics`` None is ideal, the legacy synthesis).
 
     ``kernel`` may be an array or tensor (its prepared form is cached per device) or a
     ``FrameRenderer``, which then decides the device when ``device`` is None.
@@ -117,7 +122,8 @@ def render_frames(
     else:
         renderer = renderer_for(kernel, resolve_device(device or "cpu"))
     return renderer.render(
-        control_points, frame_indices, dataset_id=dataset_id, noise_std=noise_std, noise_seed=noise_seed
+        control_points, frame_indices, dataset_id=dataset_id, noise_std=noise_std, noise_seed=noise_seed,
+        physics=physics,
     )
 
 
@@ -176,6 +182,7 @@ class FrameRenderer:
         dataset_id: int,
         noise_std: float = 0.005,
         noise_seed: int = 0,
+        physics: Physics | None = None,
     ) -> torch.Tensor:
         """EPID frames (F, 256, 256) float32 on this renderer's device.
 
@@ -185,7 +192,12 @@ class FrameRenderer:
         noise_std * MU_f / sqrt(7) drawn from a generator seeded by
         ``frame_noise_seed(noise_seed, dataset_id, f)``, so a frame is the same in any call
         or batch on the same kind of device (CPU and CUDA generators differ).
+
+        ``physics`` other than ideal (``epid.physics``) replaces the binary masks by the
+        fluence of a real MLC (``_physics_fluence``), adds the arm backscatter and mixes in the
+        lag of the earlier frames before the noise; None is ideal.
         """
+        physics = physics or IDEAL
         frames = _frame_indices(frame_indices, len(control_points))
         out = torch.empty((len(frames), GRID_SIZE, GRID_SIZE), dtype=torch.float32, device=self.device)
         generator = torch.Generator(device=self.device) if noise_std > 0 else None
@@ -193,14 +205,73 @@ class FrameRenderer:
             for start in range(0, len(frames), self.chunk_frames):
                 chunk = frames[start : start + self.chunk_frames]
                 mu = control_points.mu[chunk].astype(np.float64)
-                edges = _frame_edges(control_points, chunk).to(self.device)
-                weights = np.repeat((mu / SUB_APERTURES)[:, None], SUB_APERTURES, axis=1).astype(np.float32)
                 target = out[start : start + len(chunk)]
-                self._render_chunk(edges, torch.from_numpy(weights).to(self.device), target)
+                if physics.is_ideal:
+                    edges = _frame_edges(control_points, chunk).to(self.device)
+                    weights = np.repeat((mu / SUB_APERTURES)[:, None], SUB_APERTURES, axis=1).astype(np.float32)
+                    self._render_chunk(edges, torch.from_numpy(weights).to(self.device), target)
+                else:
+                    self._render_recorded(control_points, chunk, physics, target)
                 if generator is not None:
                     scales = (noise_std * mu / math.sqrt(SUB_APERTURES)).tolist()
                     _add_frame_noise(target, generator, noise_seed, dataset_id, chunk.tolist(), scales)
         return out
+
+    def _render_recorded(self, control_points: ControlPoints, frames: np.ndarray, physics: Physics,
+                         out: torch.Tensor) -> None:
+        """Write the noiseless recorded frames (B, 256, 256) of ``frames`` into ``out``: each
+        frame's signal plus the lag of the ``physics.lag_frames`` frames before it,
+        R_f = (1 - lag) sum_k lag^k S_(f-k) over the frames f - k >= 1."""
+        depth = physics.lag_frames
+        needed = np.unique((frames[:, None] - np.arange(depth + 1)[None, :]).ravel())
+        needed = needed[needed >= 1]
+        signals = self._physics_signals(control_points, needed, physics)
+        if depth == 0:
+            out.copy_(signals)
+            return
+        lag = physics.lag_percent / 100.0
+        position = {int(frame): row for row, frame in enumerate(needed)}
+        out.zero_()
+        for k in range(depth + 1):
+            rows = [(row, position[int(frame) - k]) for row, frame in enumerate(frames) if frame - k >= 1]
+            target, source = (torch.tensor(index, device=self.device) for index in zip(*rows, strict=True))
+            out.index_add_(0, target, signals[source], alpha=(1.0 - lag) * lag**k)
+
+    def _physics_signals(self, control_points: ControlPoints, frames: np.ndarray, physics: Physics) -> torch.Tensor:
+        """Lag-free signals (F, 256, 256) of ``frames``: the fluence of ``_physics_fluence``
+        through the kernel, plus the arm backscatter."""
+        signals = torch.empty((len(frames), GRID_SIZE, GRID_SIZE), dtype=torch.float32, device=self.device)
+        ramp = None
+        if physics.backscatter_percent:
+            rows = torch.arange(GRID_SIZE, device=self.device, dtype=torch.float32)
+            ramp = (physics.backscatter_percent / 100.0 * 2.0 * (rows + 0.5) / GRID_SIZE)[:, None]
+        for start in range(0, len(frames), self.chunk_frames):
+            chunk = frames[start : start + self.chunk_frames]
+            positions = [torch.from_numpy(v).to(self.device, torch.float32)
+                         for v in _sub_aperture_positions(control_points, chunk)]
+            mu = torch.from_numpy(control_points.mu[chunk].astype(np.float32)).to(self.device)
+            fluence = _physics_fluence(*positions, mu, physics)
+            target = signals[start : start + len(chunk)]
+            target.copy_(self._convolve_leaf_grid(fluence))
+            if ramp is not None:
+                target.addcmul_(_backscatter_renderer(self.device).convolve_leaf_grid_separable(fluence), ramp)
+        return signals
+
+    def _convolve_leaf_grid(self, fluence: torch.Tensor) -> torch.Tensor:
+        """(B, 260, 256) leaf-grid fluence (y ascending) -> (B, 256, 256) frames, final orientation."""
+        if self.method == "fft":
+            imager = fluence[:, _LEAF_GRID_MARGIN : _LEAF_GRID_MARGIN + GRID_SIZE].flip(-2)
+            return self._fft_convolve(imager)
+        return self.convolve_leaf_grid_separable(fluence)
+
+    def convolve_leaf_grid_separable(self, fluence: torch.Tensor) -> torch.Tensor:
+        """``_convolve_leaf_grid`` through the separable terms."""
+        result = None
+        for term in range(self.rank):
+            vertical = self._operator("vertical_leaf_grid", term, GRID_SIZE)
+            part = torch.matmul(vertical, torch.matmul(fluence, self._operator("horizontal_t", term, GRID_SIZE)))
+            result = part if result is None else result.add_(part)
+        return result
 
     def _render_chunk(self, edges: _ApertureEdges, weights: torch.Tensor, out: torch.Tensor) -> None:
         """Write the noiseless frames of one chunk into ``out`` (B, 256, 256)."""
@@ -335,8 +406,9 @@ def _aperture_edges(leaf_a: np.ndarray, leaf_b: np.ndarray, jaw_1: np.ndarray, j
     return _ApertureEdges(col_start, col_stop, row_start, row_stop, open_rows)
 
 
-def _frame_edges(control_points: ControlPoints, frames: np.ndarray) -> _ApertureEdges:
-    """Edges of the 7 sub-apertures of each frame: linear interpolation from CP f - 1 to CP f."""
+def _sub_aperture_positions(control_points: ControlPoints, frames: np.ndarray) -> tuple[np.ndarray, ...]:
+    """leaf_a, leaf_b (F, 7, 52) and jaw_1, jaw_2 (F, 7) of the 7 sub-apertures of each frame,
+    float64 mm: linear interpolation from CP f - 1 to CP f."""
     t = (np.arange(SUB_APERTURES, dtype=np.float64) / (SUB_APERTURES - 1))[None, :, None]
 
     def interpolate(values: np.ndarray) -> np.ndarray:
@@ -346,12 +418,88 @@ def _frame_edges(control_points: ControlPoints, frames: np.ndarray) -> _Aperture
             return before[:, None] + t[..., 0] * (after - before)[:, None]
         return before[:, None, :] + t * (after - before)[:, None, :]
 
-    return _aperture_edges(
-        interpolate(control_points.leaf_a),
-        interpolate(control_points.leaf_b),
-        interpolate(control_points.jaw_1),
-        interpolate(control_points.jaw_2),
+    return tuple(interpolate(getattr(control_points, name)) for name in ("leaf_a", "leaf_b", "jaw_1", "jaw_2"))
+
+
+def _frame_edges(control_points: ControlPoints, frames: np.ndarray) -> _ApertureEdges:
+    """Edges of the 7 sub-apertures of each frame."""
+    return _aperture_edges(*_sub_aperture_positions(control_points, frames))
+
+
+def cell_coverage(lower: torch.Tensor, upper: torch.Tensor, centres: torch.Tensor) -> torch.Tensor:
+    """Length (mm) of the opening [lower, upper] inside each 1 mm cell: (..., n) in [0, 1]."""
+    low = torch.maximum(lower.unsqueeze(-1), centres - 0.5)
+    high = torch.minimum(upper.unsqueeze(-1), centres + 0.5)
+    return (high - low).clamp(0.0, 1.0)
+
+
+Setting = float | torch.Tensor
+"""A physical setting of ``aperture_fluence``: a number, or a 0-d tensor when it is learned."""
+
+
+def aperture_fluence(leaf_a: torch.Tensor, leaf_b: torch.Tensor, jaw_1: torch.Tensor, jaw_2: torch.Tensor,
+                     weights: torch.Tensor, *, leaf_end_offset_a: Setting = 0.0, leaf_end_offset_b: Setting = 0.0,
+                     jaw_edge_offset: Setting = 0.0, tongue_groove_mm: Setting = 0.0,
+                     leaf_transmission: Setting = 0.0, interleaf_leakage: Setting = 0.0,
+                     jaw_transmission: Setting = 0.0) -> torch.Tensor:
+    """The fluence of B apertures on the leaf grid, (B, 260, 256), y ascending: the sum of the S
+    sub-apertures of each (leaves (B, S, 52), jaws (B, S), mm) weighted by ``weights`` (B, S).
+
+    A cell's fluence is the product of the jaws' and the leaves' transmission of it, each
+    t + (1 - t) x its open fraction (exact, not rounded to the grid). Bank A's edges move by
+    -``leaf_end_offset_a``, bank B's by +``leaf_end_offset_b`` and the jaws' by
+    -/+``jaw_edge_offset`` (mm; positive widens). In the 1 mm rows on either side of a boundary
+    between leaves, the part of the row inside the tongue-and-groove strip (``tongue_groove_mm``
+    wide, centred on the boundary) is open only where both leaves are, and closed leaves transmit
+    ``interleaf_leakage`` on top of ``leaf_transmission``. Transmissions are fractions. Serves the
+    synthesis (``epid.physics`` settings as numbers) and the aperture models (learned tensors).
+    """
+    device, batch, sub_apertures = leaf_a.device, leaf_a.shape[0], leaf_a.shape[1]
+    columns = torch.arange(GRID_SIZE, device=device, dtype=torch.float32) + (_GRID_ORIGIN_MM + 0.5)
+    rows = torch.arange(_LEAF_GRID_ROWS, device=device, dtype=torch.float32) + (_LEAF_GRID_ORIGIN_MM + 0.5)
+    leaf_open = cell_coverage(leaf_a - leaf_end_offset_a, leaf_b + leaf_end_offset_b, columns).transpose(1, 2)
+    jaw_open = cell_coverage(jaw_1 - jaw_edge_offset, jaw_2 + jaw_edge_offset, rows)  # (B, S, 260)
+    jaw_fluence = (jaw_transmission + (1.0 - jaw_transmission) * jaw_open) * weights[:, :, None]
+    jaw_fluence = jaw_fluence.view(batch, sub_apertures, NUM_LEAF_PAIRS, _ROWS_PER_LEAF).permute(0, 2, 3, 1)
+    first_open, last_open = leaf_open, leaf_open  # (B, 52, S, 256): of a leaf's first and last rows
+    if isinstance(tongue_groove_mm, torch.Tensor) or tongue_groove_mm > 0:
+        strip = (torch.as_tensor(tongue_groove_mm, device=device) / 2.0).clamp(0.0, 1.0)  # share of a row
+        both = torch.minimum(leaf_open[:, :-1], leaf_open[:, 1:])
+        first_open = torch.cat([leaf_open[:, :1], leaf_open[:, 1:] + strip * (both - leaf_open[:, 1:])], 1)
+        last_open = torch.cat([leaf_open[:, :-1] + strip * (both - leaf_open[:, :-1]), leaf_open[:, -1:]], 1)
+    open_fluence = torch.cat([  # (B, 52, 5, 256): sum over the sub-apertures of jaws x open fraction
+        torch.matmul(jaw_fluence[:, :, :1], first_open),
+        torch.matmul(jaw_fluence[:, :, 1:-1], leaf_open),
+        torch.matmul(jaw_fluence[:, :, -1:], last_open),
+    ], 2).view(batch, _LEAF_GRID_ROWS, GRID_SIZE)
+    boundary = torch.zeros((_LEAF_GRID_ROWS, 1), device=device)
+    boundary[_ROWS_PER_LEAF - 1 : _LEAF_GRID_ROWS - 1 : _ROWS_PER_LEAF] = 1.0
+    boundary[_ROWS_PER_LEAF :: _ROWS_PER_LEAF] = 1.0
+    closed = leaf_transmission + interleaf_leakage * boundary  # (260, 1)
+    return open_fluence * (1.0 - closed) + jaw_fluence.sum(-1).reshape(batch, _LEAF_GRID_ROWS, 1) * closed
+
+
+def _physics_fluence(leaf_a: torch.Tensor, leaf_b: torch.Tensor, jaw_1: torch.Tensor, jaw_2: torch.Tensor,
+                     mu: torch.Tensor, physics: Physics) -> torch.Tensor:
+    """The fluence (B, 260, 256) of B frames with ``physics``: the 7 sub-apertures (leaves
+    (B, 7, 52), jaws (B, 7), mm) of each frame averaged and scaled by its MU (B,)."""
+    weights = (mu / SUB_APERTURES)[:, None].expand(-1, SUB_APERTURES)
+    return aperture_fluence(
+        leaf_a, leaf_b, jaw_1, jaw_2, weights,
+        leaf_end_offset_a=physics.leaf_end_offset_mm, leaf_end_offset_b=physics.leaf_end_offset_mm,
+        tongue_groove_mm=physics.tongue_groove_mm, leaf_transmission=physics.leaf_transmission_percent / 100.0,
+        interleaf_leakage=physics.interleaf_leakage_percent / 100.0,
+        jaw_transmission=physics.jaw_transmission_percent / 100.0,
     )
+
+
+@functools.cache
+def _backscatter_renderer(device: torch.device) -> FrameRenderer:
+    """The arm backscatter's blur: an isotropic Gaussian of ``BACKSCATTER_SIGMA_MM``, sum 1."""
+    offsets = np.arange(-(GRID_SIZE - 1), GRID_SIZE, dtype=np.float64)
+    profile = np.exp(-0.5 * (offsets / BACKSCATTER_SIGMA_MM) ** 2)
+    profile /= profile.sum()
+    return FrameRenderer(np.outer(profile, profile), device)
 
 
 def _mask_images(edges: _ApertureEdges, weights: torch.Tensor) -> torch.Tensor:

@@ -120,6 +120,7 @@ class RankData:
                 "leaf_a": torch.cat([b.leaf_a for b in batches]),
                 "leaf_b": torch.cat([b.leaf_b for b in batches]),
                 "scalars": torch.cat([b.scalars for b in batches]),
+                "epid_prev": torch.cat([b.epid_prev[:, 0] for b in batches]),
                 "epid_curr": torch.cat([b.epid_curr[:, 0] for b in batches]),
             }
         return self._gamma_inputs

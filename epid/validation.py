@@ -18,7 +18,7 @@ from torch import Tensor
 
 from epid.config import Config
 from epid.devices import autocast
-from epid.families import CrossModel
+from epid.families import CrossModel, predict_frames
 from epid.gamma import gamma_maps, gamma_pass_rate
 from epid.losses import LOSS_TERMS, batch_losses
 from epid.progress import IterationTimer, TimingReport
@@ -75,8 +75,8 @@ class Validation:
         for start in range(0, len(self.data.gamma_items), self.config.batch_size):
             chunk = slice(start, start + self.config.batch_size)
             with autocast(self.device, self.amp_dtype):
-                epid, _ = self.model.forward_model(inputs["leaf_a"][chunk], inputs["leaf_b"][chunk],
-                                                   inputs["scalars"][chunk])
+                epid, _ = predict_frames(self.model.forward_model, inputs["leaf_a"][chunk], inputs["leaf_b"][chunk],
+                                         inputs["scalars"][chunk], inputs["epid_prev"][chunk])
             predictions.append(epid[:, 0].float())
         predicted = torch.cat(predictions)
         self.frames = [(dataset_id, sample, inputs["epid_curr"][index].cpu(), predicted[index].cpu())

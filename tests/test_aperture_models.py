@@ -82,16 +82,18 @@ def test_detector_response_is_a_same_size_convolution_with_the_profiles_outer_pr
         np.testing.assert_allclose(frame[i].detach().numpy(), expected, atol=1e-5)
 
 
-def test_forward_model_crop_gives_the_uncropped_frame(monkeypatch):
+def test_forward_model_adds_the_learned_lag_of_the_recorded_previous_frame():
     forward, _ = build_models("tiny", "aperture")
     leaf_a, leaf_b, scalars = whole_mm_control_points(3, seed=4, move_mm=3.0)
     epid, latent = forward(leaf_a + 0.37, leaf_b - 0.21, scalars)
-    monkeypatch.setattr(am.ApertureFluence, "open_leaves", lambda self, jaw_1, jaw_2: (0, 52))
-    epid_full, latent_full = forward(leaf_a + 0.37, leaf_b - 0.21, scalars)
-    torch.testing.assert_close(epid, epid_full)
-    torch.testing.assert_close(latent, latent_full)
     assert epid.shape == (3, 1, 256, 256) and latent.shape == (3, 1, 64, 64)
-    torch.testing.assert_close(epid[1], 10.0 * forward.render(leaf_a + 0.37, leaf_b - 0.21, scalars)[0][1:2])
+    signal = forward.render(leaf_a + 0.37, leaf_b - 0.21, scalars)[0]
+    torch.testing.assert_close(epid[1], 10.0 * signal[1:2])
+    previous = torch.rand(3, 1, 256, 256)
+    with torch.no_grad():
+        forward.lag_percent.fill_(3.0)
+    lagged, _ = forward(leaf_a + 0.37, leaf_b - 0.21, scalars, previous)
+    torch.testing.assert_close(lagged, 0.97 * epid + 0.03 * previous)
 
 
 @pytest.mark.parametrize("size", ["tiny", "full"])
