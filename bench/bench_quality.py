@@ -23,6 +23,9 @@ and prints the table. Run from the repository root:
 
     python -m bench.bench_quality                          # 20 minutes, default model
     python -m bench.bench_quality --model legacy --output-dir quality_legacy
+    python -m bench.bench_quality --physics realistic --output-dir quality_realistic
+    python -m bench.radial_kernel radial.mat               # a measured-looking, non-separable kernel
+    python -m bench.bench_quality --kernel radial.mat --output-dir quality_radial
     python -m bench.bench_quality --smoke                  # seconds: tiny model, short arcs
     python -m bench.bench_quality --combine quality_output quality_legacy --output-dir both
 """
@@ -44,15 +47,17 @@ from pathlib import Path
 import epid  # noqa: F401  (first: sets the OpenMP wait policy of training before torch loads)
 # isort: on
 
+import numpy as np
 import torch
 
 from epid import evaluate, families, plots, quality
 from epid.checkpoint import build_models_from_checkpoint, load_checkpoint
 from epid.cli import prepare_output_dir, run_main
-from epid.config import load_config
+from epid.config import Config, load_config
 from epid.devices import resolve_device
 from epid.errors import InputError
-from epid.kernel import default_kernel
+from epid.kernel import kernel_from_config
+from epid.physics import PRESETS
 from epid.sequences import DEFAULT_CONTROL_POINTS
 from epid.train import launch
 
@@ -92,6 +97,10 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     parser.add_argument("--seed", type=int, default=0, help="EPID_SEED of the run (default 0)")
     parser.add_argument("--control-points", type=int, default=DEFAULT_CONTROL_POINTS)
+    parser.add_argument("--physics", default="ideal", choices=sorted(PRESETS),
+                        help="synthesis physics of training and evaluation (EPID_PHYSICS; default ideal)")
+    parser.add_argument("--kernel", default="", metavar="FILE.mat[:variable]",
+                        help="EPID response kernel of training and evaluation (EPID_KERNEL; default built-in)")
     parser.add_argument("--eval-datasets", type=int, default=16, help="held-out datasets evaluated (>= 12)")
     parser.add_argument("--eval-samples", type=int, default=8, help="samples per held-out dataset")
     parser.add_argument("--smoke", action="store_true", help="a run of seconds: tiny model, short arcs")
@@ -106,7 +115,15 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--minutes {args.minutes}: expected a number > 0")
     if args.eval_datasets < 12 or args.eval_datasets * args.eval_samples < 48:
         parser.error("expected at least 12 evaluation datasets and 48 samples in all")
+    if not args.combine:
+        probe = load_config({"EPID_KERNEL": args.kernel})
+        load_kernel_of(probe)
     return args
+
+
+def load_kernel_of(config: Config) -> np.ndarray:
+    """The kernel EPID_KERNEL names (``--kernel``); a bad file is a one-line InputError."""
+    return kernel_from_config(config.kernel_path, config.kernel_variable)
 
 
 def training_environment(args: argparse.Namespace, output: Path, steps_per_epoch: int, epochs: int,
@@ -119,18 +136,20 @@ def training_environment(args: argparse.Namespace, output: Path, steps_per_epoch
         "EPID_DATASET_RANGE": TRAIN_RANGE, "EPID_CHECKPOINT_PATH": str(output / "checkpoint.pth"),
         "EPID_EPOCHS": str(epochs), "EPID_STEPS_PER_EPOCH": str(steps_per_epoch),
         "EPID_TIME_LIMIT": f"{minutes:.4g}", "EPID_VAL_STEPS": "2", "EPID_GAMMA_SAMPLES": "8",
-        "EPID_PROGRESS": "0",
+        "EPID_PROGRESS": "0", "EPID_PHYSICS": args.physics, "EPID_KERNEL": args.kernel,
     }
 
 
 def evaluation_set(args: argparse.Namespace) -> evaluate.SampleSet:
-    """The held-out samples (IDs 2 mod 4), synthesised once with the default kernel and noise."""
+    """The held-out samples (IDs 2 mod 4), synthesised once with the run's kernel and physics and
+    the default noise."""
     ids = evaluate.spread(list(EVAL_IDS), args.eval_datasets)
     refs = evaluate.select_samples(ids, args.eval_samples, seed=args.seed, n_control_points=args.control_points,
                                    split="all")
-    settings = evaluate.SynthesisSettings(control_points=args.control_points, kernel="", noise_std=0.005,
-                                          noise_seed=0, sources={})
-    return evaluate.synthesise_samples(refs, settings, default_kernel())
+    config = load_config({"EPID_KERNEL": args.kernel, "EPID_PHYSICS": args.physics})
+    settings = evaluate.SynthesisSettings(control_points=args.control_points, kernel=args.kernel, noise_std=0.005,
+                                          noise_seed=0, sources={}, physics=config.physics)
+    return evaluate.synthesise_samples(refs, settings, load_kernel_of(config))
 
 
 def curve_subset(samples: evaluate.SampleSet) -> evaluate.SampleSet:
@@ -236,7 +255,9 @@ def combine(folders: list[str], output: Path) -> None:
         if not path.is_file():
             raise InputError(f"--combine {folder!r}: no quality.json there (expected an output folder of this bench)")
         written = json.loads(path.read_text())
-        runs[f"{written['model']} {written['size']}"] = written
+        physics = f", {written['physics']} physics" if written.get("physics", "ideal") != "ideal" else ""
+        kernel = f", kernel {Path(written['kernel']).name}" if written.get("kernel", "built-in") != "built-in" else ""
+        runs[f"{written['model']} {written['size']}{physics}{kernel}"] = written
     first = next(iter(runs.values()))
     title = (f"{first['budget_minutes']:g} min on {first['device']} ({first['machine']}), seed {first['seed']}, "
              "held-out arcs")
@@ -252,7 +273,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     started = time.perf_counter()
     device = resolve_device(args.device)
-    print(f"{PROGRAM}: {args.model} {args.size}, {args.minutes:g} min on {device} ({machine(device)})", flush=True)
+    print(f"{PROGRAM}: {args.model} {args.size}, {args.minutes:g} min on {device} ({machine(device)}), "
+          f"{args.physics} physics, kernel {args.kernel or 'built-in'}", flush=True)
 
     samples = evaluation_set(args)
     observer = CurveObserver(curve_subset(samples), device, started)
@@ -288,10 +310,13 @@ def main(argv: list[str] | None = None) -> int:
         "epochs": int(checkpoint["epoch"]), "train_dataset_ids": TRAIN_RANGE,
         "eval_dataset_ids": sorted({ref.dataset_id for ref in samples.refs}), "eval_samples": len(samples),
         "config": checkpoint.get("config"), "curve": observer.curve.to_dict(),
+        "physics": args.physics, "physics_settings": load_config({"EPID_PHYSICS": args.physics}).physics.to_dict(),
+        "kernel": args.kernel or "built-in",
     }
     report.write_json(output / "quality.json", **context)
     written = json.loads((output / "quality.json").read_text())
-    title = f"{args.model} {args.size}: {args.minutes:g} min on {device}, held-out arcs"
+    title = (f"{args.model} {args.size}: {args.minutes:g} min on {device}, {args.physics} physics, kernel "
+             f"{Path(args.kernel).name if args.kernel else 'built-in'}, held-out arcs")
     plots.save_figure(plots.quality_figure({args.model: written}, title), output / "quality.png")
     print(report.table())
     print(f"{PROGRAM}: wrote {output / 'checkpoint.pth'}, {output / 'quality.json'}, {output / 'quality.png'}")

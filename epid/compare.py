@@ -363,6 +363,7 @@ class Comparison:
                         for r in evaluation.refs],
             "synthesis": {"control_points": synthesis.control_points, "kernel": synthesis.kernel,
                           "noise_std": synthesis.noise_std, "noise_seed": synthesis.noise_seed,
+                          "physics": synthesis.physics.to_dict(),
                           "sources": dict(synthesis.sources)},
             "gamma": evaluation.criteria.describe(),
             "gamma_samples": evaluation.gamma_samples,

@@ -27,6 +27,7 @@ from epid import sharding
 from epid.errors import InputError
 from epid.families import DEFAULT_FAMILY, FAMILIES
 from epid.parsers import Boolean, Choice, Device, Integer, Parser, Real, Text
+from epid.physics import LIMITS, PRESETS, Physics
 from epid.sequences import DEFAULT_CONTROL_POINTS, NUM_DATASETS
 
 GLOBAL_BATCH = 128
@@ -134,6 +135,44 @@ class Config:
         "EPID_KERNEL", "", Text("path.mat or path.mat:variable"), example="kernels/epid.mat:kernel",
         meaning="EPID response kernel from a MATLAB .mat file, optionally naming the variable; "
                 "unset uses the built-in measured-profile kernel")
+    physics_preset: str = setting(
+        "EPID_PHYSICS", "ideal", Choice(*PRESETS), example="realistic",
+        meaning="synthesis physics preset: ideal (the legacy frames, bit for bit) or realistic (typical leaf and jaw "
+                "transmission, rounded leaf ends, tongue-and-groove, interleaf leakage, lag and arm backscatter; "
+                "README, Physics); each physics variable set on its own overrides the preset's value")
+    leaf_transmission_percent: float = setting(
+        "EPID_LEAF_TRANSMISSION_PERCENT", 0.0, Real(0.0, maximum=LIMITS["leaf_transmission_percent"]),
+        example="1.2", derived_when_unset=True,
+        meaning="share of the open fluence that passes through a closed MLC leaf, % (unset: EPID_PHYSICS's)")
+    jaw_transmission_percent: float = setting(
+        "EPID_JAW_TRANSMISSION_PERCENT", 0.0, Real(0.0, maximum=LIMITS["jaw_transmission_percent"]),
+        example="0.1", derived_when_unset=True,
+        meaning="share of the open fluence that passes through the Y jaws, % (unset: EPID_PHYSICS's)")
+    leaf_end_offset_mm: float = setting(
+        "EPID_LEAF_END_OFFSET_MM", 0.0, Real(0.0, maximum=LIMITS["leaf_end_offset_mm"]),
+        example="0.8", derived_when_unset=True,
+        meaning="rounded leaf ends: radiation edge outside the nominal leaf position (half the dosimetric leaf "
+                "gap), mm (unset: EPID_PHYSICS's)")
+    tongue_groove_mm: float = setting(
+        "EPID_TONGUE_GROOVE_MM", 0.0, Real(0.0, maximum=LIMITS["tongue_groove_mm"]),
+        example="1.0", derived_when_unset=True,
+        meaning="width of the strip on each boundary between leaves that is open only where both leaves are open "
+                "(tongue-and-groove), mm (unset: EPID_PHYSICS's)")
+    interleaf_leakage_percent: float = setting(
+        "EPID_INTERLEAF_LEAKAGE_PERCENT", 0.0, Real(0.0, maximum=LIMITS["interleaf_leakage_percent"]),
+        example="0.8", derived_when_unset=True,
+        meaning="extra transmission of closed leaves in the 1 mm rows beside each boundary between leaves, % "
+                "(unset: EPID_PHYSICS's)")
+    lag_percent: float = setting(
+        "EPID_LAG_PERCENT", 0.0, Real(0.0, maximum=LIMITS["lag_percent"]),
+        example="3", derived_when_unset=True,
+        meaning="detector lag: each recorded frame carries this share of the previous recorded frame, % "
+                "(unset: EPID_PHYSICS's)")
+    backscatter_percent: float = setting(
+        "EPID_BACKSCATTER_PERCENT", 0.0, Real(0.0, maximum=LIMITS["backscatter_percent"]),
+        example="8", derived_when_unset=True,
+        meaning="support-arm backscatter: a 40 mm blur of the fluence weighted from 0 at the image's top row to "
+                "twice this at its bottom row, % (unset: EPID_PHYSICS's)")
     noise_std: float = setting(
         "EPID_NOISE_STD", 0.005, Real(0.0), example="0",
         meaning="Gaussian noise std per sub-frame before MU scaling (0 = no noise)")
@@ -256,6 +295,11 @@ class Config:
     launched_by_torchrun: bool = False
 
     @property
+    def physics(self) -> Physics:
+        """The synthesis physics of the run (preset and overrides resolved)."""
+        return Physics(**{name: getattr(self, name) for name in LIMITS})
+
+    @property
     def kernel_path(self) -> str:
         """Path part of EPID_KERNEL ("" for the built-in kernel)."""
         return _split_kernel(self.kernel)[0]
@@ -370,6 +414,11 @@ def load_config(environ: Mapping[str, str] | None = None) -> Config:
     values["launched_by_torchrun"] = torchrun_size is not None
 
     world_size = values["world_size"]
+    preset = PRESETS[values["physics_preset"]]
+    for name in LIMITS:
+        if values[name] is None:
+            values[name] = getattr(preset, name)
+
     if values["batch_size"] is None:
         if world_size > GLOBAL_BATCH:
             raise _fail(

@@ -32,6 +32,7 @@ from epid import imaging, sequences
 from epid.frame_cache import CACHE_CHUNK_FRAMES, FrameCache, cache_key, engine_digest
 from epid.imaging import FRAME_SHAPE
 from epid.kernel import default_kernel, kernel_from_config
+from epid.physics import Physics
 from epid.sequences import ControlPoints, generate_control_points
 
 if TYPE_CHECKING:
@@ -307,15 +308,17 @@ def assemble_batch(control_points: ControlPoints, window: Window, frames: torch.
 
 
 class EngineRender:
-    """Renders frames with ``epid.imaging`` for one kernel and noise setting.
+    """Renders frames with ``epid.imaging`` for one kernel, noise setting and physics.
 
     Keeps the kernel prepared once per device (``imaging.renderer_for``).
     """
 
-    def __init__(self, kernel: np.ndarray | torch.Tensor, noise_std: float, noise_seed: int) -> None:
+    def __init__(self, kernel: np.ndarray | torch.Tensor, noise_std: float, noise_seed: int,
+                 physics: Physics | None = None) -> None:
         self.kernel = kernel
         self.noise_std = noise_std
         self.noise_seed = noise_seed
+        self.physics = physics or Physics()
         self._renderers: dict[torch.device, imaging.FrameRenderer] = {}
 
     def __getstate__(self) -> dict[str, Any]:
@@ -339,6 +342,7 @@ class EngineRender:
             dataset_id=dataset_id,
             noise_std=self.noise_std,
             noise_seed=self.noise_seed,
+            physics=self.physics,
         )
 
 
@@ -413,6 +417,7 @@ class EpidData:
         cache_dir: str | Path | None = None,
         render: FrameRender | None = None,
         render_id: str | None = None,
+        physics: Physics | None = None,
     ) -> None:
         if not dataset_ids:
             raise ValueError("no dataset IDs given")
@@ -422,14 +427,17 @@ class EpidData:
         self.kernel = default_kernel() if kernel is None else kernel
         self.noise_std = noise_std
         self.noise_seed = noise_seed
+        self.physics = physics or Physics()
         if render is None:
-            render, render_id = EngineRender(self.kernel, noise_std, noise_seed), engine_digest()
+            render, render_id = EngineRender(self.kernel, noise_std, noise_seed, self.physics), engine_digest()
         elif cache_dir and render_id is None:
             raise ValueError("a custom render needs a render_id to key its frame cache")
         self.render = render
         self.cache = None
         if cache_dir:
-            self.cache = FrameCache(cache_dir, cache_key(control_points, self.kernel, noise_std, noise_seed, render_id))
+            self.cache = FrameCache(
+                cache_dir, cache_key(control_points, self.kernel, noise_std, noise_seed, render_id, self.physics)
+            )
         self._control_points: dict[int, PackedControlPoints] = {}
 
     @classmethod
@@ -442,6 +450,7 @@ class EpidData:
             noise_std=config.noise_std,
             noise_seed=config.noise_seed,
             cache_dir=config.cache_dir or None,
+            physics=config.physics,
         )
 
     def __getstate__(self) -> dict[str, Any]:

@@ -35,6 +35,7 @@ from epid.families import predict_frames
 from epid.gamma import gamma_pass_rate
 from epid.imaging import render_frames
 from epid.kernel import kernel_from_config
+from epid.physics import LIMITS, Physics
 from epid.sequences import (
     NUM_LEAF_PAIRS,
     PATTERNS,
@@ -69,6 +70,7 @@ class SynthesisSettings:
     noise_std: float
     noise_seed: int
     sources: Mapping[str, str]
+    physics: Physics = Physics()
 
     def describe(self) -> str:
         """One line listing each setting with its source."""
@@ -77,7 +79,8 @@ class SynthesisSettings:
             f"{self.control_points} control points ({self.sources['control_points']}), "
             f"kernel {kernel} ({self.sources['kernel']}), "
             f"noise std {self.noise_std:g} ({self.sources['noise_std']}), "
-            f"noise seed {self.noise_seed} ({self.sources['noise_seed']})"
+            f"noise seed {self.noise_seed} ({self.sources['noise_seed']}), "
+            f"physics {self.physics.describe()} ({self.sources.get('physics', 'default')})"
         )
 
 
@@ -247,10 +250,25 @@ def resolve_synthesis(checkpoint_config: Mapping[str, object], config: Config,
             values[field_name], sources[field_name] = checkpoint_config[field_name], "checkpoint"
         else:
             values[field_name], sources[field_name] = getattr(defaults, field_name), "default"
+    physics, sources["physics"] = resolve_physics(checkpoint_config, config, environ)
     return SynthesisSettings(
         control_points=int(values["control_points"]), kernel=str(values["kernel"]),
         noise_std=float(values["noise_std"]), noise_seed=int(values["noise_seed"]), sources=sources,
+        physics=physics,
     )
+
+
+def resolve_physics(checkpoint_config: Mapping[str, object], config: Config,
+                    environ: Mapping[str, str]) -> tuple[Physics, str]:
+    """The physics to synthesise with and its source: the environment's when EPID_PHYSICS or a
+    physics variable is set, else the checkpoint's training physics, else ideal."""
+    names = [VARIABLE_OF_FIELD[field].name for field in ("physics_preset", *LIMITS)]
+    set_names = [name for name in names if environ.get(name, "").strip()]
+    if set_names:
+        return config.physics, set_names[0]
+    if any(field in checkpoint_config for field in LIMITS):
+        return Physics.from_dict({k: v for k, v in checkpoint_config.items() if k in LIMITS}), "checkpoint"
+    return Physics(), "default"
 
 
 def load_synthesis_kernel(settings: SynthesisSettings) -> np.ndarray:
@@ -290,7 +308,7 @@ def synthesise_samples(
         frame_indices = sorted({s + 1 for s in samples} | {s + 2 for s in samples})
         frames = render_frames(
             control_points, frame_indices, kernel, dataset_id=dataset_id,
-            noise_std=settings.noise_std, noise_seed=settings.noise_seed, device=device,
+            noise_std=settings.noise_std, noise_seed=settings.noise_seed, device=device, physics=settings.physics,
         ).float().cpu()
         position = {frame: k for k, frame in enumerate(frame_indices)}
         for s in samples:

@@ -23,8 +23,10 @@ import numpy as np
 import torch
 
 from epid import imaging, sequences
+from epid import physics as physics_module
 from epid.files import fsync_directory
 from epid.imaging import FRAME_SHAPE
+from epid.physics import Physics
 
 try:
     import fcntl
@@ -40,9 +42,10 @@ CACHE_CHUNK_FRAMES = 64
 
 
 def cache_key(n_control_points: int, kernel: np.ndarray | torch.Tensor, noise_std: float, noise_seed: int,
-              render_id: str | None) -> dict[str, Any]:
-    """The key of the frames of one setting: control points per arc, kernel, noise and frame engine."""
+              render_id: str | None, physics: Physics | None = None) -> dict[str, Any]:
+    """The key of the frames of one setting: control points per arc, kernel, noise, physics and frame engine."""
     return {
+        "physics": (physics or Physics()).to_dict(),
         "format_version": CACHE_FORMAT_VERSION,
         "n_control_points": n_control_points,
         "kernel_sha256": kernel_digest(kernel),
@@ -62,9 +65,9 @@ def kernel_digest(kernel: np.ndarray | torch.Tensor) -> str:
 
 
 def engine_digest() -> str:
-    """SHA-256 of the sources that turn an ID into frames (control points and imaging)."""
+    """SHA-256 of the sources that turn an ID into frames (control points, imaging and physics)."""
     digest = hashlib.sha256()
-    for module in (sequences, imaging):
+    for module in (sequences, imaging, physics_module):
         digest.update(Path(module.__file__).read_bytes())
     return digest.hexdigest()
 

@@ -29,11 +29,13 @@ class Integer:
 
 
 class Real:
-    """A finite number, at least ``minimum`` (above it when ``above``)."""
+    """A finite number, at least ``minimum`` (above it when ``above``) and at most ``maximum`` when given."""
 
-    def __init__(self, minimum: float = 0.0, above: bool = False) -> None:
-        self.minimum, self.above = minimum, above
+    def __init__(self, minimum: float = 0.0, above: bool = False, maximum: float | None = None) -> None:
+        self.minimum, self.above, self.maximum = minimum, above, maximum
         self.expected = f"a number {'>' if above else '>='} {minimum:g}"
+        if maximum is not None:
+            self.expected = f"a number in {minimum:g}..{maximum:g}"
 
     def __call__(self, text: str) -> float:
         try:
@@ -41,6 +43,8 @@ class Real:
         except ValueError:
             raise ValueError("not a number") from None
         if not math.isfinite(value) or value < self.minimum or (self.above and value <= self.minimum):
+            raise ValueError
+        if self.maximum is not None and value > self.maximum:
             raise ValueError
         return value
 

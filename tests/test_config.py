@@ -20,6 +20,7 @@ from epid.config import (
     recipe_defaults,
 )
 from epid.errors import InputError
+from epid.physics import PRESETS, Physics
 from tests.support import ROOT, clean_environment
 
 LEGACY = {"EPID_MODEL": "legacy"}
@@ -153,6 +154,14 @@ def bad_values(tmp_path):
         "EPID_CONTROL_POINTS": ("3", "an integer >= 4"),
         "EPID_KERNEL": (str(tmp_path / "missing.mat"), "no file"),
         "EPID_NOISE_STD": ("-0.1", "a number >= 0"),
+        "EPID_PHYSICS": ("real", "ideal or realistic"),
+        "EPID_LEAF_TRANSMISSION_PERCENT": ("25", "a number in 0..20"),
+        "EPID_JAW_TRANSMISSION_PERCENT": ("-0.1", "a number in 0..20"),
+        "EPID_LEAF_END_OFFSET_MM": ("5", "a number in 0..3"),
+        "EPID_TONGUE_GROOVE_MM": ("wide", "not a number"),
+        "EPID_INTERLEAF_LEAKAGE_PERCENT": ("inf", "a number in 0..20"),
+        "EPID_LAG_PERCENT": ("50", "a number in 0..20"),
+        "EPID_BACKSCATTER_PERCENT": ("31", "a number in 0..30"),
         "EPID_NOISE_SEED": ("seed", "not an integer"),
         "EPID_CACHE_DIR": (str(a_file), "exists and is not a directory"),
         "EPID_NUM_WORKERS": ("two", "not an integer"),
@@ -257,6 +266,21 @@ def run_script(env_update, *args):
         [sys.executable, str(ROOT / "generate_and_train.py"), *args],
         env=clean_environment(**env_update), capture_output=True, text=True, timeout=120, cwd=ROOT, check=False,
     )
+
+
+def test_physics_comes_from_the_preset_and_each_variable_overrides_it():
+    assert Config().physics.is_ideal and load_config({}).physics.is_ideal
+    assert load_config({"EPID_PHYSICS": "Realistic"}).physics == PRESETS["realistic"]
+    config = load_config({"EPID_PHYSICS": "realistic", "EPID_LAG_PERCENT": "0", "EPID_LEAF_END_OFFSET_MM": "1.1"})
+    assert config.physics == dataclasses.replace(PRESETS["realistic"], lag_percent=0.0, leaf_end_offset_mm=1.1)
+    assert load_config({"EPID_TONGUE_GROOVE_MM": "0.5"}).physics == Physics(tongue_groove_mm=0.5)
+    assert Config.from_dict(config.to_dict()).physics == config.physics
+
+
+def test_a_bad_physics_value_stops_the_run_with_exit_2():
+    result = run_script({"EPID_LAG_PERCENT": "50"})
+    assert result.returncode == 2
+    assert result.stderr.strip() == "generate_and_train.py: error: EPID_LAG_PERCENT='50': expected a number in 0..20"
 
 
 def test_entry_script_reports_bad_value_in_one_line_and_exits_2():

@@ -25,6 +25,7 @@ from epid.imaging import render_frames
 from epid.kernel import default_kernel
 from epid.losses import LOSS_TERMS
 from epid.models import ForwardConfig, ForwardModel, InverseConfig, InverseModel
+from epid.physics import PRESETS, Physics
 from epid.sequences import generate_control_points, pattern_for
 from tests.support import ROOT, clean_environment
 
@@ -205,7 +206,17 @@ def test_synthesis_settings_come_from_variables_then_checkpoint_then_defaults():
     assert (settings.control_points, settings.noise_std, settings.noise_seed, settings.kernel) == (66, 0.01, 0, "")
     assert settings.sources == {
         "control_points": "checkpoint", "kernel": "checkpoint", "noise_std": "EPID_NOISE_STD", "noise_seed": "default",
+        "physics": "default",
     }
+    assert settings.physics.is_ideal
+    realistic = Config(lag_percent=3.0, leaf_transmission_percent=1.0).to_dict()
+    from_checkpoint = evaluate.resolve_synthesis(realistic, load_config({}), {})
+    assert from_checkpoint.physics == Physics(lag_percent=3.0, leaf_transmission_percent=1.0)
+    assert from_checkpoint.sources["physics"] == "checkpoint"
+    environ = {"EPID_PHYSICS": "realistic"}
+    from_environment = evaluate.resolve_synthesis(realistic, load_config(environ), environ)
+    assert (from_environment.physics, from_environment.sources["physics"]) == (PRESETS["realistic"], "EPID_PHYSICS")
+    assert "physics lag 2 %" in from_environment.describe()
     missing = evaluate.SynthesisSettings(66, "gone/kernel.mat:k", 0.0, 0, dict(settings.sources))
     with pytest.raises(InputError, match="gone/kernel.mat"):
         evaluate.load_synthesis_kernel(missing)
