@@ -10,8 +10,9 @@ and PowerShell alike.
   bash:        python compare_checkpoints.py 'runs/**/*.pth' --dataset-range 0:640:80
   PowerShell:  python .\\compare_checkpoints.py "runs\\*\\epid_checkpoint.pth" --no-eval
 
-Frame synthesis (control points, kernel, noise) follows EPID_CONTROL_POINTS, EPID_KERNEL,
-EPID_NOISE_STD and EPID_NOISE_SEED when set, else the first checkpoint's training config.
+Frame synthesis (control points, kernel, noise, physics) follows EPID_CONTROL_POINTS,
+EPID_KERNEL, EPID_NOISE_STD, EPID_NOISE_SEED and EPID_PHYSICS (and the physics variables) when
+set, else the first checkpoint's training config.
 Exit status: 0 all compared, 1 some checkpoint could not be read or rebuilt (the others
 are still compared), 2 bad arguments.
 """

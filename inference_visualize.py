@@ -3,10 +3,10 @@ needs to judge them: one PNG per sample (measured and predicted EPID, gamma map,
 difference, profiles, MLC/jaw panels, leaf weights, MU), losses.png from the training
 history, summary.csv and summary.png with the per-sample errors by pattern.
 
-Samples are synthesised as the checkpoint was trained: control points, kernel and
-noise come from the checkpoint's own config, unless EPID_CONTROL_POINTS, EPID_KERNEL,
-EPID_NOISE_STD or EPID_NOISE_SEED is set, which then wins (the run prints which source
-each setting came from). Datasets: --dataset-range / --dataset-ids, else
+Samples are synthesised as the checkpoint was trained: control points, kernel, noise
+and physics come from the checkpoint's own config, unless EPID_CONTROL_POINTS, EPID_KERNEL,
+EPID_NOISE_STD, EPID_NOISE_SEED or EPID_PHYSICS (or one physics variable) is set, which then
+wins (the run prints which source each setting came from). Datasets: --dataset-range / --dataset-ids, else
 EPID_DATASET_RANGE / EPID_DATASET_IDS, else the datasets the checkpoint was trained on.
 Samples are drawn from the validation part of each arc unless --split says otherwise.
 

@@ -7,14 +7,16 @@ then evaluates on dataset IDs that are 2 mod 4 only: ``--eval-samples`` samples 
 drawn over the whole arc (seeded), from ``--eval-datasets`` datasets spread over all three
 patterns. The learning-rate schedule is laid out for the number of optimizer steps the budget
 allows at the step rate of a short calibration run (its time counts in the budget); a time
-limit stops training at the budget in any case.
+limit stops training at the budget in any case. Training and evaluation frames share the
+synthesis physics (``--physics``, EPID_PHYSICS) and response kernel (``--kernel``, EPID_KERNEL).
 
 Writes to ``--output-dir`` (default ``quality_output``):
 
 * ``checkpoint.pth``: an ordinary training checkpoint (``inference_visualize.py`` and
   ``compare_checkpoints.py`` read it);
 * ``quality.json``: every figure of ``epid.quality`` overall and per pattern, with the budget,
-  device, machine, samples seen, steps, the model and the curve;
+  device, machine, samples seen, steps, the model, the physics (preset and settings), the
+  kernel and the curve;
 * ``quality.png``: quality against training time (gamma pass rate at 3 %/2 mm and curr leaf
   MAE in the jaw band on a fixed subset of the evaluation samples, the models' network
   estimates, before training and at every epoch end), with the final evaluation marked;
@@ -116,14 +118,22 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     if args.eval_datasets < 12 or args.eval_datasets * args.eval_samples < 48:
         parser.error("expected at least 12 evaluation datasets and 48 samples in all")
     if not args.combine:
-        probe = load_config({"EPID_KERNEL": args.kernel})
-        load_kernel_of(probe)
+        try:
+            load_kernel_of(Config(kernel=args.kernel))
+        except InputError as error:
+            raise InputError(f"--kernel {args.kernel!r}: {error}") from None
     return args
 
 
 def load_kernel_of(config: Config) -> np.ndarray:
     """The kernel EPID_KERNEL names (``--kernel``); a bad file is a one-line InputError."""
     return kernel_from_config(config.kernel_path, config.kernel_variable)
+
+
+def synthesis_label(physics: str, kernel: str) -> str:
+    """How a run's frames were synthesised, for titles and tables: 'ideal physics, built-in kernel'."""
+    kernel_name = "built-in kernel" if kernel in ("", "built-in") else f"kernel {Path(kernel).name}"
+    return f"{physics} physics, {kernel_name}"
 
 
 def training_environment(args: argparse.Namespace, output: Path, steps_per_epoch: int, epochs: int,
@@ -255,9 +265,8 @@ def combine(folders: list[str], output: Path) -> None:
         if not path.is_file():
             raise InputError(f"--combine {folder!r}: no quality.json there (expected an output folder of this bench)")
         written = json.loads(path.read_text())
-        physics = f", {written['physics']} physics" if written.get("physics", "ideal") != "ideal" else ""
-        kernel = f", kernel {Path(written['kernel']).name}" if written.get("kernel", "built-in") != "built-in" else ""
-        runs[f"{written['model']} {written['size']}{physics}{kernel}"] = written
+        label = synthesis_label(written.get("physics", "ideal"), written.get("kernel", "built-in"))
+        runs[f"{written['model']} {written['size']}, {label}"] = written
     first = next(iter(runs.values()))
     title = (f"{first['budget_minutes']:g} min on {first['device']} ({first['machine']}), seed {first['seed']}, "
              "held-out arcs")
@@ -274,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     device = resolve_device(args.device)
     print(f"{PROGRAM}: {args.model} {args.size}, {args.minutes:g} min on {device} ({machine(device)}), "
-          f"{args.physics} physics, kernel {args.kernel or 'built-in'}", flush=True)
+          f"{synthesis_label(args.physics, args.kernel)}", flush=True)
 
     samples = evaluation_set(args)
     observer = CurveObserver(curve_subset(samples), device, started)
@@ -310,14 +319,15 @@ def main(argv: list[str] | None = None) -> int:
         "epochs": int(checkpoint["epoch"]), "train_dataset_ids": TRAIN_RANGE,
         "eval_dataset_ids": sorted({ref.dataset_id for ref in samples.refs}), "eval_samples": len(samples),
         "config": checkpoint.get("config"), "curve": observer.curve.to_dict(),
-        "physics": args.physics, "physics_settings": load_config({"EPID_PHYSICS": args.physics}).physics.to_dict(),
+        "physics": args.physics, "physics_settings": PRESETS[args.physics].to_dict(),
         "kernel": args.kernel or "built-in",
     }
     report.write_json(output / "quality.json", **context)
     written = json.loads((output / "quality.json").read_text())
-    title = (f"{args.model} {args.size}: {args.minutes:g} min on {device}, {args.physics} physics, kernel "
-             f"{Path(args.kernel).name if args.kernel else 'built-in'}, held-out arcs")
+    label = synthesis_label(args.physics, args.kernel)
+    title = f"{args.model} {args.size}: {args.minutes:g} min on {device}, {label}, held-out arcs"
     plots.save_figure(plots.quality_figure({args.model: written}, title), output / "quality.png")
+    print(f"{args.model} {args.size} on held-out arcs, {label}:")
     print(report.table())
     print(f"{PROGRAM}: wrote {output / 'checkpoint.pth'}, {output / 'quality.json'}, {output / 'quality.png'}")
     return 0

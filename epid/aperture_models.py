@@ -3,12 +3,16 @@
 Forward model (``ApertureForwardModel``): the leaves and jaws of the frame's motion, from the
 prev to the curr control point, are interpolated at the 7 sub-apertures the delivery integrates
 (t = 0, 1/6, ..., 1); each covers a 1 mm cell of the leaf grid by the length of its opening
-inside the cell, the openings widened by a learned edge shift (``ApertureFluence``). The mean
-over the sub-apertures is the frame's fluence per MU; a learned separable detector response
-(``DetectorResponse``: per axis a mixture of Gaussians of learned widths and weights, starting
-as a 1 mm Gaussian) turns it into the frame per MU, scaled by ``mu_curr``. Nothing of the frame
-synthesis is read: the response, its gain and the edge shift are fitted by training, so the same
-model can be trained on measured frames. Latent: the fluence pooled to 4 mm (B, 1, 64, 64).
+inside the cell, with a real MLC's physics learned (``ApertureFluence``: edge shift, leaf-end
+offset per bank, leaf, jaw and interleaf transmission, tongue-and-groove strip; the rendering
+``epid.imaging.aperture_fluence`` that the synthesis uses too). The mean over the sub-apertures
+is the frame's fluence per MU; a learned detector response (``DetectorResponse``: a separable
+mixture of Gaussians starting as a 1 mm Gaussian, isotropic 2-D Gaussians that make it
+non-separable, a broad term weighted along y, one FFT convolution) turns it into the frame per
+MU, scaled by ``mu_curr``; given the recorded previous frame, a learned share of it (the
+detector's lag) is mixed in. Nothing of the frame synthesis is read: every physical parameter
+starts generic and is fitted by training, so the same model can be trained on measured frames.
+Latent: the fluence pooled to 4 mm (B, 1, 64, 64).
 
 Inverse model (``LeafEdgeInverseModel``): each frame is normalised by its maximum. Per leaf
 row, a learned combination of the pixel rows around the leaf (the row deblur) gives a profile
@@ -20,12 +24,14 @@ jaws during the frame, feed a per-row MLP that returns the prev and curr positio
 of 7 sub-aperture edges spans prev to curr, so centroid and spread carry the motion). Jaws: the
 same along y on each frame's row maxima. MU: the curr frame's sum over the expected frame sum of
 the predicted aperture (learned in-field weights per row and column account for the response
-reaching past the imager). Latent: the predicted aperture's fluence pooled to 4 mm.
+reaching past the imager). The curr frame's lag (a learned share of the prev frame) is taken out
+first. Latent: the predicted aperture's fluence pooled to 4 mm.
 
 In eval mode, an inverse model linked to a forward model (``link_renderer``) refines the
 network's estimate by fitting the forward model's rendering of the prev and curr frames to the
-measured ones, with a search over how each leaf's motion is split between the two frames
-(``epid.aperture_fit``); training uses the network's estimate.
+measured ones, with the forward model's lag taken out of the curr frame and a search over how
+each leaf's motion is split between the two frames (``epid.aperture_fit``); training uses the
+network's estimate.
 """
 
 from __future__ import annotations
@@ -90,8 +96,7 @@ class ApertureFluence(nn.Module):
     physics of a real MLC learned (``epid.imaging.aperture_fluence``, the synthesis's own
     rendering): a shift of every edge (mm, widening), a leaf-end offset per bank (mm), leaf, jaw
     and interleaf transmission (%), and the tongue-and-groove strip's width (mm); all start at 0,
-    an opaque aperture with its nominal edges. Returns (fluence (B, 260, 256), first leaf-grid
-    row 0)."""
+    an opaque aperture with its nominal edges. Returns the fluence (B, 260, 256), y ascending."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -102,14 +107,14 @@ class ApertureFluence(nn.Module):
         self.interleaf_leakage_percent = nn.Parameter(torch.zeros(()))
         self.tongue_groove_mm = nn.Parameter(torch.zeros(()))
 
-    def forward(self, leaf_a: Tensor, leaf_b: Tensor, scalars: Tensor) -> tuple[Tensor, int]:
+    def forward(self, leaf_a: Tensor, leaf_b: Tensor, scalars: Tensor) -> Tensor:
         batch = leaf_a.shape[0]
         jaw_1 = sub_aperture_positions(scalars[:, 1], scalars[:, 2])  # (B, 7)
         jaw_2 = sub_aperture_positions(scalars[:, 3], scalars[:, 4])
         a = sub_aperture_positions(leaf_a[:, :NUM_LEAF_PAIRS], leaf_a[:, NUM_LEAF_PAIRS:]).transpose(1, 2)
         b = sub_aperture_positions(leaf_b[:, :NUM_LEAF_PAIRS], leaf_b[:, NUM_LEAF_PAIRS:]).transpose(1, 2)
         weights = leaf_a.new_full((batch, SUB_APERTURES), 1.0 / SUB_APERTURES)
-        fluence = aperture_fluence(
+        return aperture_fluence(
             a, b, jaw_1, jaw_2, weights,
             leaf_end_offset_a=self.edge_shift + self.leaf_end_offset[0],
             leaf_end_offset_b=self.edge_shift + self.leaf_end_offset[1],
@@ -118,12 +123,6 @@ class ApertureFluence(nn.Module):
             interleaf_leakage=self.interleaf_leakage_percent / 100.0,
             jaw_transmission=self.jaw_transmission_percent / 100.0,
         )
-        return fluence, 0
-
-
-def expand_to_leaf_grid(fluence: Tensor, first_row: int) -> Tensor:
-    """A cropped fluence (B, rows, 256) starting at leaf-grid row ``first_row`` -> (B, 260, 256)."""
-    return F.pad(fluence, (0, 0, first_row, LEAF_GRID_ROWS - first_row - fluence.shape[1]))
 
 
 def gaussian_taps(log_width: Tensor, offsets: Tensor) -> Tensor:
@@ -185,8 +184,8 @@ class DetectorResponse(nn.Module):
         padded = F.pad(kernel, (0, self.fft_shape[1] - kernel.shape[1], 0, self.fft_shape[0] - kernel.shape[0]))
         return torch.fft.rfft2(torch.roll(padded, (-self.reach, -self.reach), (0, 1)))
 
-    def forward(self, fluence: Tensor, first_row: int = 0) -> Tensor:
-        fluence = expand_to_leaf_grid(fluence.float(), first_row)
+    def forward(self, fluence: Tensor) -> Tensor:
+        fluence = fluence.float()
         with torch.autocast(fluence.device.type, enabled=False):
             spectrum = torch.fft.rfft2(fluence, s=self.fft_shape)
             kernel = self.kernel() * self.log_gain.exp()
@@ -243,11 +242,10 @@ class ApertureForwardModel(nn.Module):
         """The learned share of a recorded frame carried into the next one (0-d)."""
         return self.lag_percent / 100.0
 
-    def render(self, leaf_a: Tensor, leaf_b: Tensor, scalars: Tensor) -> tuple[Tensor, Tensor, int]:
-        """(signal per MU without lag (B, 256, 256), cropped fluence (B, rows, 256), its first
-        leaf-grid row)."""
-        fluence, first_row = self.aperture(leaf_a.float(), leaf_b.float(), scalars.float())
-        return self.response(fluence, first_row), fluence, first_row
+    def render(self, leaf_a: Tensor, leaf_b: Tensor, scalars: Tensor) -> tuple[Tensor, Tensor]:
+        """(signal per MU without lag (B, 256, 256), leaf-grid fluence (B, 260, 256))."""
+        fluence = self.aperture(leaf_a.float(), leaf_b.float(), scalars.float())
+        return self.response(fluence), fluence
 
     def forward(self, leaf_a: Tensor, leaf_b: Tensor, scalars: Tensor,
                 epid_prev: Tensor | None = None) -> tuple[Tensor, Tensor]:
@@ -259,17 +257,17 @@ class ApertureForwardModel(nn.Module):
         _check_vector("leaf_a", leaf_a, NUM_LEAVES)
         _check_vector("leaf_b", leaf_b, NUM_LEAVES)
         _check_vector("scalars", scalars, NUM_SCALARS)
-        per_mu, fluence, first_row = self.render(leaf_a, leaf_b, scalars)
+        per_mu, fluence = self.render(leaf_a, leaf_b, scalars)
         epid = (per_mu * scalars[:, :1, None].float()).unsqueeze(1)
         if epid_prev is not None:
             lag = self.lag_fraction
             epid = (1.0 - lag) * epid + lag * as_frame_batch("epid_prev", epid_prev).float()
-        return epid, fluence_latent(fluence, first_row)
+        return epid, fluence_latent(fluence)
 
 
-def fluence_latent(fluence: Tensor, first_row: int) -> Tensor:
-    """A cropped leaf-grid fluence -> (B, 1, 64, 64): the imager's fluence pooled to 4 mm."""
-    return F.avg_pool2d(to_imager(expand_to_leaf_grid(fluence, first_row)).unsqueeze(1), LATENT_POOL)
+def fluence_latent(fluence: Tensor) -> Tensor:
+    """A leaf-grid fluence (B, 260, 256) -> (B, 1, 64, 64): the imager's fluence pooled to 4 mm."""
+    return F.avg_pool2d(to_imager(fluence).unsqueeze(1), LATENT_POOL)
 
 
 # --------------------------------------------------------------------------- inverse model
@@ -453,8 +451,7 @@ class LeafEdgeInverseModel(nn.Module):
             mu = self.mu_estimate(remove_lag(frames, self.lag_percent / 100.0)[:, 1], leaf_a.detach(),
                                   leaf_b.detach(), jaws.detach())
         scalars = torch.cat([mu[:, None], jaws], 1)
-        fluence, first_row = self.aperture(leaf_a, leaf_b, scalars)
-        return leaf_a, leaf_b, scalars, fluence_latent(fluence, first_row)
+        return leaf_a, leaf_b, scalars, fluence_latent(self.aperture(leaf_a, leaf_b, scalars))
 
     def estimate(self, frames: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """The network's estimate from frames (B, 2, 256, 256) [prev, curr]: leaf_a, leaf_b (B, 104)
@@ -506,9 +503,8 @@ class LeafEdgeInverseModel(nn.Module):
     def mu_estimate(self, frame: Tensor, leaf_a: Tensor, leaf_b: Tensor, jaws: Tensor) -> Tensor:
         """MU (B,) of the curr frame (B, 256, 256): its sum over the expected sum per MU of the
         aperture the leaves and jaws describe (in-field weights learned per row and column)."""
-        fluence, first_row = self.aperture(leaf_a, leaf_b, torch.cat([jaws.new_zeros(len(jaws), 1), jaws], 1))
-        rows = slice(first_row, first_row + fluence.shape[1])
-        weight = (1 + self.in_field_y[rows])[:, None] * (1 + self.in_field_x)[None, :]
+        fluence = self.aperture(leaf_a, leaf_b, torch.cat([jaws.new_zeros(len(jaws), 1), jaws], 1))
+        weight = (1 + self.in_field_y)[:, None] * (1 + self.in_field_x)[None, :]
         expected = (fluence * weight).sum((-2, -1)) + MIN_EXPECTED_SUM
         log_mu = torch.log(frame.sum((-2, -1)).clamp_min(1e-6)) - torch.log(expected)
         return torch.exp(log_mu.clamp(max=math.log(MAX_MU)))

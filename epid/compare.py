@@ -210,6 +210,11 @@ def synthesis_settings(checkpoints: Sequence[LoadedCheckpoint]) -> tuple[evaluat
                     f"{checkpoint.name} was trained with {key}={getattr(own, key)!r}; all checkpoints are "
                     f"evaluated with {getattr(settings, key)!r} (set {evaluate.SYNTHESIS_VARIABLES[key]} to choose)"
                 )
+        if own.physics != settings.physics:
+            notes.append(
+                f"{checkpoint.name} was trained with physics {own.physics.describe()}; all checkpoints are "
+                f"evaluated with {settings.physics.describe()} (set EPID_PHYSICS or the physics variables to choose)"
+            )
     return settings, notes
 
 

@@ -35,7 +35,7 @@ from epid.families import predict_frames
 from epid.gamma import gamma_pass_rate
 from epid.imaging import render_frames
 from epid.kernel import kernel_from_config
-from epid.physics import LIMITS, Physics
+from epid.physics import LIMITS, PRESETS, Physics, physics_of
 from epid.sequences import (
     NUM_LEAF_PAIRS,
     PATTERNS,
@@ -261,13 +261,16 @@ def resolve_synthesis(checkpoint_config: Mapping[str, object], config: Config,
 def resolve_physics(checkpoint_config: Mapping[str, object], config: Config,
                     environ: Mapping[str, str]) -> tuple[Physics, str]:
     """The physics to synthesise with and its source: the environment's when EPID_PHYSICS or a
-    physics variable is set, else the checkpoint's training physics, else ideal."""
+    physics variable is set, else the checkpoint's training physics (its preset with the settings
+    it holds; checkpoints from before the physics have neither), else ideal."""
     names = [VARIABLE_OF_FIELD[field].name for field in ("physics_preset", *LIMITS)]
     set_names = [name for name in names if environ.get(name, "").strip()]
     if set_names:
         return config.physics, set_names[0]
-    if any(field in checkpoint_config for field in LIMITS):
-        return Physics.from_dict({k: v for k, v in checkpoint_config.items() if k in LIMITS}), "checkpoint"
+    settings = {name: float(checkpoint_config[name]) for name in LIMITS if name in checkpoint_config}
+    preset = checkpoint_config.get("physics_preset")
+    if settings or preset:
+        return physics_of(str(preset) if preset in PRESETS else "ideal", **settings), "checkpoint"
     return Physics(), "default"
 
 

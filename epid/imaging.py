@@ -234,8 +234,9 @@ class FrameRenderer:
         out.zero_()
         for k in range(depth + 1):
             rows = [(row, position[int(frame) - k]) for row, frame in enumerate(frames) if frame - k >= 1]
-            target, source = (torch.tensor(index, device=self.device) for index in zip(*rows, strict=True))
-            out.index_add_(0, target, signals[source], alpha=(1.0 - lag) * lag**k)
+            if rows:
+                target, source = torch.tensor(rows, device=self.device).T
+                out.index_add_(0, target, signals[source], alpha=(1.0 - lag) * lag**k)
 
     def _physics_signals(self, control_points: ControlPoints, frames: np.ndarray, physics: Physics) -> torch.Tensor:
         """Lag-free signals (F, 256, 256) of ``frames``: the fluence of ``_physics_fluence``

@@ -1,5 +1,5 @@
 """The aperture family: its fluence against the frame engine's masks, its detector response
-against scipy's convolution, the row crop, the inverse model's layout and parameter groups,
+against scipy's convolution, the inverse model's layout and parameter groups,
 the fit to a rendering, and rebuilding a pair from a checkpoint."""
 
 from __future__ import annotations
@@ -29,23 +29,19 @@ def whole_mm_control_points(batch: int, seed: int = 0, move_mm: float = 0.0):
     return leaf_a_pair, leaf_b_pair, scalars
 
 
-def imager_fluence(fluence: torch.Tensor, first_row: int) -> torch.Tensor:
-    return am.to_imager(am.expand_to_leaf_grid(fluence, first_row))
-
-
 def test_fluence_of_a_still_aperture_is_the_frame_engines_mask():
     leaf_a, leaf_b, scalars = whole_mm_control_points(4)
-    fluence, first_row = am.ApertureFluence()(leaf_a, leaf_b, scalars)
+    fluence = am.ApertureFluence()(leaf_a, leaf_b, scalars)
     masks = rasterize(leaf_a[:, 52:], leaf_b[:, 52:], scalars[:, 2], scalars[:, 4])
-    torch.testing.assert_close(imager_fluence(fluence, first_row), masks)
+    torch.testing.assert_close(am.to_imager(fluence), masks)
 
 
 def test_fluence_of_a_moving_aperture_averages_the_seven_sub_apertures():
     leaf_a, leaf_b, scalars = whole_mm_control_points(3, seed=1, move_mm=12.0)  # 2 mm per sub-aperture
-    fluence, first_row = am.ApertureFluence()(leaf_a, leaf_b, scalars)
+    fluence = am.ApertureFluence()(leaf_a, leaf_b, scalars)
     expected = sum(rasterize(leaf_a[:, :52] + 2.0 * k, leaf_b[:, :52] + 2.0 * k, scalars[:, 1], scalars[:, 3])
                    for k in range(7)) / 7
-    torch.testing.assert_close(imager_fluence(fluence, first_row), expected)
+    torch.testing.assert_close(am.to_imager(fluence), expected)
 
 
 def test_fluence_covers_a_cell_by_the_length_of_the_opening_in_it():
@@ -53,7 +49,7 @@ def test_fluence_covers_a_cell_by_the_length_of_the_opening_in_it():
     leaf_a = torch.full((1, 104), -10.3)
     leaf_b = torch.full((1, 104), 20.25)
     scalars = torch.tensor([[1.0, -50.0, -50.0, 50.0, 50.0]])
-    row = imager_fluence(*aperture(leaf_a, leaf_b, scalars))[0, 100]
+    row = am.to_imager(aperture(leaf_a, leaf_b, scalars))[0, 100]
     columns = am.column_centres()
     assert row[columns == -10.5].item() == pytest.approx(0.3)  # cell [-11, -10)
     assert row[columns == -9.5].item() == 1.0
@@ -61,7 +57,7 @@ def test_fluence_covers_a_cell_by_the_length_of_the_opening_in_it():
     assert row[columns == 21.5].item() == 0.0
     with torch.no_grad():
         aperture.edge_shift.fill_(0.5)
-    row = imager_fluence(*aperture(leaf_a, leaf_b, scalars))[0, 100]
+    row = am.to_imager(aperture(leaf_a, leaf_b, scalars))[0, 100]
     assert row[columns == -10.5].item() == pytest.approx(0.8)
     assert row[columns == -11.5].item() == 0.0
 
@@ -72,10 +68,10 @@ def test_detector_response_is_a_same_size_convolution_with_the_profiles_outer_pr
         response.profile_x.logits.copy_(torch.tensor([0.3, -0.2]))
         response.log_gain.fill_(0.1)
     leaf_a, leaf_b, scalars = whole_mm_control_points(2, seed=3, move_mm=6.0)
-    fluence, first_row = am.ApertureFluence()(leaf_a, leaf_b, scalars)
-    frame = response(fluence, first_row)
+    fluence = am.ApertureFluence()(leaf_a, leaf_b, scalars)
+    frame = response(fluence)
     kernel = np.outer(response.profile_y().detach().numpy(), response.profile_x().detach().numpy()) * np.exp(0.1)
-    full = am.expand_to_leaf_grid(fluence, first_row).detach().numpy()
+    full = fluence.detach().numpy()
     for i in range(2):
         reference = scipy.signal.convolve2d(full[i], kernel, mode="same")  # kernel symmetric in y: no flip issue
         expected = reference[am.IMAGER_MARGIN:am.IMAGER_MARGIN + 256][::-1]

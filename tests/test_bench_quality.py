@@ -12,9 +12,16 @@ import pytest
 import torch
 from matplotlib.image import imread
 
+from bench import bench_quality
+from bench import radial_kernel as radial_kernel_bench
 from epid import quality
 from epid.checkpoint import build_models_from_checkpoint, load_checkpoint
-from epid.sequences import PATTERNS
+from epid.config import load_config
+from epid.errors import InputError
+from epid.imaging import render_frames
+from epid.kernel import load_kernel
+from epid.physics import PRESETS
+from epid.sequences import PATTERNS, generate_control_points
 from tests.support import ROOT, clean_environment
 
 pytestmark = pytest.mark.timeout(300)
@@ -104,3 +111,45 @@ def test_an_epoch_the_time_limit_stopped_counts_its_steps_and_adds_the_last_curv
     checkpoint["interrupted"] = {"epoch": 3, "batches_done": 6, "rank_train_samples": [24.0, 24.0]}
     assert count_stopped_epoch(checkpoint, Observer(), torch.device("cpu"), 2) == 3
     assert calls == [(3, 320 + 48, None)]  # the network's own estimates, as at every epoch end
+
+
+def test_physics_and_kernel_flags_reach_training_and_the_evaluation_frames(tmp_path):
+    radial = tmp_path / "radial.mat"
+    radial_kernel_bench.main([str(radial), "--size", "31"])
+    defaults = bench_quality.parse_arguments([])
+    assert (defaults.physics, defaults.kernel) == ("ideal", "")
+    assert bench_quality.synthesis_label(defaults.physics, defaults.kernel) == "ideal physics, built-in kernel"
+    args = bench_quality.parse_arguments(["--smoke", "--physics", "realistic", "--kernel", str(radial)])
+    assert (args.physics, args.kernel) == ("realistic", str(radial))
+    assert bench_quality.synthesis_label(args.physics, args.kernel) == "realistic physics, kernel radial.mat"
+    environ = bench_quality.training_environment(args, tmp_path, 5, 2, 1.0)
+    assert (environ["EPID_PHYSICS"], environ["EPID_KERNEL"]) == ("realistic", str(radial))
+    assert load_config(environ).physics == PRESETS["realistic"]
+    args.eval_datasets, args.eval_samples = 1, 2  # past the checks: two samples are enough here
+    samples = bench_quality.evaluation_set(args)
+    ref = samples.refs[0]
+    control_points = generate_control_points(ref.dataset_id, args.control_points)
+    expected = render_frames(control_points, [ref.sample + 2], load_kernel(radial), dataset_id=ref.dataset_id,
+                             noise_std=0.005, physics=PRESETS["realistic"])
+    torch.testing.assert_close(samples.epid_curr[0, 0], expected[0].float())
+
+
+@pytest.mark.parametrize("contents", [None, b"not a MATLAB file"])
+def test_a_bad_kernel_file_is_one_line_and_exit_2(tmp_path, contents):
+    path = tmp_path / "kernel.mat"
+    if contents is not None:
+        path.write_bytes(contents)
+    with pytest.raises(InputError, match="--kernel"):
+        bench_quality.parse_arguments(["--kernel", str(path)])
+    done = subprocess.run([sys.executable, "-m", "bench.bench_quality", "--kernel", str(path), "--output-dir",
+                           str(tmp_path / "out")], cwd=ROOT, env=clean_environment(), capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.count("\n") == 1
+    assert done.stderr.startswith(f"python -m bench.bench_quality: error: --kernel '{path}': kernel file")
+
+
+def test_an_unknown_physics_preset_exits_2(capsys):
+    with pytest.raises(SystemExit) as stopped:
+        bench_quality.parse_arguments(["--physics", "measured"])
+    assert stopped.value.code == 2 and "ideal" in capsys.readouterr().err

@@ -31,6 +31,7 @@ from epid.compare import CompareOptions
 from epid.config import Config
 from epid.families import PairConfig, build_models
 from epid.models import SIZES, ForwardModel, InverseModel
+from epid.physics import LIMITS, PRESETS, Physics
 from tests.support import ROOT, clean_environment
 
 SCRIPT = ROOT / "compare_checkpoints.py"
@@ -249,6 +250,23 @@ def test_evaluation_metrics_match_a_per_sample_reference_loop(runs, evaluated):
     assert overall["leaf_mae_mm"] == pytest.approx(np.mean(leaf), rel=1e-4)
     regular = [i for i, r in enumerate(refs) if r.pattern == "regular"]
     assert report["metrics"][a]["regular"]["forward_mse"] == pytest.approx(np.mean([mse[i] for i in regular]), rel=1e-4)
+
+
+
+def test_checkpoints_trained_under_other_physics_are_noted_unless_a_variable_chooses(monkeypatch):
+    def loaded(name, **config_values):
+        return compare.LoadedCheckpoint(name, f"{name}.pth", {"config": Config(**config_values).to_dict()})
+
+    realistic = {field: getattr(PRESETS["realistic"], field) for field in LIMITS}
+    first, second = loaded("first", lag_percent=3.0), loaded("second", **realistic)
+    settings, notes = compare.synthesis_settings([first, second])
+    assert (settings.physics, settings.sources["physics"]) == (Physics(lag_percent=3.0), "checkpoint")
+    assert notes == ["second was trained with physics " + PRESETS["realistic"].describe() + "; all checkpoints are "
+                     "evaluated with lag 3 % (set EPID_PHYSICS or the physics variables to choose)"]
+    monkeypatch.setenv("EPID_PHYSICS", "realistic")
+    settings, notes = compare.synthesis_settings([first, second])
+    assert (settings.physics, settings.sources["physics"]) == (PRESETS["realistic"], "EPID_PHYSICS")
+    assert notes == []  # a variable that is set chooses for every checkpoint
 
 
 def test_rankings_match_the_numbers_in_comparison_json(evaluated):

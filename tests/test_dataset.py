@@ -17,6 +17,7 @@ from epid import frame_cache
 from epid.config import load_config
 from epid.imaging import render_frames
 from epid.kernel import default_kernel
+from epid.physics import PRESETS, Physics
 from epid.sequences import NUM_LEAF_PAIRS, generate_control_points
 from epid.sharding import assign_all_ranks
 
@@ -357,6 +358,35 @@ def test_cache_key_separates_settings(tmp_path):
                         render=CountingRender(), render_id="counting")
     other.make_batch(ds.Window(1, 0, 2), "cpu")
     assert len(list(tmp_path.glob("frames_001_*.f16"))) == 2
+
+
+
+def test_cache_key_holds_the_physics():
+    kernel = default_kernel(11)
+
+    def key(physics):
+        return frame_cache.cache_key(12, kernel, 0.005, 0, "engine", physics)
+
+    assert key(None) == key(Physics())  # the default is ideal
+    assert key(PRESETS["realistic"]) != key(PRESETS["ideal"])
+    assert key(Physics(lag_percent=2.0, tongue_groove_mm=0.8)) == key(Physics(tongue_groove_mm=0.8, lag_percent=2))
+    assert key(Physics(lag_percent=2.0)) != key(Physics(lag_percent=2.5))
+    assert key(PRESETS["realistic"])["physics"] == PRESETS["realistic"].to_dict()
+
+
+def test_data_renders_and_caches_its_physics(tmp_path):
+    realistic = PRESETS["realistic"]
+    config = load_config({"EPID_CONTROL_POINTS": "8", "EPID_PHYSICS": "realistic", "EPID_CACHE_DIR": str(tmp_path)})
+    data = ds.EpidData.from_config(config, [5])
+    assert data.physics == realistic and data.render.physics == realistic
+    batch = data.make_batch(ds.Window(5, 0, 3), "cpu")
+    expected = render_frames(generate_control_points(5, 8), [1, 2, 3, 4], default_kernel(), dataset_id=5,
+                             physics=realistic)
+    assert (batch.epid_curr[:, 0] - expected[1:]).abs().max() <= expected.abs().max() / 1024  # float16 cache
+    ideal = ds.EpidData([5], control_points=8, cache_dir=tmp_path)
+    assert ideal.physics.is_ideal and ideal.cache.path(5) != data.cache.path(5)
+    ideal_curr = ideal.make_batch(ds.Window(5, 0, 3), "cpu").epid_curr
+    assert (ideal_curr - batch.epid_curr).abs().max() > expected.abs().max() / 100  # not the ideal frames
 
 
 def damage_truncate(path):

@@ -25,7 +25,7 @@ from epid.imaging import render_frames
 from epid.kernel import default_kernel
 from epid.losses import LOSS_TERMS
 from epid.models import ForwardConfig, ForwardModel, InverseConfig, InverseModel
-from epid.physics import PRESETS, Physics
+from epid.physics import LIMITS, PRESETS, Physics
 from epid.sequences import generate_control_points, pattern_for
 from tests.support import ROOT, clean_environment
 
@@ -206,9 +206,16 @@ def test_synthesis_settings_come_from_variables_then_checkpoint_then_defaults():
     assert (settings.control_points, settings.noise_std, settings.noise_seed, settings.kernel) == (66, 0.01, 0, "")
     assert settings.sources == {
         "control_points": "checkpoint", "kernel": "checkpoint", "noise_std": "EPID_NOISE_STD", "noise_seed": "default",
-        "physics": "default",
+        "physics": "checkpoint",
     }
     assert settings.physics.is_ideal
+    assert "physics ideal (checkpoint)" in settings.describe()
+    missing = evaluate.SynthesisSettings(66, "gone/kernel.mat:k", 0.0, 0, dict(settings.sources))
+    with pytest.raises(InputError, match="gone/kernel.mat"):
+        evaluate.load_synthesis_kernel(missing)
+
+
+def test_synthesis_physics_comes_from_the_variables_then_the_checkpoint_then_ideal():
     realistic = Config(lag_percent=3.0, leaf_transmission_percent=1.0).to_dict()
     from_checkpoint = evaluate.resolve_synthesis(realistic, load_config({}), {})
     assert from_checkpoint.physics == Physics(lag_percent=3.0, leaf_transmission_percent=1.0)
@@ -216,10 +223,18 @@ def test_synthesis_settings_come_from_variables_then_checkpoint_then_defaults():
     environ = {"EPID_PHYSICS": "realistic"}
     from_environment = evaluate.resolve_synthesis(realistic, load_config(environ), environ)
     assert (from_environment.physics, from_environment.sources["physics"]) == (PRESETS["realistic"], "EPID_PHYSICS")
-    assert "physics lag 2 %" in from_environment.describe()
-    missing = evaluate.SynthesisSettings(66, "gone/kernel.mat:k", 0.0, 0, dict(settings.sources))
-    with pytest.raises(InputError, match="gone/kernel.mat"):
-        evaluate.load_synthesis_kernel(missing)
+    described = from_environment.describe()
+    assert "physics leaf transmission 0.4 %, " in described
+    assert described.endswith("lag 2 %, backscatter 5 % (EPID_PHYSICS)")
+    environ = {"EPID_LAG_PERCENT": "1.5"}
+    one_variable = evaluate.resolve_synthesis(realistic, load_config(environ), environ)
+    assert (one_variable.physics, one_variable.sources["physics"]) == (Physics(lag_percent=1.5), "EPID_LAG_PERCENT")
+    preset_only = evaluate.resolve_synthesis({"physics_preset": "realistic"}, load_config({}), {})
+    assert (preset_only.physics, preset_only.sources["physics"]) == (PRESETS["realistic"], "checkpoint")
+    from_before_the_physics = {key: value for key, value in realistic.items()
+                               if key != "physics_preset" and key not in LIMITS}
+    old = evaluate.resolve_synthesis(from_before_the_physics, load_config({}), {})
+    assert (old.physics, old.sources["physics"]) == (Physics(), "default")
 
 
 # --------------------------------------------------------------------------- the script

@@ -1,4 +1,4 @@
-"""The EPID response kernel: the default model and MATLAB .mat loading."""
+"""The EPID response kernel: the default model, the radial one and MATLAB .mat loading."""
 
 from pathlib import Path
 
@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 import scipy.io
 
+from bench import radial_kernel as radial_kernel_bench
 from epid.errors import InputError
-from epid.kernel import KernelError, default_kernel, kernel_from_config, load_kernel
+from epid.kernel import KernelError, default_kernel, kernel_from_config, load_kernel, radial_kernel
 
 
 def test_default_kernel_is_odd_normalised_symmetric_and_peaked():
@@ -33,6 +34,26 @@ def test_default_kernel_is_separable():
     kernel = default_kernel()
     # a non-negative rank-1 matrix is the outer product of its row and column sums over its total
     np.testing.assert_allclose(kernel, np.outer(kernel.sum(1), kernel.sum(0)) / kernel.sum(), rtol=1e-12)
+
+
+def test_radial_kernel_is_normalised_symmetric_under_rotation_and_not_separable():
+    kernel = radial_kernel()
+    assert kernel.shape == (261, 261) and kernel.dtype == np.float64
+    assert kernel.sum() == pytest.approx(1.0, abs=1e-12)
+    np.testing.assert_allclose(kernel, kernel.T, rtol=1e-12, atol=0)
+    np.testing.assert_allclose(kernel, np.rot90(kernel), rtol=1e-12, atol=0)
+    singular = np.linalg.svd(kernel, compute_uv=False)
+    assert 0.05 <= singular[1] / singular[0] <= 0.08  # a measured kernel's: 6.3 %
+    radius = np.hypot(*np.meshgrid(np.arange(261) - 130, np.arange(261) - 130))
+    assert np.all(np.diff([kernel[radius == r].mean() for r in (0, 5, 10, 20, 40)]) < 0)  # falls off with r
+
+
+def test_the_radial_kernel_bench_writes_what_load_kernel_reads_back(tmp_path, capsys):
+    path = tmp_path / "radial.mat"
+    assert radial_kernel_bench.main([str(path), "--size", "61"]) == 0
+    np.testing.assert_allclose(load_kernel(path), radial_kernel(61), rtol=1e-12, atol=0)
+    assert set(scipy.io.loadmat(path)) >= {"kernel"}
+    assert "61 x 61, sum 1.000000" in capsys.readouterr().out
 
 
 def _save(path: Path, **variables) -> Path:
