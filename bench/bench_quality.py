@@ -156,10 +156,9 @@ def evaluation_set(args: argparse.Namespace) -> evaluate.SampleSet:
     ids = evaluate.spread(list(EVAL_IDS), args.eval_datasets)
     refs = evaluate.select_samples(ids, args.eval_samples, seed=args.seed, n_control_points=args.control_points,
                                    split="all")
-    config = load_config({"EPID_KERNEL": args.kernel, "EPID_PHYSICS": args.physics})
     settings = evaluate.SynthesisSettings(control_points=args.control_points, kernel=args.kernel, noise_std=0.005,
-                                          noise_seed=0, sources={}, physics=config.physics)
-    return evaluate.synthesise_samples(refs, settings, load_kernel_of(config))
+                                          noise_seed=0, sources={}, physics=PRESETS[args.physics])
+    return evaluate.synthesise_samples(refs, settings, load_kernel_of(Config(kernel=args.kernel)))
 
 
 def curve_subset(samples: evaluate.SampleSet) -> evaluate.SampleSet:
