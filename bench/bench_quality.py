@@ -14,7 +14,9 @@ Writes to ``--output-dir`` (default ``quality_output``):
 
 * ``checkpoint.pth``: an ordinary training checkpoint (``inference_visualize.py`` and
   ``compare_checkpoints.py`` read it);
-* ``quality.json``: every figure of ``epid.quality`` overall and per pattern, with the budget,
+* ``quality.json``: every figure of ``epid.quality`` overall and per pattern (the inverse
+  figures of each reconstruction of ``--reconstructions``: the network's estimate refined per
+  frame pair, or jointly over the run of frames, ``epid.reconstruct``), with the budget,
   device, machine, samples seen, steps, the model, the physics (preset and settings), the
   kernel and the curve;
 * ``quality.png``: quality against training time (gamma pass rate at 3 %/2 mm and curr leaf
@@ -30,6 +32,7 @@ and prints the table. Run from the repository root:
     python -m bench.bench_quality --kernel radial.mat --output-dir quality_radial
     python -m bench.bench_quality --smoke                  # seconds: tiny model, short arcs
     python -m bench.bench_quality --combine quality_output quality_legacy --output-dir both
+    python -m bench.bench_quality --reevaluate --physics realistic --output-dir quality_realistic
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ import epid  # noqa: F401  (first: sets the OpenMP wait policy of training befor
 import numpy as np
 import torch
 
-from epid import evaluate, families, plots, quality
+from epid import evaluate, families, plots, quality, reconstruct
 from epid.checkpoint import build_models_from_checkpoint, load_checkpoint
 from epid.cli import prepare_output_dir, run_main
 from epid.config import Config, load_config
@@ -104,7 +107,14 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--kernel", default="", metavar="FILE.mat[:variable]",
                         help="EPID response kernel of training and evaluation (EPID_KERNEL; default built-in)")
     parser.add_argument("--eval-datasets", type=int, default=16, help="held-out datasets evaluated (>= 12)")
-    parser.add_argument("--eval-samples", type=int, default=8, help="samples per held-out dataset")
+    parser.add_argument("--eval-samples", type=int, default=8,
+                        help="samples per held-out dataset, consecutive (one run of frames; default 8)")
+    parser.add_argument("--reconstructions", default="pair,arc",
+                        help="how the inverse figures reconstruct the control points, comma-separated of "
+                             f"{', '.join(reconstruct.METHODS)} (default pair,arc; the last is the headline)")
+    parser.add_argument("--reevaluate", action="store_true",
+                        help="train nothing: evaluate OUTPUT_DIR/checkpoint.pth again (same arguments as its "
+                             "run), keeping the training figures of OUTPUT_DIR/quality.json")
     parser.add_argument("--smoke", action="store_true", help="a run of seconds: tiny model, short arcs")
     parser.add_argument("--combine", nargs="+", metavar="DIR",
                         help="train nothing: draw the runs of these output folders on one figure, "
@@ -117,6 +127,11 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--minutes {args.minutes}: expected a number > 0")
     if args.eval_datasets < 12 or args.eval_datasets * args.eval_samples < 48:
         parser.error("expected at least 12 evaluation datasets and 48 samples in all")
+    args.reconstructions = [name.strip() for name in args.reconstructions.split(",") if name.strip()]
+    unknown = [name for name in args.reconstructions if name not in reconstruct.METHODS]
+    if unknown or not args.reconstructions:
+        parser.error(f"--reconstructions {','.join(args.reconstructions)}: expected some of "
+                     f"{', '.join(reconstruct.METHODS)}")
     if not args.combine:
         try:
             load_kernel_of(Config(kernel=args.kernel))
@@ -151,11 +166,12 @@ def training_environment(args: argparse.Namespace, output: Path, steps_per_epoch
 
 
 def evaluation_set(args: argparse.Namespace) -> evaluate.SampleSet:
-    """The held-out samples (IDs 2 mod 4), synthesised once with the run's kernel and physics and
-    the default noise."""
+    """The held-out samples (IDs 2 mod 4; one run of consecutive samples per dataset, so that the
+    arc reconstruction has its frames), synthesised once with the run's kernel and physics and the
+    default noise."""
     ids = evaluate.spread(list(EVAL_IDS), args.eval_datasets)
     refs = evaluate.select_samples(ids, args.eval_samples, seed=args.seed, n_control_points=args.control_points,
-                                   split="all")
+                                   split="all", run_length=args.eval_samples)
     settings = evaluate.SynthesisSettings(control_points=args.control_points, kernel=args.kernel, noise_std=0.005,
                                           noise_seed=0, sources={}, physics=PRESETS[args.physics])
     return evaluate.synthesise_samples(refs, settings, load_kernel_of(Config(kernel=args.kernel)))
@@ -214,7 +230,8 @@ class CurveObserver:
 
     def __call__(self, epoch: int, forward_model: torch.nn.Module, inverse_model: torch.nn.Module,
                  samples_seen: int) -> None:
-        predictions = evaluate.predict((forward_model, inverse_model), self.subset, self.device)
+        predictions = evaluate.predict((forward_model, inverse_model), self.subset, self.device,
+                                       reconstruction="network")
         report = quality.assess(self.subset, predictions, device=self.device, criteria=("3%/2mm",))
         figures = report.groups[quality.ALL]
         self.curve.minutes.append((time.perf_counter() - self.started) / 60)
@@ -233,9 +250,9 @@ def count_stopped_epoch(checkpoint: dict, observer: CurveObserver, device: torch
     stopped = checkpoint.get("interrupted")
     if not stopped:
         return 0
-    pair = families.CrossModel(*build_models_from_checkpoint(checkpoint, device))  # network estimates
+    forward_model, inverse_model = build_models_from_checkpoint(checkpoint, device)
     seen = observer.curve.samples[-1] if observer.curve.samples else 0
-    observer(stopped["epoch"], pair.forward_model, pair.inverse_model, seen + int(sum(stopped["rank_train_samples"])))
+    observer(stopped["epoch"], forward_model, inverse_model, seen + int(sum(stopped["rank_train_samples"])))
     return int(stopped["batches_done"]) // grad_accum
 
 
@@ -279,6 +296,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.combine:
         combine(args.combine, output)
         return 0
+    if args.reevaluate:
+        return evaluate_run(args, output, device=resolve_device(args.device),
+                            context=json.loads(read_previous(output).read_text()))
     started = time.perf_counter()
     device = resolve_device(args.device)
     print(f"{PROGRAM}: {args.model} {args.size}, {args.minutes:g} min on {device} ({machine(device)}), "
@@ -303,31 +323,58 @@ def main(argv: list[str] | None = None) -> int:
 
     checkpoint = load_checkpoint(output / "checkpoint.pth")
     stopped_steps = count_stopped_epoch(checkpoint, observer, device, config.grad_accum)
-    models = build_models_from_checkpoint(checkpoint, device)
-    evaluated = time.perf_counter()
-    predictions = evaluate.predict(models, samples, device)
-    report = quality.assess(samples, predictions, device=device)
-    evaluation_seconds = time.perf_counter() - evaluated
     history = checkpoint.get("history") or {}
     context = {
         "model": args.model, "size": args.size, "budget_minutes": args.minutes,
-        "trained_minutes": round(trained_minutes, 2), "evaluation_seconds": round(evaluation_seconds, 1),
+        "trained_minutes": round(trained_minutes, 2),
         "device": str(device), "machine": machine(device), "seed": args.seed, "control_points": args.control_points,
         "samples_seen": observer.curve.samples[-1] if observer.curve.samples else 0,
         "steps": int(sum(history.get("steps", []))) + stopped_steps,
         "epochs": int(checkpoint["epoch"]), "train_dataset_ids": TRAIN_RANGE,
-        "eval_dataset_ids": sorted({ref.dataset_id for ref in samples.refs}), "eval_samples": len(samples),
         "config": checkpoint.get("config"), "curve": observer.curve.to_dict(),
         "physics": args.physics, "physics_settings": PRESETS[args.physics].to_dict(),
         "kernel": args.kernel or "built-in",
     }
-    report.write_json(output / "quality.json", **context)
-    written = json.loads((output / "quality.json").read_text())
+    return evaluate_run(args, output, device, context, samples)
+
+
+def read_previous(output: Path) -> Path:
+    """OUTPUT_DIR/quality.json of an earlier run, which ``--reevaluate`` needs with its checkpoint."""
+    previous = output / "quality.json"
+    if not (previous.is_file() and (output / "checkpoint.pth").is_file()):
+        raise InputError(f"--reevaluate: {output} holds no checkpoint.pth and quality.json of an earlier run")
+    return previous
+
+
+def evaluate_run(args: argparse.Namespace, output: Path, device: torch.device, context: dict,
+                 samples: evaluate.SampleSet | None = None) -> int:
+    """Evaluate OUTPUT_DIR/checkpoint.pth on the held-out samples with each of
+    ``args.reconstructions``; write quality.json (``context`` and the figures of the last
+    reconstruction, every reconstruction's under ``reconstructions``) and quality.png; print the
+    tables."""
+    samples = samples or evaluation_set(args)
+    models = build_models_from_checkpoint(load_checkpoint(output / "checkpoint.pth"), device)
     label = synthesis_label(args.physics, args.kernel)
+    reports, seconds = {}, {}
+    for method in args.reconstructions:
+        evaluated = time.perf_counter()
+        predictions = evaluate.predict(models, samples, device, reconstruction=method)
+        reports[predictions.reconstruction] = quality.assess(samples, predictions, device=device)
+        seconds[predictions.reconstruction] = round(time.perf_counter() - evaluated, 1)
+        print(f"{args.model} {args.size} on held-out arcs, {label}, reconstruction "
+              f"{predictions.reconstruction} ({seconds[predictions.reconstruction]:.0f} s):")
+        print(reports[predictions.reconstruction].table())
+    headline = list(reports)[-1]
+    context = {key: value for key, value in context.items() if key not in ("groups", "metrics", "reconstructions")}
+    context.update({
+        "evaluation_seconds": seconds, "reconstruction": headline,
+        "reconstructions": {method: report.to_dict()["groups"] for method, report in reports.items()},
+        "eval_dataset_ids": sorted({ref.dataset_id for ref in samples.refs}), "eval_samples": len(samples),
+    })
+    reports[headline].write_json(output / "quality.json", **context)
+    written = json.loads((output / "quality.json").read_text())
     title = f"{args.model} {args.size}: {args.minutes:g} min on {device}, {label}, held-out arcs"
     plots.save_figure(plots.quality_figure({args.model: written}, title), output / "quality.png")
-    print(f"{args.model} {args.size} on held-out arcs, {label}:")
-    print(report.table())
     print(f"{PROGRAM}: wrote {output / 'checkpoint.pth'}, {output / 'quality.json'}, {output / 'quality.png'}")
     return 0
 

@@ -27,11 +27,8 @@ the predicted aperture (learned in-field weights per row and column account for 
 reaching past the imager). The curr frame's lag (a learned share of the prev frame) is taken out
 first. Latent: the predicted aperture's fluence pooled to 4 mm.
 
-In eval mode, an inverse model linked to a forward model (``link_renderer``) refines the
-network's estimate by fitting the forward model's rendering of the prev and curr frames to the
-measured ones, with the forward model's lag taken out of the curr frame and a search over how
-each leaf's motion is split between the two frames (``epid.aperture_fit``); training uses the
-network's estimate.
+The inverse model returns the network's estimate; ``epid.reconstruct`` refines it by fitting the
+forward model's rendering to the measured frames (a frame pair, or windows of a whole arc).
 """
 
 from __future__ import annotations
@@ -420,13 +417,6 @@ class LeafEdgeInverseModel(nn.Module):
         self.in_field_y = nn.Parameter(torch.zeros(LEAF_GRID_ROWS))
         self.in_field_x = nn.Parameter(torch.zeros(GRID_SIZE))
         self.lag_percent = nn.Parameter(torch.zeros(()))
-        self.__dict__["renderer"] = None  # a forward model, held outside the module tree
-
-    def link_renderer(self, forward_model: ApertureForwardModel | None) -> None:
-        """Refine eval-mode estimates with ``forward_model``'s rendering (None: network only).
-
-        The forward model is referenced, not registered: its parameters stay its own."""
-        self.__dict__["renderer"] = forward_model
 
     def parameter_groups(self) -> list[tuple[list[nn.Parameter], float]]:
         """The network at factor 1, the physical parameters (edge shift, in-field weights) at
@@ -436,20 +426,12 @@ class LeafEdgeInverseModel(nn.Module):
         return [([p for p in self.parameters() if id(p) not in ids], 1.0), (physical, PHYSICS_LR_FACTOR)]
 
     def forward(self, epid_prev: Tensor, epid_curr: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """Predict ``(leaf_a (B,104) mm, leaf_b (B,104) mm, scalars (B,5), latent (B,1,64,64))``."""
+        """The network's estimate ``(leaf_a (B,104) mm, leaf_b (B,104) mm, scalars (B,5), latent
+        (B,1,64,64))``; ``epid.reconstruct.refine_pairs`` refines it with the forward model."""
         frames = torch.cat([as_frame_batch("epid_prev", epid_prev), as_frame_batch("epid_curr", epid_curr)], 1)
-        frames = frames.float()
-        leaf_a, leaf_b, jaws = self.estimate(remove_lag(frames, self.lag_percent / 100.0))
-        renderer = self.renderer
-        if not self.training and renderer is not None and self.config.fit_steps > 0:
-            from epid.aperture_fit import fit_to_frames
-
-            leaf_a, leaf_b, jaws, mu = fit_to_frames(
-                renderer, remove_lag(frames, renderer.lag_fraction.detach()), leaf_a, leaf_b, jaws,
-                self.config.fit_steps, self.config.split_rounds, self.config.refine_steps)
-        else:
-            mu = self.mu_estimate(remove_lag(frames, self.lag_percent / 100.0)[:, 1], leaf_a.detach(),
-                                  leaf_b.detach(), jaws.detach())
+        frames = remove_lag(frames.float(), self.lag_percent / 100.0)
+        leaf_a, leaf_b, jaws = self.estimate(frames)
+        mu = self.mu_estimate(frames[:, 1], leaf_a.detach(), leaf_b.detach(), jaws.detach())
         scalars = torch.cat([mu[:, None], jaws], 1)
         return leaf_a, leaf_b, scalars, fluence_latent(self.aperture(leaf_a, leaf_b, scalars))
 
@@ -516,11 +498,6 @@ def remove_lag(frames: Tensor, lag: Tensor | float) -> Tensor:
     the frame before it, which the pair does not show)."""
     curr = (frames[:, 1] - lag * frames[:, 0]) / (1.0 - lag)
     return torch.stack([frames[:, 0], curr], 1)
-
-
-def link_pair(forward_model: ApertureForwardModel, inverse_model: LeafEdgeInverseModel) -> None:
-    """Let the inverse model refine its eval-mode estimates with the forward model's rendering."""
-    inverse_model.link_renderer(forward_model)
 
 
 SIZES: dict[str, tuple[ApertureForwardConfig, LeafEdgeInverseConfig]] = {

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from epid import reconstruct
 from epid.config import VARIABLE_OF_FIELD, Config
 from epid.dataset import Window, assemble_batch, num_samples, split_range
 from epid.errors import InputError
@@ -114,17 +115,20 @@ class SampleSet:
 @dataclass
 class Predictions:
     """Model outputs for a ``SampleSet`` (CPU float32): forward ``epid`` (S, 1, 256, 256);
-    inverse ``leaf_a``, ``leaf_b`` (S, 104) mm and ``scalars`` (S, 5)."""
+    inverse ``leaf_a``, ``leaf_b`` (S, 104) mm and ``scalars`` (S, 5), from the reconstruction
+    ``reconstruction`` (``epid.reconstruct.METHODS``)."""
 
     epid: Tensor
     leaf_a: Tensor
     leaf_b: Tensor
     scalars: Tensor
+    reconstruction: str = "network"
 
     def subset(self, rows: Sequence[int]) -> Predictions:
         """The predictions of ``rows``, in that order."""
         index = torch.as_tensor(list(rows), dtype=torch.long)
-        return Predictions(*(getattr(self, name)[index] for name in ("epid", "leaf_a", "leaf_b", "scalars")))
+        return Predictions(*(getattr(self, name)[index] for name in ("epid", "leaf_a", "leaf_b", "scalars")),
+                           reconstruction=self.reconstruction)
 
 
 @dataclass(frozen=True)
@@ -174,11 +178,13 @@ def select_samples(
     n_control_points: int,
     max_total: int | None = None,
     split: str = "val",
+    run_length: int = 1,
 ) -> list[SampleRef]:
     """A deterministic choice of samples, sorted by dataset ID then sample index.
 
     Each dataset draws ``samples_per_dataset`` distinct samples (all of them if its split
-    has fewer) from its ``split`` with a generator seeded by ``(seed, dataset_id)``, so a
+    has fewer) from its ``split`` with a generator seeded by ``(seed, dataset_id)``, in runs of
+    ``run_length`` consecutive samples (blocks of the split; a last run may be shorter), so a
     dataset's choice does not depend on which other datasets are selected. With
     ``max_total`` below the total, the datasets used are spread evenly over the sorted
     IDs (so over all patterns) and take their draws in turn until ``max_total``.
@@ -187,8 +193,12 @@ def select_samples(
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     if samples_per_dataset < 1:
         raise ValueError(f"samples per dataset must be at least 1, got {samples_per_dataset}")
+    if run_length < 1:
+        raise ValueError(f"run length must be at least 1, got {run_length}")
     candidates = np.asarray(split_samples(n_control_points, split))
     per_dataset = min(samples_per_dataset, len(candidates))
+    run_length = min(run_length, per_dataset)
+    blocks = candidates[:len(candidates) // run_length * run_length].reshape(-1, run_length)
     ids = sorted(set(dataset_ids))
     if max_total is not None and max_total < len(ids) * per_dataset:
         needed = min(len(ids), math.ceil(max_total / per_dataset))
@@ -196,7 +206,9 @@ def select_samples(
     draws = []
     for dataset_id in ids:
         rng = np.random.default_rng([seed, dataset_id])
-        chosen = rng.choice(candidates, size=per_dataset, replace=False)
+        chosen = candidates if run_length == 1 else blocks
+        chosen = rng.choice(chosen, size=math.ceil(per_dataset / run_length), replace=False).reshape(-1)
+        chosen = chosen[:per_dataset]
         draws.append([SampleRef(dataset_id, int(s), pattern_for(dataset_id)) for s in chosen])
     in_turn = [draw[k] for k in range(per_dataset) for draw in draws]
     if max_total is not None:
@@ -327,15 +339,22 @@ def predict(
     samples: SampleSet,
     device: torch.device | str = "cpu",
     batch_size: int = 16,
+    reconstruction: str = "pair",
 ) -> Predictions:
-    """Run the forward model on the target parameters and the inverse model on the measured
-    frame pair, ``batch_size`` samples at a time under ``torch.inference_mode``.
+    """Run the forward model on the target parameters and reconstruct the control points from
+    the measured frames, ``batch_size`` samples at a time under ``torch.inference_mode``.
 
     ``models`` = (forward, inverse), already on ``device``; both are switched to eval mode.
+    ``reconstruction`` ("network", "pair" or "arc", ``epid.reconstruct.METHODS``): the inverse
+    network's estimate, refined per frame pair, or refined jointly over each run of consecutive
+    samples of a dataset (``reconstruct.reconstruct_arc``; a run of one sample is refined as a
+    pair). A model pair that cannot refine (``reconstruct.can_refine``) gives the network's
+    estimate; ``Predictions.reconstruction`` names what was used.
     """
     forward_model, inverse_model = models
     forward_model.eval()
     inverse_model.eval()
+    used = reconstruct.method_used(forward_model, inverse_model, reconstruction)
     outputs: dict[str, list[Tensor]] = {"epid": [], "leaf_a": [], "leaf_b": [], "scalars": []}
     with torch.inference_mode():
         for start in range(0, len(samples), batch_size):
@@ -346,10 +365,52 @@ def predict(
 
             epid, _ = predict_frames(forward_model, chunk(samples.leaf_a), chunk(samples.leaf_b),
                                      chunk(samples.scalars), chunk(samples.epid_prev))
-            leaf_a, leaf_b, scalars, _ = inverse_model(chunk(samples.epid_prev), chunk(samples.epid_curr))
-            for name, value in (("epid", epid), ("leaf_a", leaf_a), ("leaf_b", leaf_b), ("scalars", scalars)):
-                outputs[name].append(value.float().cpu())
-    return Predictions(**{name: torch.cat(values) for name, values in outputs.items()})
+            outputs["epid"].append(epid.float().cpu())
+            if used != "arc":
+                estimate = reconstruct.pair_estimate(forward_model, inverse_model, chunk(samples.epid_prev),
+                                                     chunk(samples.epid_curr), refine=used == "pair")
+                for name, value in zip(("leaf_a", "leaf_b", "scalars"), estimate, strict=True):
+                    outputs[name].append(value.float().cpu())
+        if used == "arc":
+            for name, value in zip(("leaf_a", "leaf_b", "scalars"),
+                                   _arc_estimates(forward_model, inverse_model, samples, device), strict=True):
+                outputs[name].append(value)
+    return Predictions(**{name: torch.cat(values) for name, values in outputs.items()}, reconstruction=used)
+
+
+def sample_runs(refs: Sequence[SampleRef]) -> list[range]:
+    """Rows of ``refs`` (sorted by dataset, then sample) grouped into runs of consecutive samples
+    of one dataset."""
+    runs: list[range] = []
+    begin = 0
+    for row in range(1, len(refs) + 1):
+        if row == len(refs) or refs[row].dataset_id != refs[begin].dataset_id or \
+                refs[row].sample != refs[row - 1].sample + 1:
+            runs.append(range(begin, row))
+            begin = row
+    return runs
+
+
+def _arc_estimates(forward_model: torch.nn.Module, inverse_model: torch.nn.Module, samples: SampleSet,
+                   device: torch.device | str) -> tuple[Tensor, Tensor, Tensor]:
+    """(leaf_a, leaf_b (S, 104), scalars (S, 5)) of every sample, each run of consecutive samples
+    reconstructed as one arc (its frames: the first sample's prev, then every sample's curr)."""
+    leaf_a, leaf_b, scalars = [], [], []
+    for run in sample_runs(samples.refs):
+        rows = slice(run.start, run.stop)
+        prev, curr = samples.epid_prev[rows].to(device), samples.epid_curr[rows].to(device)
+        if len(run) == 1:
+            estimate = reconstruct.pair_estimate(forward_model, inverse_model, prev, curr, refine=True)
+            for values, part in zip((leaf_a, leaf_b, scalars), estimate, strict=True):
+                values.append(part.float().cpu())
+            continue
+        arc = reconstruct.reconstruct_arc(forward_model, inverse_model, torch.cat([prev[:1, 0], curr[:, 0]]))
+        for values, points in ((leaf_a, arc.leaf_a), (leaf_b, arc.leaf_b)):
+            values.append(torch.cat([points[1:-1], points[2:]], 1).float().cpu())
+        jaws = arc.jaws.float().cpu()
+        scalars.append(torch.cat([arc.mu[1:, None].float().cpu(), jaws[1:-1, :1], jaws[2:, :1], jaws[1:-1, 1:],
+                                  jaws[2:, 1:]], 1))
+    return torch.cat(leaf_a), torch.cat(leaf_b), torch.cat(scalars)
 
 
 def jaw_band(jaw_1: Tensor, jaw_2: Tensor) -> Tensor:

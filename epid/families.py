@@ -16,7 +16,7 @@ dataclasses, and one entry in ``FAMILIES``.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,9 +49,6 @@ class ModelFamily:
     forward_config: type
     inverse_config: type
     sizes: Mapping[str, tuple[Any, Any]]
-    link: Callable[[nn.Module, nn.Module], None] | None = None
-    """Connects a built pair (the aperture inverse model refines its estimates with the forward
-    model's rendering in eval mode)."""
     recipe: Mapping[str, str] = dataclasses.field(default_factory=dict)
     """The training recipe the family is made for: ``EPID_*`` values used in place of the
     variables' own defaults when those variables are unset (``epid.config.load_config``)."""
@@ -62,7 +59,7 @@ FAMILIES: dict[str, ModelFamily] = {
                         models.InverseConfig, models.SIZES),
     APERTURE: ModelFamily(APERTURE, aperture_models.ApertureForwardModel, aperture_models.LeafEdgeInverseModel,
                           aperture_models.ApertureForwardConfig, aperture_models.LeafEdgeInverseConfig,
-                          aperture_models.SIZES, link=aperture_models.link_pair,
+                          aperture_models.SIZES,
                           recipe=APERTURE_RECIPE),
 }
 
@@ -115,10 +112,7 @@ class PairConfig:
     def build(self) -> tuple[nn.Module, nn.Module]:
         """Freshly initialised (forward, inverse) models of these configs."""
         entry = family(self.family)
-        forward_model, inverse_model = entry.forward_model(self.forward), entry.inverse_model(self.inverse)
-        if entry.link is not None:
-            entry.link(forward_model, inverse_model)
-        return forward_model, inverse_model
+        return entry.forward_model(self.forward), entry.inverse_model(self.inverse)
 
 
 def _plain(config: Any) -> dict[str, Any]:
@@ -148,8 +142,6 @@ class CrossModel(nn.Module):
         super().__init__()
         self.forward_model = forward_model
         self.inverse_model = inverse_model
-        if hasattr(inverse_model, "link_renderer"):  # training and validation judge the network's own estimate
-            inverse_model.link_renderer(None)
 
     def forward(
         self, leaf_a: Tensor, leaf_b: Tensor, scalars: Tensor, epid_prev: Tensor, epid_curr: Tensor

@@ -14,7 +14,7 @@ from matplotlib.image import imread
 
 from bench import bench_quality
 from bench import radial_kernel as radial_kernel_bench
-from epid import quality
+from epid import quality, reconstruct
 from epid.checkpoint import build_models_from_checkpoint, load_checkpoint
 from epid.config import load_config
 from epid.errors import InputError
@@ -68,7 +68,7 @@ def test_the_checkpoint_is_an_ordinary_one_trained_on_ids_0_mod_4(smoke_run):
     assert checkpoint["model_config"]["family"] == "aperture"
     assert checkpoint["dataset_ids"] and all(dataset_id % 4 == 0 for dataset_id in checkpoint["dataset_ids"])
     forward_model, inverse_model = build_models_from_checkpoint(checkpoint)
-    assert inverse_model.renderer is forward_model  # rebuilt linked: evaluation refines with the rendering
+    assert reconstruct.can_refine(forward_model, inverse_model)  # evaluation refines with the rendering
 
 
 def test_quality_png_shows_the_curve(smoke_run):
@@ -104,13 +104,13 @@ def test_an_epoch_the_time_limit_stopped_counts_its_steps_and_adds_the_last_curv
         curve = type("Curve", (), {"samples": [0, 320]})()
 
         def __call__(self, epoch, forward_model, inverse_model, samples_seen):
-            calls.append((epoch, samples_seen, inverse_model.renderer))
+            calls.append((epoch, samples_seen, inverse_model.training))
 
     checkpoint["interrupted"] = None
     assert count_stopped_epoch(checkpoint, Observer(), torch.device("cpu"), 1) == 0 and not calls
     checkpoint["interrupted"] = {"epoch": 3, "batches_done": 6, "rank_train_samples": [24.0, 24.0]}
     assert count_stopped_epoch(checkpoint, Observer(), torch.device("cpu"), 2) == 3
-    assert calls == [(3, 320 + 48, None)]  # the network's own estimates, as at every epoch end
+    assert calls == [(3, 320 + 48, False)]
 
 
 def test_physics_and_kernel_flags_reach_training_and_the_evaluation_frames(tmp_path):
