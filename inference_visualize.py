@@ -8,12 +8,18 @@ and physics come from the checkpoint's own config, unless EPID_CONTROL_POINTS, E
 EPID_NOISE_STD, EPID_NOISE_SEED or EPID_PHYSICS (or one physics variable) is set, which then
 wins (the run prints which source each setting came from). Datasets: --dataset-range / --dataset-ids, else
 EPID_DATASET_RANGE / EPID_DATASET_IDS, else the datasets the checkpoint was trained on.
-Samples are drawn from the validation part of each arc unless --split says otherwise.
+Samples are drawn from the validation part of each arc unless --split says otherwise. The
+control points are reconstructed from each frame pair (--reconstruction pair, the default), by
+the inverse network alone (network) or jointly over consecutive frames (arc); the run and
+quality.json say which was used. --arc reconstructs --arc-frames consecutive frames of each
+arc instead (epid.reconstruct) and draws arc_<id>.png: the leaf error per leaf and control
+point, the trajectories of the worst leaves, jaws and MU; arcs.csv holds the figures.
 
 Examples:
 
   bash:        python inference_visualize.py --checkpoint runs/a/epid.pth --dataset-range 0:640:80
   PowerShell:  python .\\inference_visualize.py --checkpoint runs\\a\\epid.pth --dataset-ids 0,80,160
+  whole arcs:  python inference_visualize.py --checkpoint runs/a/epid.pth --arc --arc-frames 64
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ from epid.config import Config, load_config
 from epid.devices import resolve_device
 from epid.errors import InputError
 from epid.gamma import GammaCriteria, gamma_maps
-from epid.sequences import NUM_DATASETS
+from epid.sequences import NUM_DATASETS, PATTERNS, pattern_for
 from epid.sharding import select_dataset_ids
 from epid.tables import format_table
 
@@ -62,6 +68,16 @@ def parse_arguments(argv: Sequence[str] | None, config: Config) -> argparse.Name
                         help="auto, cpu, cuda or cuda:N (default: EPID_DEVICE = %(default)s)")
     parser.add_argument("--batch-size", type=_positive_int, default=16, metavar="N",
                         help="samples per model call (default %(default)s)")
+    parser.add_argument("--reconstruction", choices=("network", "pair", "arc"), default=None,
+                        help="how control points are reconstructed from the frames: the inverse network alone, "
+                             "refined per frame pair, or refined jointly over consecutive frames "
+                             "(default: pair for samples, arc with --arc)")
+    parser.add_argument("--arc", action="store_true",
+                        help="instead of single samples, reconstruct --arc-frames consecutive frames of each "
+                             "selected arc (one arc of each pattern when no datasets are named) and draw the leaf "
+                             "error per leaf and control point, leaf trajectories, jaws and MU")
+    parser.add_argument("--arc-frames", type=_arc_frames, default=64, metavar="N",
+                        help="frames per arc with --arc, from the start of --split (default %(default)s)")
     parser.add_argument("--output-dir", default="inference_output", metavar="DIR",
                         help="folder for the PNGs and summary.csv (default %(default)s)")
     gamma = parser.add_argument_group("gamma criteria")
@@ -98,6 +114,7 @@ _positive_int = _bounded(int, 1)
 _non_negative_int = _bounded(int, 0)
 _positive_float = _bounded(float, 0, inclusive=False)
 _non_negative_float = _bounded(float, 0)
+_arc_frames = _bounded(int, 2)
 
 
 def requested_dataset_ids(args: argparse.Namespace, config: Config) -> list[int] | None:
@@ -115,10 +132,6 @@ def requested_dataset_ids(args: argparse.Namespace, config: Config) -> list[int]
             except ValueError as error:
                 raise InputError(f"{name} {spec!r}: {error}") from None
     return None
-
-
-
-
 
 
 def _stage(message: str) -> None:
@@ -168,6 +181,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     kernel = evaluate.load_synthesis_kernel(settings)
     if dataset_ids is None:
         dataset_ids = sorted(checkpoint.get("dataset_ids") or range(NUM_DATASETS))
+    if args.arc:
+        return review_arcs(args, checkpoint, models, settings, kernel, dataset_ids, device, output_dir, started)
     refs = evaluate.select_samples(
         dataset_ids, args.samples_per_dataset, args.seed, settings.control_points,
         max_total=args.max_total_samples or None, split=args.split,
@@ -186,14 +201,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         refs, settings, kernel, device, progress=lambda ids: _progress(ids, used, "dataset")
     )
     _stage(f"predicting both directions (batches of {args.batch_size})")
-    predictions = evaluate.predict(models, samples, device, args.batch_size)
+    predictions = evaluate.predict(models, samples, device, args.batch_size,
+                                   reconstruction=args.reconstruction or "pair")
+    _stage(f"  control points reconstructed by: {predictions.reconstruction}")
     _stage(f"gamma {criteria.describe()}")
     gamma = gamma_maps(samples.epid_curr, predictions.epid, criteria, device, batch_size=args.batch_size)
     records = evaluate.sample_metrics(samples, predictions, gamma)
     _stage("quality figures (gamma 3 %/3 mm, 3 %/2 mm, 2 %/2 mm; leaves, jaws and MU of both control points)")
     report = quality.assess(samples, predictions, device=device)
     report.write_json(output_dir / "quality.json", checkpoint=str(args.checkpoint), epoch=checkpoint["epoch"],
-                      split=args.split, synthesis=settings.describe())
+                      split=args.split, synthesis=settings.describe(), reconstruction=predictions.reconstruction)
 
     _stage(f"writing {len(records)} sample figures, losses.png, summary.png and summary.csv to {output_dir}")
     evaluate.write_metrics_csv(output_dir / "summary.csv", records)
@@ -209,6 +226,44 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(pattern_table(evaluate.pattern_means(records)))
     print(f"Quality ({len(records)} samples; quality.json):\n{report.table()}")
     _stage(f"done in {time.perf_counter() - started:.1f} s")
+    return 0
+
+
+def review_arcs(args: argparse.Namespace, checkpoint: dict, models: tuple, settings, kernel,
+                dataset_ids: list[int] | None, device, output_dir: Path, started: float) -> int:
+    """``--arc``: reconstruct consecutive frames of whole arcs, one figure per arc, arcs.csv and a table."""
+    from epid import arc_review
+
+    if dataset_ids is None:
+        trained = sorted(checkpoint.get("dataset_ids") or range(NUM_DATASETS))
+        dataset_ids = [next(i for i in trained if pattern_for(i) == pattern) for pattern in PATTERNS
+                       if any(pattern_for(i) == pattern for i in trained)]
+    first = arc_review.first_frame(args.split, settings.control_points)
+    count = min(args.arc_frames, settings.control_points - first)
+    if count < 2:
+        raise InputError(f"--arc-frames {args.arc_frames}: the {args.split} part of an arc of "
+                         f"{settings.control_points} control points has fewer than 2 frames from frame {first}")
+    method = args.reconstruction or "arc"
+    run_label = f"{Path(args.checkpoint).name}, epoch {checkpoint['epoch']}"
+    _stage(f"  synthesis: {settings.describe()}")
+    _stage(f"reconstructing frames {first}-{first + count - 1} of {len(dataset_ids)} arcs ({method})")
+    rows = []
+    for dataset_id in _progress(dataset_ids, len(dataset_ids), "arc"):
+        segment = arc_review.synthesise_segment(dataset_id, first, count, settings, kernel, device)
+        begun = time.perf_counter()
+        estimate = arc_review.reconstruct_segment(method, models, segment, device)
+        seconds = time.perf_counter() - begun
+        errors = arc_review.arc_errors(estimate, segment)
+        rows.append({"dataset_id": dataset_id, "pattern": segment.pattern, "first_frame": first, "frames": count,
+                     "method": estimate.method, "seconds": seconds, **errors})
+        arc_review.write_review(segment, estimate, errors, output_dir / f"arc_{dataset_id:03d}.png", run_label)
+    arc_review.write_errors_csv(output_dir / "arcs.csv", rows)
+    columns = (("frames/s", lambda row: f"{row['frames'] / row['seconds']:.2f}"),
+               *((key, lambda row, key=key: f"{row[key]:.3f}") for key in arc_review.ERROR_KEYS))
+    print(format_table(["dataset", "pattern", "method", *(title for title, _ in columns)],
+                       [[str(row["dataset_id"]), row["pattern"], row["method"], *(form(row) for _, form in columns)]
+                        for row in rows]))
+    _stage(f"wrote {len(rows)} arc figures and arcs.csv to {output_dir}; done in {time.perf_counter() - started:.1f} s")
     return 0
 
 

@@ -235,7 +235,7 @@ def evaluate_checkpoints(
     samples = evaluate.synthesise_samples(refs, synthesis, kernel, device)
     seconds = {"synthesis": time.perf_counter() - started}
     with_gamma = evaluate.spread(range(len(samples)), gamma_samples)
-    records, reports = {}, {}
+    records, reports, methods = {}, {}, {}
     for checkpoint in checkpoints:
         started = time.perf_counter()
         predictions = evaluate.predict(checkpoint.models, samples, device)
@@ -250,9 +250,9 @@ def evaluate_checkpoints(
                 rates[name][with_gamma] = rate
         records[checkpoint.name] = evaluate.sample_metrics(samples, predictions, gamma)
         reports[checkpoint.name] = quality.assess(samples, predictions, rates)
+        methods[checkpoint.name] = predictions.reconstruction
         seconds[checkpoint.name] = time.perf_counter() - started
-    return Evaluation(list(samples.refs), synthesis, criteria, len(with_gamma), records, seconds, reports)
-
+    return Evaluation(list(samples.refs), synthesis, criteria, len(with_gamma), records, seconds, reports, methods)
 
 
 # --------------------------------------------------------------------------- the whole comparison
@@ -373,6 +373,7 @@ class Comparison:
             "gamma": evaluation.criteria.describe(),
             "gamma_samples": evaluation.gamma_samples,
             "seconds": evaluation.seconds,
+            "reconstruction": evaluation.reconstruction,
             "metrics": self.summaries,
             "quality": {name: report.to_dict() for name, report in evaluation.quality.items()},
         }

@@ -82,6 +82,8 @@ class Evaluation:
     seconds: dict[str, float]
     quality: dict[str, Any] = field(default_factory=dict)
     """``epid.quality.QualityReport`` per checkpoint (gamma on the gamma samples only)."""
+    reconstruction: dict[str, str] = field(default_factory=dict)
+    """How each checkpoint's control points were reconstructed (``epid.reconstruct.METHODS``)."""
 
     def summary(self, name: str) -> dict[str, dict[str, float]]:
         """``group -> metric -> value`` for ``"all"`` and each pattern: the means (and
@@ -158,8 +160,10 @@ def history_table(history: Mapping[str, Mapping[str, float]], ranked: Mapping[st
 def evaluation_title(evaluation: Evaluation) -> str:
     """What was evaluated, in one line."""
     datasets = len({ref.dataset_id for ref in evaluation.refs})
+    methods = ", ".join(f"{name} {method}" for name, method in evaluation.reconstruction.items())
     return (f"Evaluation on {len(evaluation.refs)} validation samples of {datasets} datasets "
-            f"(gamma {evaluation.criteria.describe()} on {evaluation.gamma_samples} of them)")
+            f"(gamma {evaluation.criteria.describe()} on {evaluation.gamma_samples} of them; "
+            f"control points reconstructed by: {methods or 'network'})")
 
 
 def evaluation_tables(evaluation: Evaluation, summaries: Mapping[str, Any], ranked: Mapping[str, Any]) -> str:

@@ -522,3 +522,75 @@ def quality_figure(runs: Mapping[str, Mapping[str, Any]], title: str) -> Figure:
         axes.grid(True, alpha=0.3)
         axes.legend(fontsize=8)
     return figure
+
+
+# --------------------------------------------------------------------------- whole arcs
+
+ARC_FIGSIZE = (17.0, 13.0)
+ARC_ERROR_LIMIT_MM = 2.0
+ARC_TRACKED_LEAVES = 3
+ARC_LEAF_COLOURS = ("tab:blue", "tab:orange", "tab:purple")
+
+
+def arc_figure(control_points: np.ndarray, true: Mapping[str, np.ndarray], reconstructed: Mapping[str, np.ndarray],
+               band: np.ndarray, title: str, labels: tuple[str, str] = ("true", "reconstructed")) -> Figure:
+    """A reconstructed arc at a glance.
+
+    ``control_points`` (N,) numbers the control points; ``true`` and ``reconstructed`` map
+    leaf_a, leaf_b (N, 52), jaw_1, jaw_2 (N,) in mm and mu (N,) in MU; ``band`` (N, 52) marks the
+    leaves inside the jaws (the scored ones). Top: signed leaf error (reconstructed - true) per
+    leaf and control point for each bank, leaves outside the jaws grey, colours saturating at
+    +-2 mm; middle: trajectories of the three in-band leaves of each bank with the largest error;
+    bottom: jaws and MU along the arc. ``labels`` names the two sources in the legends.
+    """
+    figure = new_figure(ARC_FIGSIZE)
+    figure.suptitle(title, fontsize=13)
+    grid = figure.subplots(3, 2, height_ratios=(1.3, 1.0, 0.8))
+    extent = (control_points[0] - 0.5, control_points[-1] + 0.5, LEAF_EDGES_MM[0], LEAF_EDGES_MM[-1])
+    colours = colormaps["RdBu_r"].copy()
+    colours.set_bad("0.8")
+    for column, bank in enumerate(("leaf_a", "leaf_b")):
+        error = np.where(band, reconstructed[bank] - true[bank], np.nan)
+        image = grid[0, column].imshow(np.ma.masked_invalid(error.T), origin="lower", aspect="auto", extent=extent,
+                                       cmap=colours, vmin=-ARC_ERROR_LIMIT_MM, vmax=ARC_ERROR_LIMIT_MM,
+                                       interpolation="nearest")
+        scored = np.abs(error[band])
+        within = 100 * float((scored <= 1).mean()) if scored.size else math.nan
+        grid[0, column].set_title(f"bank {bank[-1].upper()}: {labels[1]} - {labels[0]} (mm); in-band MAE "
+                                  f"{scored.mean() if scored.size else math.nan:.2f} mm, {within:.1f} % within 1 mm",
+                                  fontsize=11)
+        grid[0, column].set_xlabel("control point")
+        grid[0, column].set_ylabel("leaf pair centre y (mm)")
+        figure.colorbar(image, ax=grid[0, column], shrink=0.9, label="mm (grey: outside the jaws)")
+        _trajectory_panel(grid[1, column], control_points, true[bank], reconstructed[bank], error, bank, labels)
+    for name, colour in (("jaw_1", "tab:green"), ("jaw_2", "tab:olive")):
+        grid[2, 0].plot(control_points, true[name], color=colour, linestyle="-", label=f"{name} {labels[0]}")
+        grid[2, 0].plot(control_points, reconstructed[name], color=colour, linestyle="--", label=f"{name} {labels[1]}")
+    grid[2, 0].set_title("jaws (mm)", fontsize=11)
+    grid[2, 1].plot(control_points, true["mu"], **TARGET_STYLE, label=labels[0])
+    grid[2, 1].plot(control_points, reconstructed["mu"], **PREDICTED_STYLE, label=labels[1])
+    grid[2, 1].set_title("MU of the frame ending on each control point", fontsize=11)
+    for axes in grid[2]:
+        axes.set_xlabel("control point")
+        axes.legend(fontsize=8, ncol=2)
+        axes.grid(alpha=0.3)
+    return figure
+
+
+def _trajectory_panel(axes: Axes, control_points: np.ndarray, true: np.ndarray, reconstructed: np.ndarray,
+                      error: np.ndarray, bank: str, labels: tuple[str, str]) -> None:
+    """Positions of the in-band leaves of one bank with the largest absolute error, true solid,
+    reconstructed dashed; CPs where a leaf is outside the jaws are left out."""
+    worst = np.argsort(-np.nan_to_num(np.abs(error), nan=-1.0).max(axis=0))[:ARC_TRACKED_LEAVES]
+    for leaf, colour in zip(worst, ARC_LEAF_COLOURS, strict=False):
+        if not np.isfinite(error[:, leaf]).any():
+            continue
+        inside = np.isfinite(error[:, leaf])
+        axes.plot(control_points, np.where(inside, true[:, leaf], np.nan), color=colour, linestyle="-",
+                  label=f"leaf {leaf} {labels[0]}")
+        axes.plot(control_points, np.where(inside, reconstructed[:, leaf], np.nan), color=colour, linestyle="--",
+                  label=f"leaf {leaf} {labels[1]}")
+    axes.set_title(f"bank {bank[-1].upper()}: leaves with the largest error (mm along x)", fontsize=11)
+    axes.set_xlabel("control point")
+    axes.legend(fontsize=8, ncol=2)
+    axes.grid(alpha=0.3)

@@ -19,7 +19,7 @@ from matplotlib.image import imread
 from scipy import stats
 
 import compare_checkpoints
-from epid import compare, compare_report, evaluate, histories, weights_diff
+from epid import compare, compare_report, evaluate, histories, reconstruct, weights_diff
 from epid.checkpoint import (
     FORMAT_VERSION,
     build_models_from_checkpoint,
@@ -225,12 +225,13 @@ def test_checkpoint_against_itself_has_zero_difference_and_identical_metrics(eva
 
 
 def test_evaluation_metrics_match_a_per_sample_reference_loop(runs, evaluated):
-    """Forward MSE/MAE and inverse leaf MAE recomputed sample by sample, unbatched."""
+    """Forward MSE/MAE and the pair-refined inverse leaf MAE recomputed sample by sample, unbatched."""
     a = names_of(evaluated)[0]
     report = evaluated["evaluation"]
     refs = [evaluate.SampleRef(s["dataset_id"], s["sample"], s["pattern"]) for s in report["samples"]]
     assert len(refs) == 6 and {r.pattern for r in refs} == {"regular", "semiregular", "irregular"}
     assert report["gamma_samples"] == 4
+    assert report["reconstruction"] == dict.fromkeys(names_of(evaluated), "pair")
     settings = evaluate.SynthesisSettings(N_CONTROL_POINTS, "", 0.005, 0, {})
     samples = evaluate.synthesise_samples(refs, settings, evaluate.load_synthesis_kernel(
         evaluate.SynthesisSettings(N_CONTROL_POINTS, "", 0.005, 0, {"kernel": "default"})))
@@ -242,7 +243,8 @@ def test_evaluation_metrics_match_a_per_sample_reference_loop(runs, evaluated):
             error = (frame - samples.epid_curr[i:i + 1]).double()
             mse.append(float(error.square().mean()))
             mae.append(float(error.abs().mean()))
-            leaf_a, leaf_b, _, _ = inverse_model(samples.epid_prev[i:i + 1], samples.epid_curr[i:i + 1])
+            leaf_a, leaf_b, _ = reconstruct.pair_estimate(forward_model.eval(), inverse_model.eval(),
+                                                          samples.epid_prev[i:i + 1], samples.epid_curr[i:i + 1])
             leaf.append(float(torch.cat([leaf_a - samples.leaf_a[i], leaf_b - samples.leaf_b[i]], 1).abs().mean()))
     overall = report["metrics"][a]["all"]
     assert overall["forward_mse"] == pytest.approx(np.mean(mse), rel=1e-4)

@@ -38,8 +38,6 @@ SAMPLE_PNG_SIZE = (round(plots.SAMPLE_FIGSIZE[1] * plots.DPI), round(plots.SAMPL
 GAMMA_ARGS = ("--gamma-dose-percent", "60", "--gamma-distance-mm", "4", "--gamma-cutoff-percent", "20")
 
 
-
-
 def history(epochs: int) -> dict:
     """A plausible decreasing history of every loss term."""
     decay = np.exp(-0.4 * np.arange(epochs))
