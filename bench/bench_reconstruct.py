@@ -46,6 +46,13 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--frames", type=int, default=2049, help="frames per arc from its start (default 2049)")
     parser.add_argument("--methods", default=",".join(reconstruct.METHODS),
                         help=f"comma-separated of {', '.join(reconstruct.METHODS)} (default all)")
+    parser.add_argument("--fit", default="", metavar="STEPS,ROUNDS,REFINE",
+                        help="fit settings of pair and arc: descent steps, split rounds, refine steps "
+                             "(default: the inverse model's own)")
+    parser.add_argument("--window", type=int, default=reconstruct.ARC_WINDOW_FRAMES,
+                        help="frames per window of the arc fit (default %(default)s)")
+    parser.add_argument("--overlap", type=int, default=reconstruct.ARC_WINDOW_OVERLAP,
+                        help="frames shared by neighbouring windows (default %(default)s)")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     parser.add_argument("--output", default="", help="also write the figures to this JSON file")
     args = parser.parse_args(argv)
@@ -54,6 +61,17 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--methods {','.join(args.methods)}: expected some of {', '.join(reconstruct.METHODS)}")
     if args.frames < 2:
         parser.error(f"--frames {args.frames}: expected at least 2")
+    if not 2 <= args.window or not 0 <= args.overlap < args.window:
+        parser.error(f"--window {args.window} --overlap {args.overlap}: expected window >= 2 and 0 <= overlap < window")
+    if args.fit:
+        try:
+            args.fit = reconstruct.FitSettings(*(int(part) for part in args.fit.split(",")))
+            if min(args.fit.steps, args.fit.split_rounds, args.fit.refine_steps) < 0:
+                raise ValueError(args.fit)
+        except (TypeError, ValueError):
+            parser.error(f"--fit {args.fit!r}: expected three non-negative integers STEPS,ROUNDS,REFINE")
+    else:
+        args.fit = None
     return args
 
 
@@ -80,6 +98,9 @@ def main(argv: list[str] | None = None) -> int:
     count = min(args.frames, settings.control_points - 1)
     print(f"{PROGRAM}: {count} frames of held-out arcs {arcs} on {device} ({machine(device)}); "
           f"{settings.describe()}", flush=True)
+    fit = args.fit or reconstruct.FitSettings.of(models[1]) if reconstruct.can_refine(*models) else None
+    print(f"fit: {fit or 'none (the pair cannot refine)'}; arc windows of {args.window} frames overlapping by "
+          f"{args.overlap}", flush=True)
     results: dict[str, dict[str, dict[str, float]]] = {}
     for dataset_id in arcs:
         segment = synthesise_segment(dataset_id, 1, count, settings, kernel, device)
@@ -87,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             started = time.perf_counter()
-            estimate = reconstruct_segment(method, models, segment, device)
+            estimate = reconstruct_segment(method, models, segment, device, settings=args.fit, window=args.window,
+                                           overlap=args.overlap)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             seconds = time.perf_counter() - started

@@ -5,6 +5,7 @@ figure per arc and arcs.csv."""
 from __future__ import annotations
 
 import csv
+import json
 import subprocess
 import sys
 
@@ -14,13 +15,15 @@ import torch
 from matplotlib.image import imread
 
 from epid import arc_review
+from epid.checkpoint import save_checkpoint
 from epid.dataset import split_range
 from epid.evaluate import SynthesisSettings
+from epid.families import build_models
 from epid.imaging import render_frames
 from epid.kernel import default_kernel
 from epid.sequences import generate_control_points, leaf_band
 from tests.support import ROOT, clean_environment
-from tests.test_inference import checkpoint_path  # noqa: F401  (fixture)
+from tests.test_inference import checkpoint_path, checkpoint_payload  # noqa: F401  (fixture)
 
 SETTINGS = SynthesisSettings(control_points=12, kernel="", noise_std=0.005, noise_seed=3, sources={})
 
@@ -85,3 +88,22 @@ def test_inference_visualize_arc_writes_a_figure_per_arc_and_the_table(checkpoin
     assert all(np.isfinite(float(row[key])) for row in rows for key in arc_review.ERROR_KEYS)
     image = imread(output / "arc_200.png")
     assert image.shape[:2] == (1300, 1700) and image[..., :3].std() > 0.05
+
+
+def test_bench_reconstruct_reports_every_method_on_held_out_arcs(tmp_path):
+    torch.manual_seed(0)
+    checkpoint = tmp_path / "aperture.pth"
+    save_checkpoint(checkpoint, checkpoint_payload(*build_models("tiny", "aperture")))
+    output = tmp_path / "reconstruct.json"
+    command = [sys.executable, "-m", "bench.bench_reconstruct", "--checkpoint", str(checkpoint), "--frames", "3",
+               "--fit", "2,1,1", "--window", "2", "--overlap", "1", "--device", "cpu", "--output", str(output)]
+    result = subprocess.run(command, cwd=ROOT, check=False, capture_output=True, text=True, env=clean_environment(),
+                            timeout=300)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(output.read_text())
+    assert report["arcs"] == [2, 82, 162]  # one held-out (2 mod 4) arc of each pattern
+    assert set(report["summary"]) == {"network", "pair", "arc"}
+    for figures in report["summary"].values():
+        assert figures["frames_per_second"] > 0 and figures["leaves"] > 0
+        assert 0 <= figures["within_1mm"] <= 100 and np.isfinite(figures["leaf_mae_mm"])
+    assert "fit: FitSettings(steps=2, split_rounds=1, refine_steps=1)" in result.stdout
