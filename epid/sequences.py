@@ -128,6 +128,15 @@ def leaf_band(jaw_1: np.ndarray, jaw_2: np.ndarray) -> tuple[np.ndarray, np.ndar
     return lo.astype(np.int64), hi.astype(np.int64)
 
 
+def leaf_weights(jaw_1: np.ndarray, jaw_2: np.ndarray) -> np.ndarray:
+    """Leaf weights (N, 52) float32 for jaws (N,) in mm: 1.0 for leaves in [lo - 2, hi + 2) of the
+    open band (``leaf_band``), else 0.5."""
+    lo, hi = leaf_band(jaw_1, jaw_2)
+    leaf = np.arange(NUM_LEAF_PAIRS)
+    shaping = (leaf >= lo[:, None] - EDGE_COPY_LEAVES) & (leaf < hi[:, None] + EDGE_COPY_LEAVES)
+    return np.where(shaping, 1.0, 0.5).astype(np.float32)
+
+
 def generate_control_points(dataset_id: int, n_control_points: int = DEFAULT_CONTROL_POINTS) -> ControlPoints:
     """The N control points of a dataset ID, deterministic per ID (numpy Generator seeded by ``seed_for``)."""
     if n_control_points < 1:
@@ -143,15 +152,14 @@ def generate_control_points(dataset_id: int, n_control_points: int = DEFAULT_CON
     shown_values = np.take_along_axis(field, np.maximum(shown, 0)[:, None, :], axis=2)
     leaves = np.where(shown[:, None, :] >= 0, shown_values, _PARKED[None, :, None])
     mu = rng.integers(round(MU_RANGE[0] * _TENTHS), round(MU_RANGE[1] * _TENTHS) + 1, size=n_control_points)
-    leaf = np.arange(NUM_LEAF_PAIRS)
-    shaping = (leaf >= lo[:, None] - EDGE_COPY_LEAVES) & (leaf < hi[:, None] + EDGE_COPY_LEAVES)
+    jaw_1, jaw_2 = _read_only_mm(jaws[:, 0]), _read_only_mm(jaws[:, 1])
     return ControlPoints(
         leaf_a=_read_only_mm(leaves[:, 0]),
         leaf_b=_read_only_mm(leaves[:, 1]),
-        jaw_1=_read_only_mm(jaws[:, 0]),
-        jaw_2=_read_only_mm(jaws[:, 1]),
+        jaw_1=jaw_1,
+        jaw_2=jaw_2,
         mu=_read_only_mm(mu),
-        leaf_weight=_read_only(np.where(shaping, 1.0, 0.5).astype(np.float32)),
+        leaf_weight=_read_only(leaf_weights(jaw_1, jaw_2)),
         dataset_id=int(dataset_id),
         pattern=pattern,
     )
