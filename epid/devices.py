@@ -2,13 +2,14 @@
 
 ``resolve_device`` reads every device request (EPID_DEVICE for training, ``--device`` of the
 entry scripts, the ``device`` arguments of the library) the same way; ``choose_precision``
-turns EPID_PRECISION into the autocast dtype of a device and says why (``auto`` reads the
-CPU's features, ``cpu_features``).
+turns EPID_PRECISION into the autocast dtype of a device and says why (training times ``auto``
+on the CPU: ``epid.precision``, which keys its cache with ``cpu_model`` and ``cpu_features``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import platform
 from dataclasses import dataclass
 
 import torch
@@ -82,6 +83,19 @@ class CpuFeatures:
         return ", ".join(flags)
 
 
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``; the platform's processor name elsewhere)."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name":
+                    return value.strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def cpu_features() -> CpuFeatures:
     """This machine's CPU features, as torch detects them."""
     return CpuFeatures(amx_tiles=torch.cpu._is_amx_tile_supported(),
@@ -107,12 +121,10 @@ PRECISION_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16:
 def choose_precision(spec: str, device: torch.device) -> PrecisionChoice:
     """The autocast dtype EPID_PRECISION (auto|bf16|fp16|fp32) gives on ``device``, with the reason.
 
-    ``auto`` picks what trains fastest on the machine. On CUDA: bfloat16 where the GPU supports
-    it, else float32. On the CPU: bfloat16 only with AMX tiles, float32 otherwise. Measured
-    training steps of the full models at batch 8: with AMX bf16 was 1.4x fp32 (16.0 against
-    11.3 samples/s); on a CPU with AVX-512 BF16 but no AMX, bf16 was 0.77x (10.8 against 14.1,
-    models side by side; the bf16 matmul peak half the fp32 one); on AVX2 bf16 is emulated.
-    Raises InputError for bf16 on a GPU without it.
+    ``auto`` on CUDA: bfloat16 where the GPU supports it, else float32. On the CPU no feature
+    flag tells which trains faster, so without a run to time ``auto`` is float32 here; training
+    times its own steps in both (``epid.precision.choose_run_precision``). Raises InputError for
+    bf16 on a GPU without it.
     """
     if spec == "bf16":
         if device.type == "cuda" and not torch.cuda.is_bf16_supported():
@@ -126,10 +138,8 @@ def choose_precision(spec: str, device: torch.device) -> PrecisionChoice:
         if torch.cuda.is_bf16_supported():
             return PrecisionChoice(torch.bfloat16, f"auto: {name} has bfloat16")
         return PrecisionChoice(torch.float32, f"auto: {name} has no bfloat16")
-    features = cpu_features()
-    if features.amx_tiles:
-        return PrecisionChoice(torch.bfloat16, f"auto: the CPU has AMX tiles ({features.text()}); bf16 trains faster")
-    return PrecisionChoice(torch.float32, f"auto: the CPU has no AMX tiles ({features.text()}); fp32 trains faster")
+    return PrecisionChoice(torch.float32, "auto: fp32 on the CPU without a run to time (training times bf16 against "
+                                          "fp32 at its start)")
 
 
 def resolve_precision(spec: str, device: torch.device) -> torch.dtype:

@@ -4,9 +4,11 @@
 so bad input exits with status 2 before any rank starts, then runs ``run_rank`` on every rank
 (``epid.distributed``).
 
-A rank (``Trainer``) builds its models (or rebuilds them from the checkpoint it resumes), the
-AdamW optimizer, the learning-rate schedule (``epid.schedule``) and its data
-(``epid.rank_data``), then runs epochs:
+A rank (``Trainer``) takes the run's autocast precision (``epid.precision``: with
+EPID_PRECISION=auto on the CPU, rank 0 times training steps in fp32 and bf16, once per machine
+and run shape, and every rank takes its choice), builds its models (or rebuilds them from the
+checkpoint it resumes), the AdamW optimizer, the learning-rate schedule (``epid.schedule``) and
+its data (``epid.rank_data``), then runs epochs:
 
 * training, one optimizer step at a time (``train_epoch``): set the step's learning rate;
   for each of its EPID_GRAD_ACCUM batches fetch the batch, run both models, compute the loss
@@ -14,7 +16,8 @@ AdamW optimizer, the learning-rate schedule (``epid.schedule``) and its data
   in one small all-reduce, whether any rank saw a non-finite loss (then every rank skips the
   step) and whether any rank received SIGINT / SIGTERM or reached EPID_TIME_LIMIT (then every
   rank stops after the step and rank 0 writes a checkpoint that resumes mid-epoch); take the
-  optimizer step (``epid.optimizer``: gradients clipped with EPID_GRAD_CLIP);
+  optimizer step (``epid.optimizer``: gradients clipped with EPID_GRAD_CLIP); the pass's sums,
+  stop rules and resume point are ``epid.train_pass``'s;
 * validation: each validation window of the rank once (no collectives inside), and the
   forward model's gamma pass rate (3 %/3 mm global, 10 % cutoff) on a fixed set of
   EPID_GAMMA_SAMPLES validation samples spread over the selected datasets;
@@ -22,7 +25,7 @@ AdamW optimizer, the learning-rate schedule (``epid.schedule``) and its data
   counts, gamma sums, step counts and stop flags; rank 0 decides early stopping and
   broadcasts it, writes the checkpoint(s) (``epid.run_state``), ``metrics.csv``,
   ``losses.png`` and the TensorBoard events (EPID_TENSORBOARD), and prints the epoch line
-  (``epid.progress``).
+  (``epid.progress``). Rank 0 prints the run's messages (``epid.run_report``).
 
 Placement of the models (``ModelRunner``): DistributedDataParallel across ranks; on a single
 CPU rank with two or more threads, the forward and inverse models side by side on their own
@@ -35,7 +38,6 @@ import contextlib
 import functools
 import math
 import os
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -43,28 +45,26 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 from epid import distributed, metrics_log, preflight, side_by_side
 from epid.checkpoint import best_path, build_models_from_checkpoint, load_checkpoint, save_checkpoint
-from epid.config import Config, describe, rank_report
-from epid.devices import choose_precision
+from epid.config import Config, describe
 from epid.distributed import RankContext, StopSignal
 from epid.families import CrossModel, build_models
 from epid.files import remove_stale_temporaries
 from epid.losses import LOSS_TERMS, batch_losses
 from epid.optimizer import build_optimizer, optimizer_step
-from epid.progress import IterationTimer, ProgressDisplay, TimingReport, clock_text, epoch_line
+from epid.precision import agreed_precision
+from epid.progress import IterationTimer, ProgressDisplay, TimingReport, epoch_line
 from epid.rank_data import RankData
+from epid.run_report import RunReport
 from epid.run_state import RunState, capture_run_state, restore_run_state, seed_rngs
 from epid.schedule import Schedule, ScheduleConfig
 from epid.tensorboard_log import FRAMES, TensorBoardLog
+from epid.train_pass import NUM_TERMS, StopRules, TrainPass, interrupted_record, pass_values, resumed_pass
 from epid.validation import Validation
-
-NUM_TERMS = len(LOSS_TERMS)
-
 
 EpochObserver = Callable[[int, nn.Module, nn.Module, int], None]
 """Called on rank 0 after each epoch's checkpoint: (epoch, forward model, inverse model, training
@@ -120,20 +120,6 @@ def run_rank(context: RankContext, config: Config, observer: EpochObserver | Non
 
 
 @dataclass
-class TrainPass:
-    """What one rank's training pass of an epoch leaves: device sums and host counters."""
-
-    sums: Tensor
-    samples: Tensor
-    seconds: float = 0.0
-    steps: int = 0
-    nonfinite_steps: int = 0
-    batches_done: int = 0
-    interrupted: bool = False
-    aborted: bool = False
-
-
-@dataclass
 class EpochTotals:
     """Epoch figures over all ranks (after the all-reduce)."""
 
@@ -185,12 +171,12 @@ class Trainer:
 
     def __init__(self, context: RankContext, config: Config, stop: StopSignal,
                  observer: EpochObserver | None = None) -> None:
-        started = time.perf_counter()
+        self.stops = StopRules(stop, config.time_limit, context.device)  # the time limit counts from here
         self.observer = observer
-        self.deadline = started + 60.0 * config.time_limit if config.time_limit else None
-        self.context, self.config, self.stop = context, config, stop
+        self.context, self.config = context, config
         self.device, self.is_main = context.device, context.is_main
-        self.precision = choose_precision(config.precision, self.device)
+        self.report = RunReport(config, context)
+        self.precision = agreed_precision(config, context)
         self.amp_dtype = self.precision.dtype
         self.stopped_by = ""  # the stop line's start once a signal or the time limit stopped an epoch
         if self.device.type == "cuda":
@@ -226,7 +212,7 @@ class Trainer:
                 self.board.close()
 
     def _run_epochs(self) -> int:
-        self._print_start()
+        self.report.start(self.data, self.state.window_cursor, self.precision, self.runner.side_by_side)
         if self.is_main:
             self.metrics.restart(self.state.history)
         started = time.perf_counter()
@@ -234,27 +220,27 @@ class Trainer:
             epoch_started = time.perf_counter()
             train = self.train_epoch(epoch)
             if train.aborted:
-                return self._abort_nonfinite(epoch)
+                self.report.nonfinite_stop(epoch, self.state.epoch)
+                distributed.barrier()
+                return 1
             if train.interrupted:
                 self._save_interrupted(epoch, train)
                 distributed.barrier()
                 return 0
             val_sums, val_samples, gamma = self.validation.run(self.runner.evaluate, epoch)
-            totals = reduce_epoch(train, val_sums, val_samples, gamma, self.context, self.stop.requested,
-                                  self._time_up())
+            totals = reduce_epoch(train, val_sums, val_samples, gamma, self.context, self.stops.signal.requested,
+                                  self.stops.time_up())
             stop_early = self._decide_early_stop(epoch, totals)
             self._finish_epoch(epoch, train, totals, time.perf_counter() - epoch_started)
             if totals.stop_requested or totals.time_up:
-                self._print_stop(epoch, self._stopped_by(totals.stop_requested))
+                self.report.stopped(epoch, self.stops.stopped_by(totals.stop_requested))
                 distributed.barrier()
                 return 0
             if stop_early:
-                self._print_stop(epoch, None)
+                self.report.early_stop(epoch, self.state)
                 break
         distributed.barrier()
-        if self.is_main:
-            print(f"Training finished after {self.state.epoch} epoch(s) in {clock_text(time.perf_counter() - started)}"
-                  f"; best validation loss {self.state.best_val_loss:.4e} at epoch {self.state.best_epoch}", flush=True)
+        self.report.finished(self.state, time.perf_counter() - started)
         return 0
 
     # ----------------------------------------------------------------- training
@@ -262,14 +248,17 @@ class Trainer:
     def train_epoch(self, epoch: int) -> TrainPass:
         """The optimizer steps of ``epoch`` (from where an interrupted run stopped)."""
         config, accum = self.config, self.config.grad_accum
-        result = self._resume_point(epoch)
+        saved, self.state.interrupted = self.state.interrupted, None
+        result, note = resumed_pass(saved, epoch, self.data.plan(), self.context.rank, accum, self.data.batches,
+                                    self.device)
+        self.report.say(note)
         batches = self.data.train_batches(epoch, self.state.window_cursor, result.batches_done)
         self.model.train()
         report = TimingReport("train", epoch, self.data.steps, "step", config, self.is_main)
         timer = IterationTimer(self.device, report, done=result.steps)
         epoch_seconds = self.state.history["epoch_s"][-1] if self.state.history["epoch_s"] else None
         progress = ProgressDisplay(epoch, self.data.steps, result.steps, config, self.is_main, epoch_seconds,
-                                   self.deadline)
+                                   self.stops.deadline)
         consecutive, started = 0, time.perf_counter()
         for step in range(result.steps, self.data.steps):
             timer.start()
@@ -283,13 +272,11 @@ class Trainer:
                 timer.computed()
                 sums += torch.stack([losses[term].detach() for term in LOSS_TERMS]) * len(batch)
                 samples += len(batch)
-            nonfinite, signalled, time_up = self._agree(sums[0])
+            nonfinite, signalled, time_up = self.stops.agree(sums[0])
             if nonfinite:
                 consecutive += 1
                 result.nonfinite_steps += 1
-                if self.is_main:
-                    print(f"epoch {epoch} step {step + 1}: non-finite loss on some rank, step skipped "
-                          f"({consecutive} in a row)", flush=True)
+                self.report.skipped_step(epoch, step + 1, consecutive)
             else:
                 optimizer_step(self.optimizer, self.scaler, config.grad_clip)
                 consecutive = 0
@@ -302,57 +289,13 @@ class Trainer:
             result.aborted = consecutive >= config.max_nonfinite_steps
             result.interrupted = signalled or time_up
             if result.interrupted:
-                self.stopped_by = self._stopped_by(signalled)
+                self.stopped_by = self.stops.stopped_by(signalled)
             if result.aborted or result.interrupted:
                 break
         timer.finish()
         progress.close()
         result.seconds += time.perf_counter() - started
         return result
-
-    def _agree(self, step_total: Tensor) -> tuple[bool, bool, bool]:
-        """Whether any rank saw a non-finite loss this step, whether any rank received a stop
-        signal, and whether any rank reached EPID_TIME_LIMIT."""
-        flags = torch.stack([(~torch.isfinite(step_total)).float(),
-                             torch.full((), float(self.stop.requested), device=self.device),
-                             torch.full((), float(self._time_up()), device=self.device)])
-        distributed.all_reduce(flags, dist.ReduceOp.MAX)
-        nonfinite, signalled, time_up = flags.tolist()
-        return nonfinite > 0, signalled > 0, time_up > 0
-
-    def _time_up(self) -> bool:
-        """Whether this rank has run for EPID_TIME_LIMIT."""
-        return self.deadline is not None and time.perf_counter() >= self.deadline
-
-    def _stopped_by(self, signalled: bool) -> str:
-        """What stopped the run, for the stop line: this rank's signal, another rank's, or the time limit."""
-        if self.stop.requested:
-            return f"Stopped by {self.stop.name}"
-        if signalled:
-            return "Stopped by a signal on another rank"
-        return f"Stopped: time limit of {self.config.time_limit:g} min reached"
-
-    def _resume_point(self, epoch: int) -> TrainPass:
-        """A fresh training pass, or the one an interrupted run left in ``epoch`` (this rank's sums)."""
-        fresh = TrainPass(sums=torch.zeros(NUM_TERMS, device=self.device), samples=torch.zeros((), device=self.device))
-        saved, self.state.interrupted = self.state.interrupted, None
-        if not saved or saved.get("epoch") != epoch:
-            return fresh
-        if saved.get("plan") != self.data.plan():
-            if self.is_main:
-                print(f"Epoch {epoch} was interrupted under another batch plan; it restarts from its first batch",
-                      flush=True)
-            return fresh
-        rank = self.context.rank
-        fresh.sums += torch.tensor(saved["rank_train_sums"][rank], device=self.device)
-        fresh.samples += float(saved["rank_train_samples"][rank])
-        if self.is_main:
-            print(f"Epoch {epoch} continues after batch {saved['batches_done']}/{self.data.batches}", flush=True)
-        fresh.seconds = float(saved.get("train_seconds", 0.0))
-        fresh.batches_done = int(saved["batches_done"])
-        fresh.steps = fresh.batches_done // self.config.grad_accum
-        fresh.nonfinite_steps = int(saved.get("nonfinite_steps", 0))
-        return fresh
 
     # ----------------------------------------------------------------- epoch end
 
@@ -395,7 +338,7 @@ class Trainer:
         self.metrics.plot(history, self.state.best_epoch)
         if self.board is not None:
             self.board.epoch(epoch, record, self.validation.frames)
-        print(epoch_line(epoch, self.config.epochs, record, self.device, self.new_best), flush=True)
+        self.report.say(epoch_line(epoch, self.config.epochs, record, self.device, self.new_best))
         if self.observer is not None:
             seen = int(sum(count for count in history["train_samples"] if math.isfinite(count)))
             self.observer(epoch, self.model.forward_model, self.model.inverse_model, seen)
@@ -404,83 +347,16 @@ class Trainer:
     def _save_interrupted(self, epoch: int, train: TrainPass) -> None:
         """Checkpoint of a signal-stopped epoch: weights now, history up to the last full epoch, and
         every rank's loss sums so far (each rank goes on adding to its own, as without the stop)."""
-        packed = distributed.gather_objects(torch.cat([train.sums, train.samples.view(1)]).tolist())
+        rank_values = distributed.gather_objects(pass_values(train))
         if not self.is_main:
             return
-        self.state.interrupted = {
-            "epoch": epoch, "batches_done": train.batches_done,
-            "rank_train_sums": [values[:NUM_TERMS] for values in packed],
-            "rank_train_samples": [values[NUM_TERMS] for values in packed], "train_seconds": train.seconds,
-            "nonfinite_steps": train.nonfinite_steps, "plan": self.data.plan(),
-        }
+        self.state.interrupted = interrupted_record(epoch, train, rank_values, self.data.plan())
         save_checkpoint(self.config.checkpoint_path, self._payload())
-        print(f"{self.stopped_by} in epoch {epoch} after optimizer step {train.steps}/{self.data.steps}; checkpoint "
-              f"{self.config.checkpoint_path} written; resume with EPID_RESUME=1", flush=True)
+        self.report.interrupted(self.stopped_by, epoch, train.steps, self.data.steps)
 
     def _payload(self) -> dict[str, Any]:
         return capture_run_state(self.model, self.optimizer, self.scaler, self.schedule, self.state, self.config,
                                  self.context.world_size)
-
-    # ----------------------------------------------------------------- messages
-
-    def _print_start(self) -> None:
-        config, context = self.config, self.context
-        if self.is_main:
-            print(f"Resolved configuration:\n{describe(config)}\nDataset IDs per rank:\n{rank_report(config)}",
-                  flush=True)
-            print(self._plan_text(), flush=True)
-        threads = f"{context.threads} thread(s)"
-        if self.runner.side_by_side is not None:
-            threads += " (forward and inverse models side by side on {} + {})".format(*self.runner.side_by_side.threads)
-        line = (
-            f"rank {context.rank}/{context.world_size} (local {context.local_rank}): pid {os.getpid()}, "
-            f"device {self.device}, backend {context.backend or 'none'}, {threads}, "
-            f"precision {self.precision.name} ({self.precision.reason}), {len(self.data.dataset_ids)} dataset(s), "
-            f"{len(self.data.train_windows)} training and {len(self.data.val_windows)} validation window(s), "
-            f"{len(self.data.gamma_items)} gamma sample(s)"
-        )
-        lines = distributed.gather_objects(line)  # printed together by rank 0: one block, never interleaved
-        if self.is_main:
-            print("\n".join(lines), flush=True)
-
-    def _plan_text(self) -> str:
-        """How many steps an epoch takes, which windows it trains on and validates, what stops the run."""
-        config, data = self.config, self.data
-        lines = [f"Every rank takes {data.steps} optimizer step(s) of {config.grad_accum} batch(es) per epoch"]
-        if data.capped:
-            lines[0] += (f" (EPID_STEPS_PER_EPOCH): each epoch goes on through the rank's batch windows where the one "
-                         f"before stopped, from position {self.state.window_cursor}")
-        else:
-            lines[0] += " (the largest rank share; ranks with fewer batch windows repeat their first windows)"
-        if config.val_steps:
-            lines.append(f"Validation on a fixed set of {config.val_steps} batch window(s) spread over the selected "
-                         "datasets (EPID_VAL_STEPS)")
-        if config.time_limit:
-            lines.append(f"Training stops after the step that reaches {config.time_limit:g} min (EPID_TIME_LIMIT), "
-                         "with a checkpoint to resume from")
-        return "\n".join(lines)
-
-    def _print_stop(self, epoch: int, stopped_by: str | None) -> None:
-        """The stop line: after a signal or the time limit (``stopped_by``), or an early stop (None)."""
-        if not self.is_main:
-            return
-        if stopped_by:
-            print(f"{stopped_by} after epoch {epoch}; checkpoint {self.config.checkpoint_path} written; resume with "
-                  "EPID_RESUME=1", flush=True)
-        else:
-            print(f"Early stop after epoch {epoch}: no new best validation loss for {self.config.early_stop_patience} "
-                  f"epoch(s) (best {self.state.best_val_loss:.4e} at epoch {self.state.best_epoch})", flush=True)
-
-    def _abort_nonfinite(self, epoch: int) -> int:
-        if self.is_main:
-            kept = self.state.epoch
-            where = (f"the checkpoint of epoch {kept} at {self.config.checkpoint_path} is kept" if kept
-                     else "no checkpoint was written")
-            print(f"Training stopped in epoch {epoch}: {self.config.max_nonfinite_steps} consecutive optimizer steps "
-                  f"had a non-finite loss (EPID_MAX_NONFINITE_STEPS); {where}. Try a lower EPID_LR or "
-                  "EPID_PRECISION=fp32.", file=sys.stderr, flush=True)
-        distributed.barrier()
-        return 1
 
 
 def reduce_epoch(train: TrainPass, val_sums: Tensor, val_samples: Tensor, gamma: tuple[Tensor, Tensor],

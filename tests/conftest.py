@@ -1,5 +1,6 @@
-"""Suite-wide set-up: tests never see the EPID_* variables of the shell that runs them, and run
-torch on one intra-op thread, as their subprocesses do (``tests.support.clean_environment``)."""
+"""Suite-wide set-up: tests never see the EPID_* variables of the shell that runs them, run
+torch on one intra-op thread, as their subprocesses do (``tests.support.clean_environment``), and
+keep the user's cache folder (the precision timings of ``epid.precision``) out of reach."""
 
 import os
 
@@ -22,3 +23,18 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def private_cache_folder(tmp_path_factory):
+    """XDG_CACHE_HOME (and LOCALAPPDATA on Windows) of this process and its subprocesses: a fresh
+    folder of the session, so that no test reads or writes the user's own cache."""
+    folder = str(tmp_path_factory.mktemp("user_cache"))
+    before = {name: os.environ.get(name) for name in ("XDG_CACHE_HOME", "LOCALAPPDATA")}
+    os.environ.update(XDG_CACHE_HOME=folder, LOCALAPPDATA=folder)
+    yield
+    for name, value in before.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value

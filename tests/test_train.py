@@ -189,11 +189,12 @@ def test_metrics_csv_rows_and_plot(tmp_path):
 
 @pytest.fixture(scope="module")
 def two_rank_run(tmp_path_factory):
-    """A finished 2-rank spawn run of 2 epochs, 2 batches per optimizer step, shuffled batch order;
-    (checkpoint path, completed process)."""
-    checkpoint = tmp_path_factory.mktemp("two_rank") / "epid.pth"
+    """A finished 2-rank spawn run of 2 epochs, 2 batches per optimizer step, shuffled batch order,
+    with an empty cache folder (EPID_PRECISION=auto times its steps); (checkpoint path, completed process)."""
+    folder = tmp_path_factory.mktemp("two_rank")
+    checkpoint = folder / "epid.pth"
     result = run_script(run_env(checkpoint, EPID_WORLD_SIZE="2", EPID_EPOCHS="2", EPID_GRAD_ACCUM="2",
-                                EPID_BATCH_ORDER="shuffled"))
+                                EPID_BATCH_ORDER="shuffled", XDG_CACHE_HOME=str(folder / "cache")))
     assert result.returncode == 0, result.stdout + result.stderr
     return checkpoint, result
 
@@ -266,7 +267,18 @@ def test_resume_from_module_prefixed_checkpoint_on_another_world_size(two_rank_r
     assert [int(r["epoch"]) for r in rows] == [1, 2, 3]
 
 
-def test_restored_trainer_holds_the_saved_weights_optimizer_and_schedule(two_rank_run, tmp_path):
+def test_rank_zero_times_the_auto_precision_and_every_rank_takes_its_choice(two_rank_run):
+    checkpoint, result = two_rank_run
+    assert result.stdout.count("EPID_PRECISION=auto: timing fp32 against bf16 on this CPU (legacy tiny models, "
+                               "batch 4, 1 thread(s))") == 1
+    lines = re.findall(r"^rank (\d)/2 .*, precision (\w+) \((auto: .*)\), \d+ dataset", result.stdout, re.MULTILINE)
+    assert [rank for rank, _, _ in lines] == ["0", "1"] and lines[0][1:] == lines[1][1:]
+    assert re.search(r"per .+: fp32 [\d.]+ ms, bf16 [\d.]+ ms; .*; timed now, cached in ", lines[0][2])
+    assert (checkpoint.parent / "cache" / "epid" / "precision.json").is_file()
+
+
+def test_restored_trainer_holds_the_saved_weights_optimizer_and_schedule(two_rank_run, tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # EPID_PRECISION=auto times its steps
     source, _ = two_rank_run
     checkpoint = tmp_path / "epid.pth"
     shutil.copy(source, checkpoint)
