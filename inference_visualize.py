@@ -15,22 +15,39 @@ quality.json say which was used. --arc reconstructs --arc-frames consecutive fra
 arc instead (epid.reconstruct) and draws arc_<id>.png: the leaf error per leaf and control
 point, the trajectories of the worst leaves, jaws and MU; arcs.csv holds the figures.
 
+Real plans and images (DICOM): --plan predicts every frame of an RT Plan's beam (--beam N when
+the plan has several treatment beams) and draws plan_frames.png; --export-frames writes the
+prediction as a multi-frame RT Image. With --frames (RT Images of the delivery, one frame per
+control-point interval) it also writes the delivery QA report (epid.plan_qa): gamma per frame
+(3 %/2 mm and 2 %/2 mm), the control points reconstructed from the measured frames (--reconstruction,
+default arc) against the plan, TG-218 and TG-142 pass/fail, qa_summary.json, qa_frames.csv,
+qa_leaves.csv and figures. Without --plan, --export-plan and --export-frames write the synthetic
+arc of one dataset ID (--dataset-ids N) as an RT Plan and its synthesised frames as an RT Image.
+Frames are in the collimator's frame (x along the leaves' travel).
+
 Examples:
 
   bash:        python inference_visualize.py --checkpoint runs/a/epid.pth --dataset-range 0:640:80
   PowerShell:  python .\\inference_visualize.py --checkpoint runs\\a\\epid.pth --dataset-ids 0,80,160
   whole arcs:  python inference_visualize.py --checkpoint runs/a/epid.pth --arc --arc-frames 64
+  a plan:      python inference_visualize.py --checkpoint runs/a/epid.pth --plan RP.dcm --frames RI.dcm
+  export:      python inference_visualize.py --dataset-ids 5 --export-plan arc5.dcm --export-frames arc5_frames.dcm
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
 
 from epid.cli import prepare_output_dir, run_main
 from epid.config import Config, load_config
@@ -40,6 +57,9 @@ from epid.gamma import GammaCriteria, gamma_maps
 from epid.sequences import NUM_DATASETS, PATTERNS, pattern_for
 from epid.sharding import select_dataset_ids
 from epid.tables import format_table
+
+if TYPE_CHECKING:
+    from epid.dicom_plan import PlanBeam
 
 PROGRAM = "inference_visualize.py"
 PROGRESS_BAR_MIN_ITEMS = 8
@@ -71,7 +91,7 @@ def parse_arguments(argv: Sequence[str] | None, config: Config) -> argparse.Name
     parser.add_argument("--reconstruction", choices=("network", "pair", "arc"), default=None,
                         help="how control points are reconstructed from the frames: the inverse network alone, "
                              "refined per frame pair, or refined jointly over consecutive frames "
-                             "(default: pair for samples, arc with --arc)")
+                             "(default: pair for samples, arc with --arc and --plan)")
     parser.add_argument("--arc", action="store_true",
                         help="instead of single samples, reconstruct --arc-frames consecutive frames of each "
                              "selected arc (one arc of each pattern when no datasets are named) and draw the leaf "
@@ -80,6 +100,20 @@ def parse_arguments(argv: Sequence[str] | None, config: Config) -> argparse.Name
                         help="frames per arc with --arc, from the start of --split (default %(default)s)")
     parser.add_argument("--output-dir", default="inference_output", metavar="DIR",
                         help="folder for the PNGs and summary.csv (default %(default)s)")
+    dicom = parser.add_argument_group("real plans and images (DICOM)")
+    dicom.add_argument("--plan", metavar="PLAN.dcm",
+                       help="predict every frame of this RT Plan's beam (plan_frames.png); with --frames, the "
+                            "delivery QA report")
+    dicom.add_argument("--beam", type=_positive_int, metavar="N",
+                       help="beam number in --plan (needed when the plan has several treatment beams)")
+    dicom.add_argument("--frames", nargs="+", metavar="RTIMAGE",
+                       help="measured frames of the delivery of --plan: RT Images, one frame per control-point "
+                            "interval (single-frame files or multi-frame ones)")
+    dicom.add_argument("--export-plan", metavar="FILE",
+                       help="write the synthetic arc of the one selected dataset ID (--dataset-ids N) as an RT Plan")
+    dicom.add_argument("--export-frames", metavar="FILE",
+                       help="write frames as a multi-frame RT Image: the predicted frames of --plan, else the "
+                            "synthesised frames of the one selected dataset ID")
     gamma = parser.add_argument_group("gamma criteria")
     default = GammaCriteria()
     gamma.add_argument("--gamma-dose-percent", type=_positive_float, default=default.dose_percent, metavar="PERCENT",
@@ -163,9 +197,24 @@ def load_models(path: str, device) -> tuple[dict, tuple]:
     return checkpoint, models
 
 
+@contextlib.contextmanager
+def _counter(total: int | None, unit: str) -> Iterator[Callable[[int], None] | None]:
+    """A tqdm bar's ``update`` while the block runs, when there are many items and stderr is a
+    terminal; else None."""
+    if (total is not None and total < PROGRESS_BAR_MIN_ITEMS) or not sys.stderr.isatty():
+        yield None
+        return
+    from tqdm import tqdm
+
+    with tqdm(total=total, unit=unit, leave=False) as bar:
+        yield bar.update
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     config = load_config()
     args = parse_arguments(argv, config)
+    if args.plan or args.frames or args.beam is not None or args.export_plan or args.export_frames:
+        return real_plans(args, config)
     dataset_ids = requested_dataset_ids(args, config)
     output_dir = prepare_output_dir(args.output_dir)
     if not os.path.isfile(args.checkpoint):
@@ -179,10 +228,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     checkpoint, models = load_models(args.checkpoint, device)
     settings = evaluate.resolve_synthesis(checkpoint.get("config") or {}, config)
     kernel = evaluate.load_synthesis_kernel(settings)
-    if dataset_ids is None:
-        dataset_ids = sorted(checkpoint.get("dataset_ids") or range(NUM_DATASETS))
     if args.arc:
         return review_arcs(args, checkpoint, models, settings, kernel, dataset_ids, device, output_dir, started)
+    if dataset_ids is None and (checkpoint.get("config") or {}).get("plans"):
+        _stage("  the checkpoint was trained on RT Plan arcs (EPID_PLANS): evaluating on all synthetic dataset IDs")
+        dataset_ids = list(range(NUM_DATASETS))
+    if dataset_ids is None:
+        dataset_ids = sorted(checkpoint.get("dataset_ids") or range(NUM_DATASETS))
     refs = evaluate.select_samples(
         dataset_ids, args.samples_per_dataset, args.seed, settings.control_points,
         max_total=args.max_total_samples or None, split=args.split,
@@ -235,7 +287,9 @@ def review_arcs(args: argparse.Namespace, checkpoint: dict, models: tuple, setti
     from epid import arc_review
 
     if dataset_ids is None:
-        trained = sorted(checkpoint.get("dataset_ids") or range(NUM_DATASETS))
+        plans = (checkpoint.get("config") or {}).get("plans")
+        trained = sorted(checkpoint.get("dataset_ids") or []) if not plans else []
+        trained = trained or range(NUM_DATASETS)
         dataset_ids = [next(i for i in trained if pattern_for(i) == pattern) for pattern in PATTERNS
                        if any(pattern_for(i) == pattern for i in trained)]
     first = arc_review.first_frame(args.split, settings.control_points)
@@ -264,6 +318,155 @@ def review_arcs(args: argparse.Namespace, checkpoint: dict, models: tuple, setti
                        [[str(row["dataset_id"]), row["pattern"], row["method"], *(form(row) for _, form in columns)]
                         for row in rows]))
     _stage(f"wrote {len(rows)} arc figures and arcs.csv to {output_dir}; done in {time.perf_counter() - started:.1f} s")
+    return 0
+
+
+def real_plans(args: argparse.Namespace, config: Config) -> int:
+    """--plan (prediction, with --frames the QA report) or the export of a synthetic arc; every
+    argument and input file is checked before a model is loaded or a file written."""
+    for name, value in (("--beam", args.beam), ("--frames", args.frames)):
+        if value is not None and not args.plan:
+            raise InputError(f"{name}: needs --plan (the RT Plan the beam and frames belong to)")
+    if args.export_plan and args.export_frames and Path(args.export_plan).absolute() == \
+            Path(args.export_frames).absolute():
+        raise InputError(f"--export-plan and --export-frames name the same file {args.export_plan!r}")
+    inputs = {Path(path).absolute() for path in [args.plan or "", *(args.frames or [])] if path}
+    for name, path in (("--export-plan", args.export_plan), ("--export-frames", args.export_frames)):
+        if path and Path(path).absolute() in inputs:
+            raise InputError(f"{name} {path!r}: is an input file of this run; expected a new file name")
+        if path:
+            _check_output_file(path, name)
+    if args.plan:
+        given = [name for name, value in (("--export-plan", args.export_plan), ("--arc", args.arc),
+                                          ("--dataset-range", args.dataset_range),
+                                          ("--dataset-ids", args.dataset_ids)) if value]
+        if given:
+            raise InputError(f"{given[0]}: not with --plan (the plan's beam is the arc)")
+        return review_plan(args)
+    return export_arc(args, config)
+
+
+def _check_output_file(path: str, argument: str) -> None:
+    """``path`` is not a folder and its folder can be made and written in; nothing is created."""
+    from epid.preflight import check_writable
+
+    if os.path.isdir(path):
+        raise InputError(f"{argument} {path!r}: a folder; expected a file name")
+    check_writable(Path(path).absolute().parent, f"{argument} folder")
+
+
+def select_beam(path: str, beam: int | None) -> PlanBeam:
+    """The ``PlanBeam`` of ``--plan``: ``beam``, or the plan's only treatment beam."""
+    from epid.dicom_plan import read_plan
+
+    beams = read_plan(path, beam)
+    if len(beams) > 1:
+        listed = ", ".join(f"{item.beam_number} ({item.beam_name})" for item in beams)
+        raise InputError(f"{path}: {len(beams)} treatment beams ({listed}); choose one with --beam")
+    return beams[0]
+
+
+def review_plan(args: argparse.Namespace) -> int:
+    """--plan: predict the beam's frames; with --frames, the delivery QA report (epid.plan_qa)."""
+    from epid import plan_qa
+    from epid.dicom_image import read_frames, write_frames
+    from epid.preflight import check_writable
+
+    beam = select_beam(args.plan, args.beam)
+    measured = read_frames(args.frames) if args.frames else None
+    points = plan_qa.match_frames(beam, measured) if measured is not None else None
+    if not os.path.isfile(args.checkpoint):
+        raise InputError(f"--checkpoint {args.checkpoint!r}: no such file (train first, or pass --checkpoint)")
+    check_writable(Path(args.output_dir).absolute(), "--output-dir")
+    device = resolve_device(args.device, given=f"--device {args.device!r}")
+
+    started = time.perf_counter()
+    _stage(f"loading checkpoint {args.checkpoint}")
+    checkpoint, models = load_models(args.checkpoint, device)
+    output_dir = prepare_output_dir(args.output_dir)
+    run_label = f"{Path(args.checkpoint).name}, epoch {checkpoint['epoch']}"
+    frames = len(beam) - 1
+    _stage(f"  beam {beam.beam_number} ({beam.beam_name}) of {args.plan}: {beam.machine}, {beam.mlc}, "
+           f"{len(beam)} control points, {beam.beam_mu:g} MU, gantry {beam.gantry_deg[0]:g} -> "
+           f"{beam.gantry_deg[-1]:g} deg, collimator {beam.collimator_deg:g} deg")
+    _stage(f"predicting its {frames} frames (batches of {args.batch_size})")
+    with _counter(frames, "frame") as advance:
+        predicted = plan_qa.predict_plan_frames(models[0], beam.control_points, device, args.batch_size, advance)
+    plan_qa.write_plan_frames(predicted, beam, output_dir / "plan_frames.png", run_label)
+    if args.export_frames:
+        write_frames(args.export_frames, predicted, plan_path=args.plan, beam=beam.beam_number,
+                     description="predicted")
+        _stage(f"  wrote the {frames} predicted frames as an RT Image: {args.export_frames}")
+    if measured is None:
+        _stage(f"wrote plan_frames.png to {output_dir}; done in {time.perf_counter() - started:.1f} s")
+        return 0
+
+    compared = predicted[points[0] - 1:points[-1]]  # the frames ending on the measured frames' control points
+    measured_frames = torch.from_numpy(np.array(measured.frames))
+    _stage(f"gamma of {len(points)} measured frames (control points {points[0]}-{points[-1]}): 3 %/2 mm and "
+           "2 %/2 mm global, cutoff 10 %")
+    with _counter(len(points), "frame") as advance:
+        gamma = plan_qa.frame_gamma(measured_frames, compared, device, args.batch_size, advance)
+    segment = plan_qa.plan_segment(beam, points, measured_frames)
+    method = args.reconstruction or "arc"
+    _stage(f"reconstructing control points {segment.first}-{segment.first + len(segment) - 1} from the measured "
+           f"frames ({method})")
+    with _counter(None if method == "arc" else len(segment), "frame") as advance:
+        estimate = plan_qa.reconstruct(models, segment, method, device, advance)
+    qa = plan_qa.PlanQA(beam, measured, points, compared, gamma, segment, estimate)
+    summary = plan_qa.write_report(qa, output_dir, run_label, checkpoint=str(args.checkpoint),
+                                   epoch=checkpoint["epoch"])
+    print(plan_qa.verdict_table(summary))
+    _stage(f"wrote plan_frames.png, qa_summary.json, qa_frames.csv, qa_leaves.csv, qa_gamma.png, qa_leaves.png and "
+           f"qa_worst_frame.png to {output_dir}; done in {time.perf_counter() - started:.1f} s")
+    return 0
+
+
+def export_arc(args: argparse.Namespace, config: Config) -> int:
+    """--export-plan / --export-frames without --plan: the synthetic arc of one dataset ID as an
+    RT Plan and its synthesised frames (settings of the checkpoint when it exists, else of the
+    EPID_* variables) as an RT Image."""
+    from epid import evaluate
+    from epid.dicom_image import write_frames
+    from epid.dicom_plan import write_plan
+    from epid.imaging import render_frames, renderer_for
+    from epid.sequences import generate_control_points
+
+    dataset_ids = requested_dataset_ids(args, config)
+    if dataset_ids is None or len(dataset_ids) != 1:
+        given = "none" if dataset_ids is None else f"{len(dataset_ids)}"
+        raise InputError(f"--export-plan / --export-frames without --plan: expected one dataset ID "
+                         f"(e.g. --dataset-ids 5), got {given}")
+    (dataset_id,) = dataset_ids
+    device = resolve_device(args.device, given=f"--device {args.device!r}")
+    saved = {}
+    if os.path.isfile(args.checkpoint):
+        from epid.checkpoint import load_checkpoint
+
+        saved = load_checkpoint(args.checkpoint).get("config") or {}
+    settings = evaluate.resolve_synthesis(saved, config)
+    kernel = evaluate.load_synthesis_kernel(settings)
+    control_points = generate_control_points(dataset_id, settings.control_points)
+    _stage(f"dataset {dataset_id} ({control_points.pattern}); synthesis: {settings.describe()}")
+    if args.export_plan:
+        write_plan(args.export_plan, control_points, label=f"EPID arc {dataset_id}")
+        _stage(f"  wrote its {len(control_points)} control points as an RT Plan: {args.export_plan}")
+    if args.export_frames:
+        count = len(control_points) - 1
+        renderer = renderer_for(kernel, device)
+        frames = []
+        with _counter(count, "frame") as advance:
+            for start in range(1, count + 1, args.batch_size):
+                indices = np.arange(start, min(start + args.batch_size, count + 1))
+                frames.append(render_frames(control_points, indices, renderer, dataset_id=dataset_id,
+                                            noise_std=settings.noise_std, noise_seed=settings.noise_seed,
+                                            device=device, physics=settings.physics).float().cpu())
+                if advance is not None:
+                    advance(len(indices))
+        frames = torch.cat(frames)
+        write_frames(args.export_frames, frames, plan_path=args.export_plan or None,
+                     description=f"synthesised dataset {dataset_id}")
+        _stage(f"  wrote its {count} synthesised frames as an RT Image: {args.export_frames}")
     return 0
 
 

@@ -28,6 +28,7 @@ from epid.errors import InputError
 from epid.families import DEFAULT_FAMILY, FAMILIES
 from epid.parsers import Boolean, Choice, Device, Integer, Parser, Real, Text
 from epid.physics import LIMITS, PRESETS, Physics
+from epid.plans import PlanArc, scan_plans
 from epid.sequences import DEFAULT_CONTROL_POINTS, NUM_DATASETS
 
 GLOBAL_BATCH = 128
@@ -91,7 +92,8 @@ def _ids_spec(text: str) -> None:
 @dataclass(frozen=True)
 class Config:
     """The resolved run configuration: one field per ``EPID_*`` variable (see each ``setting``),
-    plus ``dataset_ids`` (the selected IDs) and ``launched_by_torchrun``."""
+    plus ``dataset_ids`` (the selected IDs), ``plan_arcs`` (with EPID_PLANS: the arcs that stand
+    for dataset IDs 0, 1, ...) and ``launched_by_torchrun``."""
 
     # Launch and data selection
     world_size: int = setting(
@@ -111,7 +113,13 @@ class Config:
     dataset_ids_spec: str = setting(
         "EPID_DATASET_IDS", "", Text("comma-separated IDs in 0..639", _ids_spec), example="0,80,160",
         meaning="select dataset IDs by a comma-separated list")
+    plans: str = setting(
+        "EPID_PLANS", "", Text("a folder of RT Plan files"), example="plans/clinic",
+        meaning="train on the arcs of the RT Plan files in this folder instead of the synthetic dataset IDs: each "
+                "treatment beam is one arc with its own control points, arc i (files in name order) standing for "
+                "dataset ID i (README, Real plans and images)")
     dataset_ids: tuple[int, ...] = tuple(range(NUM_DATASETS))
+    plan_arcs: tuple[PlanArc, ...] = ()
     device: str = setting(
         "EPID_DEVICE", "auto", Device(), example="cpu",
         meaning="device to train on: auto picks cuda:LOCAL_RANK when CUDA is available, else cpu")
@@ -250,8 +258,9 @@ class Config:
         meaning="clip the global gradient norm to this value before each optimizer step (0 = off)")
     precision: str = setting(
         "EPID_PRECISION", "auto", Choice("auto", "bf16", "fp16", "fp32"), example="fp32",
-        meaning="autocast precision: auto is bf16 on GPUs that have it and on CPUs with AMX tiles, else fp32 "
-                "(the faster one; the start line says why)")
+        meaning="autocast precision: auto is bf16 on GPUs that have it, else fp32; on the CPU bf16 where a few "
+                "training steps timed at the start run >= 10 % faster than in fp32 (legacy family; cached per "
+                "machine and run shape in the user's cache folder), else fp32; the start line says why")
     compile: bool = setting(
         "EPID_COMPILE", False, Boolean(), example="1", meaning="compile the models with torch.compile")
     seed: int = setting(
@@ -321,6 +330,11 @@ class Config:
         factor = {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio)}[self.lr_scaling]
         return self.lr * factor
 
+    def arc_control_points(self, dataset_id: int) -> int:
+        """Control points of the arc of ``dataset_id``: its plan arc's own with EPID_PLANS, else
+        EPID_CONTROL_POINTS."""
+        return self.plan_arcs[dataset_id].control_points if self.plan_arcs else self.control_points
+
     def rank_dataset_ids(self, rank: int) -> list[int]:
         """The dataset IDs ``rank`` trains on, in order."""
         return sharding.assign_dataset_ids(
@@ -331,6 +345,7 @@ class Config:
         """Plain-typed copy (for checkpoints, JSON and printing)."""
         values = dataclasses.asdict(self)
         values["dataset_ids"] = list(self.dataset_ids)
+        values["plan_arcs"] = [arc.to_dict() for arc in self.plan_arcs]
         return values
 
     @classmethod
@@ -340,6 +355,8 @@ class Config:
         kept = {key: value for key, value in values.items() if key in known}
         if "dataset_ids" in kept:
             kept["dataset_ids"] = tuple(kept["dataset_ids"])
+        if "plan_arcs" in kept:
+            kept["plan_arcs"] = tuple(PlanArc(**arc) for arc in kept["plan_arcs"])
         return cls(**kept)
 
 
@@ -432,7 +449,11 @@ def load_config(environ: Mapping[str, str] | None = None) -> Config:
             "EPID_DATASET_IDS", values["dataset_ids_spec"], "EPID_DATASET_RANGE is also set",
             "only one of EPID_DATASET_RANGE and EPID_DATASET_IDS",
         )
-    ids = sharding.select_dataset_ids(values["dataset_range"], values["dataset_ids_spec"])
+    if values["plans"]:
+        values["plan_arcs"] = _plan_arcs(values["plans"], environ)
+        ids = list(range(len(values["plan_arcs"])))
+    else:
+        ids = sharding.select_dataset_ids(values["dataset_range"], values["dataset_ids_spec"])
     values["dataset_ids"] = tuple(ids)
     if len(ids) < world_size:
         name, raw = _selection_variable(values)
@@ -475,6 +496,21 @@ def load_config(environ: Mapping[str, str] | None = None) -> Config:
     return Config(**values)
 
 
+def _plan_arcs(folder: str, environ: Mapping[str, str]) -> tuple[PlanArc, ...]:
+    """The arcs of EPID_PLANS (``epid.plans.scan_plans``), which replace the dataset selection and
+    bring their own control points; ConfigError naming the file and beam of a bad plan."""
+    from epid.dataset import MIN_CONTROL_POINTS
+
+    for name in ("EPID_DATASET_RANGE", "EPID_DATASET_IDS", "EPID_CONTROL_POINTS"):
+        if environ.get(name, "").strip():
+            raise _fail(name, environ[name], "EPID_PLANS is set: its arcs are the datasets, each with its own "
+                        "control points", f"{name} unset with EPID_PLANS")
+    try:
+        return scan_plans(folder, MIN_CONTROL_POINTS)
+    except InputError as error:
+        raise ConfigError(f"EPID_PLANS={folder!r}: {error}") from None
+
+
 RECIPE_YIELDS_TO = {"EPID_WARMUP_STEPS": ("EPID_WARMUP_EPOCHS", "EPID_LR_UPDATE")}
 """A family recipe's value of the key is left out when the user sets one of these variables."""
 
@@ -514,6 +550,8 @@ def check_names(environ: Mapping[str, str]) -> None:
 
 
 def _selection_variable(values: Mapping[str, Any]) -> tuple[str, str]:
+    if values["plans"]:
+        return "EPID_PLANS", values["plans"]
     if values["dataset_range"]:
         return "EPID_DATASET_RANGE", values["dataset_range"]
     if values["dataset_ids_spec"]:
@@ -550,6 +588,8 @@ def describe(config: Config) -> str:
         lines.append(f"  {item.name:<{width}} = {value}")
     ids = config.dataset_ids
     lines.append(f"  {'selected datasets':<{width}} = {len(ids)} ({_compact(ids)})")
+    for dataset_id, arc in enumerate(config.plan_arcs):
+        lines.append(f"  {f'plan arc {dataset_id}':<{width}} = {arc.describe()}")
     lines.append(f"  {'global batch':<{width}} = {config.global_batch}; lr {config.effective_lr:.3g}")
     if config.launched_by_torchrun:
         lines.append(f"  {'launch':<{width}} = torchrun (WORLD_SIZE={config.world_size})")

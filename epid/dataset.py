@@ -29,10 +29,11 @@ import numpy as np
 import torch
 
 from epid import imaging, sequences
-from epid.frame_cache import CACHE_CHUNK_FRAMES, FrameCache, cache_key, engine_digest
+from epid.frame_cache import CACHE_CHUNK_FRAMES, FrameCache, cache_key, engine_digest, plan_cache_key
 from epid.imaging import FRAME_SHAPE
 from epid.kernel import default_kernel, kernel_from_config
 from epid.physics import Physics
+from epid.plans import PlanArc, arc_control_points
 from epid.sequences import ControlPoints, generate_control_points
 
 if TYPE_CHECKING:
@@ -143,7 +144,15 @@ def steps_per_epoch(
     if not datasets_per_rank or min(datasets_per_rank) < 1:
         raise ValueError(f"every rank needs at least one dataset, got {list(datasets_per_rank)}")
     per_dataset = windows_per_dataset(n_control_points, split, batch_size)
-    steps = max(datasets_per_rank) * per_dataset
+    return epoch_steps([count * per_dataset for count in datasets_per_rank], max_batches=max_batches)
+
+
+def epoch_steps(windows_per_rank: Sequence[int], *, max_batches: int = 0) -> int:
+    """``steps_per_epoch`` from the number of windows of each rank (datasets of any lengths):
+    the largest, capped by ``max_batches > 0``."""
+    if not windows_per_rank or min(windows_per_rank) < 1:
+        raise ValueError(f"every rank needs at least one window, got {list(windows_per_rank)}")
+    steps = max(windows_per_rank)
     return min(steps, max_batches) if max_batches > 0 else steps
 
 
@@ -402,6 +411,10 @@ class EpidData:
     ``make_batch`` renders a window's frames on the device that trains on them, or
     reads them from the frame cache when ``cache_dir`` is set.
 
+    With ``plan_arcs`` (EPID_PLANS), dataset ``i`` is the arc ``plan_arcs[i]`` of an RT Plan
+    (``epid.plans``) with its own number of control points instead of a synthetic arc of
+    ``control_points``; its frame cache key adds the plan file's digest and the beam number.
+
     ``render(control_points, dataset_id, frame_indices, device) -> (F, 256, 256)``
     replaces the frame engine; ``render_id`` then names it in the frame cache key.
     """
@@ -418,12 +431,15 @@ class EpidData:
         render: FrameRender | None = None,
         render_id: str | None = None,
         physics: Physics | None = None,
+        plan_arcs: Sequence[PlanArc] = (),
     ) -> None:
         if not dataset_ids:
             raise ValueError("no dataset IDs given")
-        num_samples(control_points)
         self.dataset_ids = tuple(int(i) for i in dataset_ids)
         self.n_control_points = control_points
+        self.plan_arcs = tuple(plan_arcs)
+        for dataset_id in self.dataset_ids:
+            num_samples(self.arc_control_points(dataset_id))
         self.kernel = default_kernel() if kernel is None else kernel
         self.noise_std = noise_std
         self.noise_seed = noise_seed
@@ -434,7 +450,14 @@ class EpidData:
             raise ValueError("a custom render needs a render_id to key its frame cache")
         self.render = render
         self.cache = None
-        if cache_dir:
+        self._plan_caches: dict[int, FrameCache] = {}
+        if cache_dir and self.plan_arcs:
+            self._plan_caches = {
+                dataset_id: FrameCache(cache_dir, plan_cache_key(
+                    self.plan_arcs[dataset_id], self.kernel, noise_std, noise_seed, render_id, self.physics))
+                for dataset_id in self.dataset_ids
+            }
+        elif cache_dir:
             self.cache = FrameCache(
                 cache_dir, cache_key(control_points, self.kernel, noise_std, noise_seed, render_id, self.physics)
             )
@@ -451,6 +474,7 @@ class EpidData:
             noise_seed=config.noise_seed,
             cache_dir=config.cache_dir or None,
             physics=config.physics,
+            plan_arcs=config.plan_arcs,
         )
 
     def __getstate__(self) -> dict[str, Any]:
@@ -458,13 +482,21 @@ class EpidData:
         state["_control_points"] = {}
         return state
 
+    def arc_control_points(self, dataset_id: int) -> int:
+        """Control points of the arc of ``dataset_id`` (its plan arc's own, or ``n_control_points``)."""
+        return self.plan_arcs[dataset_id].control_points if self.plan_arcs else self.n_control_points
+
     def control_points_for(self, dataset_id: int) -> ControlPoints:
-        """The control points of one selected dataset (generated once, then kept packed)."""
+        """The control points of one selected dataset (generated or read from its plan once, then
+        kept packed)."""
         packed = self._control_points.get(dataset_id)
         if packed is None:
             if dataset_id not in self.dataset_ids:
                 raise KeyError(f"dataset {dataset_id} is not among the selected datasets")
-            control_points = generate_control_points(dataset_id, self.n_control_points)
+            if self.plan_arcs:
+                control_points = arc_control_points(self.plan_arcs[dataset_id], dataset_id)
+            else:
+                control_points = generate_control_points(dataset_id, self.n_control_points)
             self._control_points[dataset_id] = PackedControlPoints(control_points)
             return control_points
         return packed.unpack()
@@ -488,7 +520,7 @@ class EpidData:
         return [
             window
             for dataset_id in self.dataset_ids
-            for window in dataset_windows(dataset_id, self.n_control_points, split, batch_size)
+            for window in dataset_windows(dataset_id, self.arc_control_points(dataset_id), split, batch_size)
         ]
 
     def make_batch(self, window: Window, device: Device) -> Batch:
@@ -506,17 +538,19 @@ class EpidData:
         device: Device,
     ) -> torch.Tensor:
         device = torch.device(device)
-        if self.cache is None:
+        cache = self._plan_caches.get(dataset_id, self.cache)
+        if cache is None:
             indices = np.arange(first_frame, stop_frame, dtype=np.int64)
             return self.render(control_points, dataset_id, indices, device).to(torch.float32)
+        n_control_points = len(control_points)
 
         def render_all() -> Iterator[np.ndarray]:
-            for start in range(1, self.n_control_points, CACHE_CHUNK_FRAMES):
-                stop = min(start + CACHE_CHUNK_FRAMES, self.n_control_points)
+            for start in range(1, n_control_points, CACHE_CHUNK_FRAMES):
+                stop = min(start + CACHE_CHUNK_FRAMES, n_control_points)
                 indices = np.arange(start, stop, dtype=np.int64)
                 yield self.render(control_points, dataset_id, indices, device).cpu().numpy()
 
-        stored = self.cache.read(dataset_id, first_frame, stop_frame, render_all)
+        stored = cache.read(dataset_id, first_frame, stop_frame, render_all)
         return torch.from_numpy(stored).to(device).to(torch.float32)
 
 

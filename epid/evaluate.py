@@ -224,12 +224,14 @@ def spread(items: Sequence[T], count: int) -> list[T]:
     return [items[(2 * j + 1) * len(items) // (2 * count)] for j in range(max(count, 0))]
 
 
-def gamma_subset(dataset_ids: Sequence[int], n_control_points: int, count: int) -> list[tuple[int, int]]:
+def gamma_subset(dataset_ids: Sequence[int], n_control_points: int | Callable[[int], int],
+                 count: int) -> list[tuple[int, int]]:
     """A fixed set of ``count`` validation samples ``(dataset_id, sample)`` for training's gamma pass rate.
 
     Spread over the sorted datasets (every ``len / count``-th dataset when there are more
     datasets than samples) and evenly inside each dataset's validation split; the same set
     for any world size. Fewer come back when the validation splits are shorter than asked.
+    ``n_control_points``: of every arc, or a function giving each dataset's (plan arcs).
     """
     ids = sorted(dataset_ids)
     if count <= 0 or not ids:
@@ -238,8 +240,12 @@ def gamma_subset(dataset_ids: Sequence[int], n_control_points: int, count: int) 
     for k in range(count):
         dataset_id = ids[k * len(ids) // count]
         per_dataset[dataset_id] = per_dataset.get(dataset_id, 0) + 1
-    val = split_range(n_control_points, "val")
-    return [(dataset_id, sample) for dataset_id, wanted in per_dataset.items() for sample in spread(val, wanted)]
+
+    def length(dataset_id: int) -> int:
+        return n_control_points(dataset_id) if callable(n_control_points) else n_control_points
+
+    return [(dataset_id, sample) for dataset_id, wanted in per_dataset.items()
+            for sample in spread(split_range(length(dataset_id), "val"), wanted)]
 
 
 def resolve_synthesis(checkpoint_config: Mapping[str, object], config: Config,

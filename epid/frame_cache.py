@@ -2,7 +2,8 @@
 
 A cache file belongs to one key: everything that changes the frames (the number of control
 points, a digest of the kernel, the noise settings, the cache format and a digest of the
-frame engine's sources), so a changed setting never reads stale frames.
+frame engine's sources; for an arc of an RT Plan also the plan file's and the plan reader's
+digests and the beam number), so a changed setting never reads stale frames.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from epid import physics as physics_module
 from epid.files import fsync_directory
 from epid.imaging import FRAME_SHAPE
 from epid.physics import Physics
+from epid.plans import PlanArc
 
 try:
     import fcntl
@@ -52,6 +54,20 @@ def cache_key(n_control_points: int, kernel: np.ndarray | torch.Tensor, noise_st
         "noise_std": float(noise_std),
         "noise_seed": int(noise_seed),
         "render_id": render_id,
+    }
+
+
+def plan_cache_key(arc: PlanArc, kernel: np.ndarray | torch.Tensor, noise_std: float, noise_seed: int,
+                   render_id: str | None, physics: Physics | None = None) -> dict[str, Any]:
+    """The key of the frames of one RT Plan arc (EPID_PLANS): ``cache_key`` of its number of
+    control points, with the SHA-256 of the plan file and of the plan reader's source, and the beam."""
+    from epid import dicom_plan
+
+    return {
+        **cache_key(arc.control_points, kernel, noise_std, noise_seed, render_id, physics),
+        "plan_sha256": arc.sha256,
+        "beam_number": arc.beam_number,
+        "plan_reader_sha256": hashlib.sha256(Path(dicom_plan.__file__).read_bytes()).hexdigest(),
     }
 
 

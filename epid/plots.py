@@ -547,8 +547,7 @@ def arc_figure(control_points: np.ndarray, true: Mapping[str, np.ndarray], recon
     figure.suptitle(title, fontsize=13)
     grid = figure.subplots(3, 2, height_ratios=(1.3, 1.0, 0.8))
     extent = (control_points[0] - 0.5, control_points[-1] + 0.5, LEAF_EDGES_MM[0], LEAF_EDGES_MM[-1])
-    colours = colormaps["RdBu_r"].copy()
-    colours.set_bad("0.8")
+    colours = colormaps["RdBu_r"].with_extremes(bad="0.8")
     for column, bank in enumerate(("leaf_a", "leaf_b")):
         error = np.where(band, reconstructed[bank] - true[bank], np.nan)
         image = grid[0, column].imshow(np.ma.masked_invalid(error.T), origin="lower", aspect="auto", extent=extent,
@@ -594,3 +593,83 @@ def _trajectory_panel(axes: Axes, control_points: np.ndarray, true: np.ndarray, 
     axes.set_xlabel("control point")
     axes.legend(fontsize=8, ncol=2)
     axes.grid(alpha=0.3)
+
+
+# --------------------------------------------------------------------------- plans and delivery QA
+
+PLAN_FRAMES_FIGSIZE = (17.0, 8.6)
+PLAN_FRAMES_SHOWN = 7
+QA_GAMMA_FIGSIZE = (15.0, 5.5)
+QA_FRAME_FIGSIZE = (19.0, 5.0)
+
+
+def plan_frames_figure(frames: np.ndarray, control_points: np.ndarray, gantry_deg: np.ndarray, integrated: np.ndarray,
+                       total: int, title: str) -> Figure:
+    """A plan's frames at a glance: the arc-integrated image (the sum of its ``total`` frames)
+    and up to ``PLAN_FRAMES_SHOWN`` frames (K, 256, 256) ending on ``control_points`` (K,) at
+    gantry angles ``gantry_deg`` (K,), on one colour scale."""
+    figure = new_figure(PLAN_FRAMES_FIGSIZE)
+    figure.suptitle(title, fontsize=13)
+    axes = figure.subplots(2, 4).ravel()
+    shown = axes[0].imshow(integrated, extent=IMAGE_EXTENT, origin="upper", cmap="viridis", vmin=0)
+    _image_axes(axes[0], f"Sum of all {total} frames")
+    figure.colorbar(shown, ax=axes[0], shrink=0.85, label="signal (a.u.)")
+    top = max(float(frames.max()), 1e-12)
+    for panel, frame, point, gantry in zip(axes[1:], frames, control_points, gantry_deg, strict=False):
+        shown = panel.imshow(frame, extent=IMAGE_EXTENT, origin="upper", cmap="viridis", vmin=0, vmax=top)
+        _image_axes(panel, f"Frame ending on control point {int(point)}, gantry {float(gantry):.1f} deg")
+    figure.colorbar(shown, ax=list(axes[1:]), shrink=0.85, label="signal (a.u.)")
+    for panel in axes[1 + len(frames):]:
+        panel.set_visible(False)
+    return figure
+
+
+def qa_gamma_figure(control_points: np.ndarray, pass_rates: Mapping[str, np.ndarray], integrated: Mapping[str, float],
+                    limits: tuple[float, float], title: str) -> Figure:
+    """Gamma pass rate (%) of each frame along the arc, one line per criterion (keys like
+    ``3_2mm``), with the tolerance and action levels ``limits`` and, in the legend, the
+    pass rate of the arc-integrated image."""
+    figure = new_figure(QA_GAMMA_FIGSIZE)
+    figure.suptitle(title, fontsize=13)
+    axes = figure.subplots()
+    tolerance, action = limits
+    for (key, rates), marker in zip(pass_rates.items(), COMPARISON_MARKERS, strict=False):
+        name = key.replace("_", " %/", 1).replace("mm", " mm")
+        finite = rates[np.isfinite(rates)]
+        summary = f"mean {finite.mean():.1f} %, min {finite.min():.1f} %" if finite.size else "no frame evaluated"
+        axes.plot(control_points, rates, marker=marker, markersize=3, linewidth=1,
+                  label=f"{name}: {summary}; integrated image {integrated[key]:.1f} %")
+    axes.axhline(tolerance, color="tab:orange", linestyle="--", linewidth=1, label=f"tolerance {tolerance:g} %")
+    axes.axhline(action, color="tab:red", linestyle=":", linewidth=1, label=f"action {action:g} %")
+    axes.set_xlabel("control point the frame ends on")
+    axes.set_ylabel("gamma pass rate (%)")
+    rates = np.concatenate([np.asarray(values, dtype=float) for values in pass_rates.values()])
+    lowest = float(rates[np.isfinite(rates)].min()) if np.isfinite(rates).any() else 100.0
+    axes.set_ylim(min(action - 5.0, lowest - 2.0), 101.0)
+    axes.grid(alpha=0.3)
+    axes.legend(fontsize=9, loc="lower left")
+    return figure
+
+
+def qa_frame_figure(measured: np.ndarray, predicted: np.ndarray, gamma: np.ndarray, criteria: GammaCriteria,
+                    title: str) -> Figure:
+    """One measured frame against its prediction (256, 256 each): both on one scale, the gamma
+    map under ``criteria`` (white below the cutoff) and the difference."""
+    figure = new_figure(QA_FRAME_FIGSIZE)
+    figure.suptitle(title, fontsize=13)
+    axes = figure.subplots(1, 4)
+    top = max(float(measured.max()), float(predicted.max()), 1e-12)
+    for panel, image, name in ((axes[0], measured, "Measured frame"), (axes[1], predicted, "Predicted frame")):
+        shown = panel.imshow(image, extent=IMAGE_EXTENT, origin="upper", cmap="viridis", vmin=0, vmax=top)
+        _image_axes(panel, name)
+    figure.colorbar(shown, ax=list(axes[:2]), shrink=0.85, label="signal (a.u.)")
+    shown = axes[2].imshow(gamma, extent=IMAGE_EXTENT, origin="upper", cmap=_gamma_colours(), vmin=0,
+                           vmax=criteria.max_gamma)
+    _image_axes(axes[2], f"Gamma {criteria.describe()}")
+    figure.colorbar(shown, ax=axes[2], shrink=0.85, label=f"gamma (white: below {criteria.cutoff_percent:g} % cutoff)")
+    difference = predicted - measured
+    limit = max(float(np.abs(difference).max()), 1e-12)
+    shown = axes[3].imshow(difference, extent=IMAGE_EXTENT, origin="upper", cmap="RdBu_r", vmin=-limit, vmax=limit)
+    _image_axes(axes[3], "Difference, predicted - measured")
+    figure.colorbar(shown, ax=axes[3], shrink=0.85, label="signal (a.u.)")
+    return figure

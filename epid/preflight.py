@@ -126,6 +126,9 @@ def resume_notes(config: Config, checkpoint: dict[str, Any]) -> list[str]:
     if list(checkpoint.get("dataset_ids", config.dataset_ids)) != list(config.dataset_ids):
         selected = f"{len(checkpoint['dataset_ids'])} -> {len(config.dataset_ids)} datasets"
         notes.append(f"  dataset selection changes ({selected})")
+    if saved.get("plan_arcs", []) != [arc.to_dict() for arc in config.plan_arcs]:
+        notes.append(f"  training plan arcs change ({len(saved.get('plan_arcs', []))} -> {len(config.plan_arcs)} "
+                     "arcs, or their files)")
     for name in ("batch_size", "grad_accum", "control_points", "lr_schedule", "lr_update"):
         if name in saved and saved[name] != getattr(config, name):
             notes.append(f"  {name} changes from {saved[name]} to {getattr(config, name)}")

@@ -33,9 +33,10 @@ from epid.dataset import (
     EpidData,
     Window,
     dataset_windows,
+    epoch_steps,
     epoch_windows,
-    steps_per_epoch,
     stream_windows,
+    windows_per_dataset,
 )
 from epid.distributed import RankContext
 
@@ -55,16 +56,16 @@ class RankData:
         self.train_windows = self.data.windows("train", config.batch_size)
         shares = sharding.assign_all_ranks(config.dataset_ids, context.world_size, config.dataset_shuffle,
                                            config.dataset_seed)
-        counts = [len(ids) for ids in shares]
-        every = steps_per_epoch(counts, n_control_points=config.control_points, batch_size=config.batch_size)
-        batches = steps_per_epoch(counts, n_control_points=config.control_points, batch_size=config.batch_size,
-                                  max_batches=config.steps_per_epoch * config.grad_accum)
+        counts = [sum(windows_per_dataset(config.arc_control_points(i), "train", config.batch_size) for i in ids)
+                  for ids in shares]
+        every = epoch_steps(counts)
+        batches = epoch_steps(counts, max_batches=config.steps_per_epoch * config.grad_accum)
         self.steps = math.ceil(batches / config.grad_accum)
         self.batches = self.steps * config.grad_accum
         self.capped = self.batches < every
         self.val_windows = self._validation_windows()
         own = set(self.dataset_ids)
-        chosen = evaluate.gamma_subset(config.dataset_ids, config.control_points, config.gamma_samples)
+        chosen = evaluate.gamma_subset(config.dataset_ids, config.arc_control_points, config.gamma_samples)
         self.gamma_items = [item for item in chosen if item[0] in own]
         self._gamma_inputs: dict[str, Tensor] | None = None
 
@@ -75,7 +76,8 @@ class RankData:
         if not config.val_steps:
             return self.data.windows("val", config.batch_size)
         every = [window for dataset_id in sorted(config.dataset_ids)
-                 for window in dataset_windows(dataset_id, config.control_points, "val", config.batch_size)]
+                 for window in dataset_windows(dataset_id, config.arc_control_points(dataset_id), "val",
+                                               config.batch_size)]
         own = set(self.dataset_ids)
         return [window for window in evaluate.spread(every, config.val_steps) if window.dataset_id in own]
 
@@ -110,6 +112,8 @@ class RankData:
             "dataset_shuffle": config.dataset_shuffle, "dataset_seed": config.dataset_seed,
             "batch_size": config.batch_size, "grad_accum": config.grad_accum, "batch_order": config.batch_order,
             "seed": config.seed, "control_points": config.control_points, "batches": self.batches,
+            **({"plan_arcs": [f"{arc.sha256}:{arc.beam_number}" for arc in config.plan_arcs]} if config.plan_arcs
+               else {}),
         }
 
     def gamma_inputs(self) -> dict[str, Tensor]:

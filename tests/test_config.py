@@ -67,7 +67,8 @@ def test_every_variable_is_a_config_field_with_its_default():
     fields = {field.name: field for field in dataclasses.fields(Config)}
     assert [variable.field for variable in VARIABLES] == [name for name in fields if name in {
         variable.field for variable in VARIABLES}]
-    assert set(fields) - {variable.field for variable in VARIABLES} == {"dataset_ids", "launched_by_torchrun"}
+    assert set(fields) - {variable.field for variable in VARIABLES} == {"dataset_ids", "plan_arcs",
+                                                                        "launched_by_torchrun"}
     defaults = Config()
     for variable in VARIABLES:
         assert getattr(defaults, variable.field) == variable.default, variable.name
@@ -147,6 +148,7 @@ def bad_values(tmp_path):
         "EPID_DATASET_SEED": ("1.5", "not an integer"),
         "EPID_DATASET_RANGE": ("0:640:0", "step cannot be 0; expected start:stop[:step]"),
         "EPID_DATASET_IDS": ("1,999", "outside 0..639"),
+        "EPID_PLANS": (str(tmp_path / "missing"), "no such folder (expected a folder of RT Plan files)"),
         "EPID_DEVICE": ("tpu", "auto, cpu, cuda or cuda:N"),
         "EPID_BACKEND": ("mpi", "auto, nccl or gloo"),
         "EPID_THREADS": ("-1", "an integer >= 0"),
