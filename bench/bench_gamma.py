@@ -4,12 +4,14 @@ Builds 64 EPID-like reference maps (256 x 256 at 1 mm: MLC-shaped apertures
 convolved with the broad EPID response kernel of design section 4) and evaluated
 maps that are shifted, scaled, blurred and noisy copies of them, then times at
 3 %/3 mm global gamma (10 % cutoff, max_gamma 2, interp_fraction 10):
-  - epid.gamma.gamma_index on the whole batch, on this CPU;
+  - epid.gamma.gamma_index on the whole batch, on this CPU, for float32 and for
+    float64 inputs (the same maps; gamma is computed in float32 either way);
   - pymedphys.gamma called once per map after its JIT warm-up, in a separate
     process, on an evenly spread subset of the maps (every k-th), extrapolated to
     the whole batch;
   - on a GPU when one is available, maps per second.
-Both CPU timings are taken side by side in each repeat; medians are reported.
+All CPU timings are taken side by side in each repeat; medians are reported, with
+the CPU model, its vector features and the threads each library used.
 OMP_WAIT_POLICY defaults to PASSIVE here (for both libraries): on a machine shared
 with other jobs, OpenMP threads that spin while waiting slow every parallel region
 down many times over.
@@ -34,10 +36,12 @@ import numpy as np
 import torch
 from scipy.ndimage import convolve1d, gaussian_filter, shift
 
+from epid.devices import cpu_features, cpu_model
 from epid.gamma import GammaCriteria, gamma_index, gamma_pass_rate
 
 CRITERIA = GammaCriteria()  # 3 %/3 mm global, 10 % cutoff, max_gamma 2
 PERTURBATIONS = ("shift", "scale", "blur", "noise", "all")
+INPUT_DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 
 def epid_kernel_1d(half_width: int = 64) -> np.ndarray:
@@ -94,9 +98,13 @@ def make_maps(count: int, severity: float = 1.0, seed: int = 0) -> tuple[np.ndar
     return references, evaluations
 
 
-def time_pymedphys(references: np.ndarray, evaluations: np.ndarray) -> float:
-    """Seconds for pymedphys.gamma on each map in turn (JIT warmed up first)."""
+def time_pymedphys(references: np.ndarray, evaluations: np.ndarray, threads: int) -> float:
+    """Seconds for pymedphys.gamma on each map in turn (JIT warmed up first), its numba
+    interpolation on ``threads`` threads."""
+    import numba
     import pymedphys
+
+    numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
 
     axes = tuple(np.arange(size, dtype=float) for size in references.shape[-2:])
 
@@ -139,17 +147,18 @@ def main() -> None:
         torch.set_num_threads(args.threads)
 
     references, evaluations = make_maps(args.maps, args.severity)
-    cpu_references = torch.as_tensor(references, dtype=torch.float32)
-    cpu_evaluations = torch.as_tensor(evaluations, dtype=torch.float32)
-    gamma = gamma_index(cpu_references, cpu_evaluations, **CRITERIA.arguments())
+    cpu_inputs = {name: torch.as_tensor(references, dtype=dtype) for name, dtype in INPUT_DTYPES.items()}
+    cpu_evaluations = {name: torch.as_tensor(evaluations, dtype=dtype) for name, dtype in INPUT_DTYPES.items()}
+    gamma = gamma_index(cpu_inputs["float32"], cpu_evaluations["float32"], **CRITERIA.arguments())
     rates = gamma_pass_rate(gamma)
     counted = (~torch.isnan(gamma)).float().mean().item()
     print(f"{args.maps} maps of {references.shape[-2]}x{references.shape[-1]} at 1 mm "
           f"(perturbation severity {args.severity:g}), 3 %/3 mm global, "
           f"10 % cutoff, max_gamma 2; {100 * counted:.0f} % of points above the cutoff; "
           f"pass rate median {rates.median():.1f} % (min {rates.min():.1f} %)")
-    print(f"torch {torch.__version__}, CPU threads {torch.get_num_threads()}, "
-          f"OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}")
+    threads = torch.get_num_threads()
+    print(f"CPU: {cpu_model()} ({cpu_features().text()}), {os.cpu_count()} logical cores; torch {torch.__version__}, "
+          f"{threads} threads for both libraries, OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}")
 
     pymedphys_version = None
     if args.pymedphys_maps:
@@ -163,30 +172,33 @@ def main() -> None:
 
     # pymedphys runs in its own process: numba's OpenMP threads and torch's would
     # otherwise share this one and slow each other down.
-    torch_times, pymedphys_times = [], []
+    torch_times = {name: [] for name in INPUT_DTYPES}
+    pymedphys_times = []
     pool = multiprocessing.get_context("spawn").Pool(1) if pymedphys_version else contextlib.nullcontext()
     with pool as worker:
         for _ in range(args.repeats):
-            torch_times.append(time_torch(cpu_references, cpu_evaluations))
+            for name in INPUT_DTYPES:
+                torch_times[name].append(time_torch(cpu_inputs[name], cpu_evaluations[name]))
             if pymedphys_version:
-                subset_time = worker.apply(time_pymedphys, (references[subset], evaluations[subset]))
+                subset_time = worker.apply(time_pymedphys, (references[subset], evaluations[subset], threads))
                 pymedphys_times.append(subset_time * args.maps / subset_count)
-    torch_time = statistics.median(torch_times)
-    print(f"epid.gamma, CPU, batch of {args.maps}: {torch_time:.3f} s "
-          f"({args.maps / torch_time:.1f} maps/s; repeats {', '.join(f'{t:.3f}' for t in torch_times)})")
-    if pymedphys_times:
-        pymedphys_time = statistics.median(pymedphys_times)
-        print(f"pymedphys.gamma {pymedphys_version}, {args.maps} calls: {pymedphys_time:.2f} s, "
+    pymedphys_time = statistics.median(pymedphys_times) if pymedphys_times else None
+    if pymedphys_time:
+        print(f"pymedphys.gamma {pymedphys_version} (float64 maps), {args.maps} calls: {pymedphys_time:.2f} s, "
               f"extrapolated from {subset_count} of the {args.maps} maps (every {every}-th; "
               f"repeats {', '.join(f'{t:.2f}' for t in pymedphys_times)})")
-        print(f"speedup (median over median): {pymedphys_time / torch_time:.1f}x")
+    for name, times in torch_times.items():
+        torch_time = statistics.median(times)
+        speedup = f"; speedup (median over median) {pymedphys_time / torch_time:.1f}x" if pymedphys_time else ""
+        print(f"epid.gamma, CPU, batch of {args.maps}, {name} inputs: {torch_time:.3f} s "
+              f"({args.maps / torch_time:.1f} maps/s; repeats {', '.join(f'{t:.3f}' for t in times)}){speedup}")
 
     if torch.cuda.is_available():
         gpu = torch.device("cuda")
         for batch in (args.maps, 4 * args.maps):
             repeat = -(-batch // args.maps)
-            gpu_references = cpu_references.to(gpu).repeat(repeat, 1, 1)[:batch]
-            gpu_evaluations = cpu_evaluations.to(gpu).repeat(repeat, 1, 1)[:batch]
+            gpu_references = cpu_inputs["float32"].to(gpu).repeat(repeat, 1, 1)[:batch]
+            gpu_evaluations = cpu_evaluations["float32"].to(gpu).repeat(repeat, 1, 1)[:batch]
             time_torch(gpu_references, gpu_evaluations)
             repeats = max(3, args.repeats)
             gpu_time = statistics.median(time_torch(gpu_references, gpu_evaluations) for _ in range(repeats))

@@ -110,11 +110,11 @@ def gamma_index(
     flat_index = torch.nonzero(counted.view(-1)).squeeze(1)
     gamma = torch.full((images * height * width,), math.nan, device=reference_t.device)
     if flat_index.numel():
-        dose_criterion = (dose_percent / 100 * normalisation)[:, None, None]
         search = _ShellSearch(
-            reference_t / dose_criterion,
-            evaluation_t / dose_criterion,
+            reference_t,
+            evaluation_t,
             flat_index,
+            dose_criterion=dose_percent / 100 * normalisation,
             local_dose_percent=dose_percent if local else None,
         )
         gamma_squared = search.run(
@@ -416,16 +416,24 @@ class _ShellSearch:
         reference: torch.Tensor,
         evaluation: torch.Tensor,
         flat_index: torch.Tensor,
+        dose_criterion: torch.Tensor,
         local_dose_percent: float | None,
     ) -> None:
         """Search around the points ``flat_index`` of the flattened image stacks.
 
-        For local gamma, ``local_dose_percent`` is the dose criterion in percent of
-        the reference dose at each point; None for global gamma.
+        Doses are taken in units of ``dose_criterion``, each image's global dose
+        criterion (images,) in the units of the images; only the points and the
+        padded evaluated images are scaled, not whole copies of both stacks. For
+        local gamma, ``local_dose_percent`` is the dose criterion in percent of the
+        reference dose at each point; None for global gamma.
         """
+        images, height, width = reference.shape
         self.evaluation = evaluation
         self.flat_index = flat_index
-        self.reference_dose = reference.reshape(-1).index_select(0, flat_index)
+        self.scale = dose_criterion.reciprocal()
+        point_scale = self.scale.index_select(0, flat_index // (height * width))
+        self.reference_dose = reference.reshape(-1).index_select(0, flat_index).mul_(point_scale)
+        self.evaluation_dose = evaluation.reshape(-1).index_select(0, flat_index).mul_(point_scale)
         self.local_factor = None
         if local_dose_percent is not None:
             # (global criterion / local criterion)^2 converts squared differences; the
@@ -480,8 +488,7 @@ class _ShellSearch:
 
     def _gamma_at_point(self) -> torch.Tensor:
         """Squared gamma from the evaluated dose at the points themselves (radius 0)."""
-        evaluation_at_point = self.evaluation.reshape(-1).index_select(0, self.flat_index)
-        gamma_at_point = (evaluation_at_point - self.reference_dose).square_()
+        gamma_at_point = (self.evaluation_dose - self.reference_dose).square_()
         if self.local_factor is not None:
             gamma_at_point.mul_(self.local_factor)
         return gamma_at_point
@@ -489,7 +496,8 @@ class _ShellSearch:
     def _pad(
         self, shifts: np.ndarray, flat_index: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-        """Flattened evaluated images padded to hold every shift around every point.
+        """Flattened evaluated images, in units of the dose criterion, padded to hold
+        every shift around every point.
 
         Each shift's samples are read through a view of the padded images that
         starts at that shift, with one index per point shared by all shifts.
@@ -499,7 +507,14 @@ class _ShellSearch:
         images, height, width = self.evaluation.shape
         margin = int(np.abs(shifts).max())
         padded_height, padded_width = height + 2 * margin, width + 2 * margin
-        padded = torch.nn.functional.pad(self.evaluation, (margin,) * 4, value=_FAR).reshape(-1)
+        padded = torch.empty((images, padded_height, padded_width), device=self.device)
+        padded[:, :margin].fill_(_FAR)
+        padded[:, margin + height :].fill_(_FAR)
+        padded[:, margin : margin + height, :margin].fill_(_FAR)
+        padded[:, margin : margin + height, margin + width :].fill_(_FAR)
+        interior = padded[:, margin : margin + height, margin : margin + width]
+        torch.mul(self.evaluation, self.scale[:, None, None], out=interior)
+        padded = padded.view(-1)
         image_row = torch.arange(images * height, device=self.device)
         image, row = image_row // height, image_row % height
         padded_row_start = (image * padded_height + row + margin) * padded_width + margin
