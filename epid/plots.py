@@ -191,8 +191,11 @@ def sample_figure(samples: SampleSet, predictions: Predictions, gamma: np.ndarra
     curr = targets[1]
     x_centre, y_centre = field_centre(curr["leaf_a"], curr["leaf_b"], curr["jaw_1"], curr["jaw_2"])
     row, column = _row_of(y_centre), _column_of(x_centre)
-    _image_row(figure, [figure.add_subplot(top[0, k]) for k in range(4)], measured, predicted, gamma, record,
-               criteria, row, column)
+    _image_row(figure, [figure.add_subplot(top[0, k]) for k in range(4)], measured, predicted, gamma, criteria,
+               ("Measured (synthetic) EPID, curr", "Predicted EPID (forward model)",
+                f"Gamma {criteria.dose_percent:g} %/{criteria.distance_mm:g} mm: "
+                f"{record.gamma_pass_percent:.1f} % pass"),
+               (row, column))
 
     mlc_axes = [figure.add_subplot(middle[0, k]) for k in range(2)]
     for half, axes in enumerate(mlc_axes):
@@ -212,21 +215,22 @@ def sample_figure(samples: SampleSet, predictions: Predictions, gamma: np.ndarra
 
 
 def _image_row(figure: Figure, axes: Sequence[Axes], measured: np.ndarray, predicted: np.ndarray,
-               gamma: np.ndarray, record: SampleMetrics, criteria: GammaCriteria, row: int, column: int) -> None:
-    """Measured and predicted frames (shared scale, one colour bar), gamma map, difference."""
+               gamma: np.ndarray, criteria: GammaCriteria, titles: tuple[str, str, str],
+               profiles: tuple[int, int] | None = None) -> None:
+    """Measured and predicted frames (shared scale, one colour bar), gamma map, difference;
+    ``titles`` of the two frames and the gamma map; ``profiles`` (row, column) dotted on the frames."""
     top = max(float(measured.max()), float(predicted.max()), 1e-12)
-    for panel, image, title in ((axes[0], measured, "Measured (synthetic) EPID, curr"),
-                                (axes[1], predicted, "Predicted EPID (forward model)")):
+    for panel, image, title in ((axes[0], measured, titles[0]), (axes[1], predicted, titles[1])):
         shown = panel.imshow(image, extent=IMAGE_EXTENT, origin="upper", cmap="viridis", vmin=0, vmax=top)
-        panel.axhline(PIXEL_CENTRES_MM[::-1][row], color="white", linestyle=":", linewidth=1)
-        panel.axvline(PIXEL_CENTRES_MM[column], color="white", linestyle=":", linewidth=1)
+        if profiles is not None:
+            panel.axhline(PIXEL_CENTRES_MM[::-1][profiles[0]], color="white", linestyle=":", linewidth=1)
+            panel.axvline(PIXEL_CENTRES_MM[profiles[1]], color="white", linestyle=":", linewidth=1)
         _image_axes(panel, title)
-    figure.colorbar(shown, ax=list(axes[:2]), shrink=0.85, label="signal (a.u.); dotted: profiles")
-
+    figure.colorbar(shown, ax=list(axes[:2]), shrink=0.85,
+                    label="signal (a.u.); dotted: profiles" if profiles is not None else "signal (a.u.)")
     shown = axes[2].imshow(gamma, extent=IMAGE_EXTENT, origin="upper", cmap=_gamma_colours(),
                            vmin=0, vmax=criteria.max_gamma)
-    _image_axes(axes[2], f"Gamma {criteria.dose_percent:g} %/{criteria.distance_mm:g} mm: "
-                         f"{record.gamma_pass_percent:.1f} % pass")
+    _image_axes(axes[2], titles[2])
     figure.colorbar(shown, ax=axes[2], shrink=0.85, label=f"gamma (white: below {criteria.cutoff_percent:g} % cutoff)")
 
     difference = predicted - measured
@@ -657,19 +661,6 @@ def qa_frame_figure(measured: np.ndarray, predicted: np.ndarray, gamma: np.ndarr
     map under ``criteria`` (white below the cutoff) and the difference."""
     figure = new_figure(QA_FRAME_FIGSIZE)
     figure.suptitle(title, fontsize=13)
-    axes = figure.subplots(1, 4)
-    top = max(float(measured.max()), float(predicted.max()), 1e-12)
-    for panel, image, name in ((axes[0], measured, "Measured frame"), (axes[1], predicted, "Predicted frame")):
-        shown = panel.imshow(image, extent=IMAGE_EXTENT, origin="upper", cmap="viridis", vmin=0, vmax=top)
-        _image_axes(panel, name)
-    figure.colorbar(shown, ax=list(axes[:2]), shrink=0.85, label="signal (a.u.)")
-    shown = axes[2].imshow(gamma, extent=IMAGE_EXTENT, origin="upper", cmap=_gamma_colours(), vmin=0,
-                           vmax=criteria.max_gamma)
-    _image_axes(axes[2], f"Gamma {criteria.describe()}")
-    figure.colorbar(shown, ax=axes[2], shrink=0.85, label=f"gamma (white: below {criteria.cutoff_percent:g} % cutoff)")
-    difference = predicted - measured
-    limit = max(float(np.abs(difference).max()), 1e-12)
-    shown = axes[3].imshow(difference, extent=IMAGE_EXTENT, origin="upper", cmap="RdBu_r", vmin=-limit, vmax=limit)
-    _image_axes(axes[3], "Difference, predicted - measured")
-    figure.colorbar(shown, ax=axes[3], shrink=0.85, label="signal (a.u.)")
+    _image_row(figure, figure.subplots(1, 4), measured, predicted, gamma, criteria,
+               ("Measured frame", "Predicted frame", f"Gamma {criteria.describe()}"))
     return figure
