@@ -60,6 +60,12 @@ def test_the_smoke_run_writes_quality_json_with_every_metric_overall_and_per_pat
     assert curve["samples_seen"] == sorted(curve["samples_seen"]) and curve["samples_seen"][-1] > 0
     assert written["samples_seen"] == curve["samples_seen"][-1]
     assert "curr leaf MAE in band (mm)" in stdout  # the table is printed
+    # the headline is the arc reconstruction; a skipped fit would leave pair and arc at the same network estimate
+    assert written["reconstruction"] == "arc" and set(written["reconstructions"]) == {"pair", "arc"}
+    assert set(written["evaluation_seconds"]) == {"pair", "arc"}
+    pair, arc = (written["reconstructions"][method][quality.ALL] for method in ("pair", "arc"))
+    assert pair["curr_leaf_mae_mm"] != arc["curr_leaf_mae_mm"]
+    assert written["groups"][quality.ALL]["curr_leaf_mae_mm"] == arc["curr_leaf_mae_mm"]
 
 
 def test_the_checkpoint_is_an_ordinary_one_trained_on_ids_0_mod_4(smoke_run):
