@@ -11,7 +11,7 @@ section 10): MAE, RMS, share within 0.5 mm and 1 mm; jaw MAE and MU relative err
 
     python -m bench.bench_reconstruct --checkpoint quality_output/checkpoint.pth
     python -m bench.bench_reconstruct --checkpoint quality_output/checkpoint.pth --frames 64 \\
-        --methods pair,arc --output reconstruct.json
+        --methods pair,arc --stages 6:0.5,0.8:0.1 --output reconstruct.json
 """
 
 from __future__ import annotations
@@ -46,13 +46,9 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--frames", type=int, default=2049, help="frames per arc from its start (default 2049)")
     parser.add_argument("--methods", default=",".join(reconstruct.METHODS),
                         help=f"comma-separated of {', '.join(reconstruct.METHODS)} (default all)")
-    parser.add_argument("--fit", default="", metavar="STEPS,ROUNDS,REFINE",
-                        help="fit settings of pair and arc: descent steps, split rounds, refine steps "
-                             "(default: the inverse model's own)")
-    parser.add_argument("--window", type=int, default=reconstruct.ARC_WINDOW_FRAMES,
-                        help="frames per window of the arc fit (default %(default)s)")
-    parser.add_argument("--overlap", type=int, default=reconstruct.ARC_WINDOW_OVERLAP,
-                        help="frames shared by neighbouring windows (default %(default)s)")
+    parser.add_argument("--stages", default="", metavar="RANGE:STEP,...",
+                        help="leaf tracking stages of pair and arc, mm: each control point searched within "
+                             "+-RANGE on a STEP grid, stage after stage (default: the inverse model's own)")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     parser.add_argument("--output", default="", help="also write the figures to this JSON file")
     args = parser.parse_args(argv)
@@ -61,18 +57,19 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--methods {','.join(args.methods)}: expected some of {', '.join(reconstruct.METHODS)}")
     if args.frames < 2:
         parser.error(f"--frames {args.frames}: expected at least 2")
-    if not 2 <= args.window or not 0 <= args.overlap < args.window:
-        parser.error(f"--window {args.window} --overlap {args.overlap}: expected window >= 2 and 0 <= overlap < window")
-    if args.fit:
-        try:
-            args.fit = reconstruct.FitSettings(*(int(part) for part in args.fit.split(",")))
-            if min(args.fit.steps, args.fit.split_rounds, args.fit.refine_steps) < 0:
-                raise ValueError(args.fit)
-        except (TypeError, ValueError):
-            parser.error(f"--fit {args.fit!r}: expected three non-negative integers STEPS,ROUNDS,REFINE")
-    else:
-        args.fit = None
+    args.stages = parse_stages(parser, args.stages) if args.stages else None
     return args
+
+
+def parse_stages(parser: argparse.ArgumentParser, text: str) -> reconstruct.Stages:
+    """'8:0.5,1:0.1' -> ((8.0, 0.5), (1.0, 0.1)); a parser error unless each is RANGE >= 0 : STEP > 0."""
+    try:
+        stages = tuple(tuple(float(value) for value in part.split(":")) for part in text.split(","))
+        if any(len(stage) != 2 or stage[0] < 0 or stage[1] <= 0 for stage in stages):
+            raise ValueError(text)
+    except ValueError:
+        parser.error(f"--stages {text!r}: expected RANGE:STEP pairs in mm, comma-separated (range >= 0, step > 0)")
+    return stages
 
 
 def held_out_arcs(trained: set[int]) -> list[int]:
@@ -98,9 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     count = min(args.frames, settings.control_points - 1)
     print(f"{PROGRAM}: {count} frames of held-out arcs {arcs} on {device} ({machine(device)}); "
           f"{settings.describe()}", flush=True)
-    fit = args.fit or reconstruct.FitSettings.of(models[1]) if reconstruct.can_refine(*models) else None
-    print(f"fit: {fit or 'none (the pair cannot refine)'}; arc windows of {args.window} frames overlapping by "
-          f"{args.overlap}", flush=True)
+    stages = (args.stages or reconstruct.stages_of(models[1])) if reconstruct.can_refine(*models) else None
+    print(f"leaf tracking stages (range, step mm): {stages or 'none (the pair cannot refine)'}", flush=True)
     results: dict[str, dict[str, dict[str, float]]] = {}
     for dataset_id in arcs:
         segment = synthesise_segment(dataset_id, 1, count, settings, kernel, device)
@@ -108,8 +104,7 @@ def main(argv: list[str] | None = None) -> int:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             started = time.perf_counter()
-            estimate = reconstruct_segment(method, models, segment, device, settings=args.fit, window=args.window,
-                                           overlap=args.overlap)
+            estimate = reconstruct_segment(method, models, segment, device, stages=args.stages)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             seconds = time.perf_counter() - started

@@ -27,8 +27,9 @@ the predicted aperture (learned in-field weights per row and column account for 
 reaching past the imager). The curr frame's lag (a learned share of the prev frame) is taken out
 first. Latent: the predicted aperture's fluence pooled to 4 mm.
 
-The inverse model returns the network's estimate; ``epid.reconstruct`` refines it by fitting the
-forward model's rendering to the measured frames (a frame pair, or windows of a whole arc).
+The inverse model returns the network's estimate; ``epid.reconstruct`` refines it by tracking the
+leaf edges through the measured frames with the forward model's physics (``epid.leaf_tracking``:
+a frame pair, or a whole arc).
 """
 
 from __future__ import annotations
@@ -360,8 +361,8 @@ class LeafEdgeInverseConfig:
     """Sizes of the inverse model: the window CNN (``channels`` on the (leaf row, x) grid in
     ``depth`` blocks, a coarse branch of ``coarse_channels`` pooled ``coarse_pool`` x), the jaw
     CNN, the readout MLPs' width, the pixel rows the row deblur reaches beyond its leaf, and the
-    eval-mode fit to the forward model's rendering (``epid.aperture_fit``): its descent steps
-    (0 = no fit), split rounds and the descent steps after each round."""
+    stages of the leaf tracking that refines the estimate with the forward model's physics
+    (``epid.leaf_tracking``: (range, grid step) mm each; none = the network's estimate)."""
 
     channels: int = 8
     depth: int = 3
@@ -372,17 +373,30 @@ class LeafEdgeInverseConfig:
     jaw_depth: int = 3
     readout_hidden: int = 32
     deblur_reach_rows: int = 10
-    fit_steps: int = 100
-    split_rounds: int = 3
-    refine_steps: int = 40
+    track_stages: tuple[tuple[float, float], ...] = ((8.0, 0.5), (1.0, 0.1), (8.0, 0.5), (1.0, 0.1))
+
+    RETIRED_FIELDS = ("fit_steps", "split_rounds", "refine_steps")
+    """Fields of configs stored before leaf tracking: the eval-mode fit's descent steps (0 = no fit),
+    split rounds and refine steps."""
+
+    @classmethod
+    def from_stored(cls, values: dict) -> LeafEdgeInverseConfig:
+        """A stored config; one of the retired fit refines with the default stages where its fit
+        ran (fit_steps > 0), else not at all."""
+        values = dict(values)
+        retired = {name: values.pop(name) for name in cls.RETIRED_FIELDS if name in values}
+        if retired and "track_stages" not in values and retired.get("fit_steps", 0) <= 0:
+            values["track_stages"] = ()
+        return cls(**values)
 
     def __post_init__(self) -> None:
         if GRID_SIZE % self.coarse_pool:
             raise ValueError(f"coarse_pool {self.coarse_pool} must divide {GRID_SIZE}")
         if min(self.channels, self.coarse_channels, self.jaw_channels, self.readout_hidden) < 1:
             raise ValueError("channel counts must be positive")
-        if min(self.fit_steps, self.split_rounds, self.refine_steps) < 0:
-            raise ValueError("fit steps, split rounds and refine steps must be >= 0")
+        object.__setattr__(self, "track_stages", tuple((float(r), float(s)) for r, s in self.track_stages))
+        if any(step <= 0 or reach < 0 for reach, step in self.track_stages):
+            raise ValueError(f"track_stages {self.track_stages}: expected (range >= 0, grid step > 0) mm pairs")
 
 
 class LeafEdgeInverseModel(nn.Module):
@@ -427,7 +441,7 @@ class LeafEdgeInverseModel(nn.Module):
 
     def forward(self, epid_prev: Tensor, epid_curr: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """The network's estimate ``(leaf_a (B,104) mm, leaf_b (B,104) mm, scalars (B,5), latent
-        (B,1,64,64))``; ``epid.reconstruct.refine_pairs`` refines it with the forward model."""
+        (B,1,64,64))``; ``epid.reconstruct.pair_estimate`` refines it with the forward model."""
         frames = torch.cat([as_frame_batch("epid_prev", epid_prev), as_frame_batch("epid_curr", epid_curr)], 1)
         frames = remove_lag(frames.float(), self.lag_percent / 100.0)
         leaf_a, leaf_b, jaws = self.estimate(frames)
@@ -502,13 +516,12 @@ def remove_lag(frames: Tensor, lag: Tensor | float) -> Tensor:
 
 SIZES: dict[str, tuple[ApertureForwardConfig, LeafEdgeInverseConfig]] = {
     "full": (ApertureForwardConfig(), LeafEdgeInverseConfig()),
-    "small": (ApertureForwardConfig(), LeafEdgeInverseConfig(depth=2, coarse_depth=1, fit_steps=60, split_rounds=2,
-                                                                         refine_steps=20)),
+    "small": (ApertureForwardConfig(), LeafEdgeInverseConfig(depth=2, coarse_depth=1,
+                                                              track_stages=((6.0, 0.5), (0.8, 0.1)))),
     "tiny": (
         ApertureForwardConfig(response_reach=32, response_widths_mm=(1.0, 4.0, 16.0)),
         LeafEdgeInverseConfig(channels=4, depth=1, coarse_channels=4, coarse_depth=1, jaw_channels=4, jaw_depth=1,
-                              readout_hidden=8, deblur_reach_rows=2, fit_steps=3, split_rounds=1,
-                              refine_steps=2),
+                              readout_hidden=8, deblur_reach_rows=2, track_stages=((2.0, 1.0),)),
     ),
 }
 """Named sizes: full, small (a shallower window CNN, a shorter fit) and tiny (smoke tests)."""

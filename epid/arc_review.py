@@ -90,23 +90,20 @@ def _segment(control_points: ControlPoints, first: int, frames: Tensor) -> ArcSe
 
 
 def reconstruct_segment(method: str, models: tuple[nn.Module, nn.Module], segment: ArcSegment,
-                        device: torch.device | str = "cpu", batch: int = 16,
-                        settings: reconstruct.FitSettings | None = None, window: int = reconstruct.ARC_WINDOW_FRAMES,
-                        overlap: int = reconstruct.ARC_WINDOW_OVERLAP,
+                        device: torch.device | str = "cpu", batch: int = 16, stages: reconstruct.Stages | None = None,
                         progress: Callable[[int], None] | None = None) -> ArcEstimate:
     """The control points of ``segment`` by ``method`` ("network", "pair" or "arc"; a model pair
     that cannot refine gives the network's estimate, named in ``ArcEstimate.method``), under
-    ``torch.inference_mode``; ``settings`` (default: the inverse model's), ``window`` and
-    ``overlap`` as ``reconstruct.reconstruct_arc``. ``progress`` is called with the number of
-    frames each step fitted (the arc fit's windows overlap, so its frames add up to more than
-    ``len(segment)``)."""
+    ``torch.inference_mode``; ``stages`` (default: the inverse model's) as
+    ``reconstruct.reconstruct_arc``. ``progress`` is called with the number of frames each step
+    finished."""
     forward_model, inverse_model = models
     used = reconstruct.method_used(forward_model, inverse_model, method)
     frames = segment.frames.to(device)
     with torch.inference_mode():
         if used == "arc":
             arc = reconstruct.reconstruct_arc(forward_model, inverse_model, frames[1:], frame_before=frames[0],
-                                              settings=settings, window=window, overlap=overlap, progress=progress)
+                                              stages=stages, progress=progress)
             values = (arc.leaf_a[1:], arc.leaf_b[1:], arc.jaws[1:], arc.mu)
         else:
             pairs = [(begin, min(begin + batch, len(segment))) for begin in range(0, len(segment), batch)]
@@ -114,7 +111,7 @@ def reconstruct_segment(method: str, models: tuple[nn.Module, nn.Module], segmen
             for begin, end in pairs:
                 parts.append(reconstruct.pair_estimate(forward_model, inverse_model, frames[begin:end, None],
                                                        frames[begin + 1:end + 1, None], refine=used == "pair",
-                                                       settings=settings))
+                                                       stages=stages))
                 if progress is not None:
                     progress(end - begin)
             leaf_a, leaf_b, scalars = (torch.cat(part) for part in zip(*parts, strict=True))

@@ -107,7 +107,8 @@ class PairConfig:
     def from_dict(cls, values: Mapping[str, Any]) -> PairConfig:
         """Read a stored pair config; TypeError / ValueError when it does not fit its family."""
         entry = family(values.get("family", LEGACY))
-        return cls(entry.name, entry.forward_config(**values["forward"]), entry.inverse_config(**values["inverse"]))
+        inverse = getattr(entry.inverse_config, "from_stored", None) or (lambda stored: entry.inverse_config(**stored))
+        return cls(entry.name, entry.forward_config(**values["forward"]), inverse(values["inverse"]))
 
     def build(self) -> tuple[nn.Module, nn.Module]:
         """Freshly initialised (forward, inverse) models of these configs."""

@@ -57,7 +57,7 @@ from epid.errors import InputError
 from epid.families import predict_frames
 from epid.gamma import GammaCriteria, gamma_maps, gamma_pass_rate
 from epid.imaging import FRAME_SHAPE
-from epid.reconstruct import FitSettings
+from epid.reconstruct import Stages
 from epid.sequences import LEAF_WIDTH_MM, MLC_Y_MIN_MM, NUM_LEAF_PAIRS, ControlPoints
 from epid.tables import format_table
 
@@ -237,12 +237,12 @@ def plan_segment(beam: PlanBeam, points: np.ndarray, frames: Tensor) -> arc_revi
 
 def reconstruct(models: tuple[nn.Module, nn.Module], segment: arc_review.ArcSegment, method: str = "arc",
                 device: torch.device | str = "cpu", progress: Progress | None = None,
-                settings: FitSettings | None = None) -> arc_review.ArcEstimate:
-    """The control points of ``segment`` reconstructed by ``method`` with the fit ``settings``
+                stages: Stages | None = None) -> arc_review.ArcEstimate:
+    """The control points of ``segment`` reconstructed by ``method`` with the tracking ``stages``
     (default: the inverse model's), ``arc_review.reconstruct_segment``; models switched to eval mode."""
     for model in models:
         model.eval()
-    return arc_review.reconstruct_segment(method, models, segment, device, settings=settings, progress=progress)
+    return arc_review.reconstruct_segment(method, models, segment, device, stages=stages, progress=progress)
 
 
 # --------------------------------------------------------------------------- summary

@@ -1,6 +1,6 @@
 """The aperture family: its fluence against the frame engine's masks, its detector response
 against scipy's convolution, the inverse model's layout and parameter groups,
-the fit to a rendering, and rebuilding a pair from a checkpoint."""
+and rebuilding a pair from a checkpoint (of today's configs and of those stored before leaf tracking)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ from epid import aperture_models as am
 from epid.checkpoint import build_models_from_checkpoint
 from epid.families import PairConfig, build_models
 from epid.imaging import rasterize
-from epid.reconstruct import FitSettings, Window, fit_window
 
 
 def whole_mm_control_points(batch: int, seed: int = 0, move_mm: float = 0.0):
@@ -107,87 +106,6 @@ def test_inverse_model_layout_and_parameter_groups(size):
     assert inverse.stem.weight.grad is not None and inverse.leaf_readout[0].net[0].weight.grad is not None
 
 
-def tiny_forward_with_2mm_response() -> am.ApertureForwardModel:
-    """The tiny aperture forward model, every Gaussian of its response 2 mm wide."""
-    torch.manual_seed(0)
-    forward, _ = build_models("tiny", "aperture")
-    with torch.no_grad():
-        forward.response.profile_x.log_width.fill_(np.log(2.0))
-        forward.response.profile_y.log_width.fill_(np.log(2.0))
-    return forward
-
-
-def still_jaw_opening(jaws: torch.Tensor) -> torch.Tensor:
-    """Open fraction (B, 52) of each leaf row between jaws (B, 4) that stay at their curr positions."""
-    return am.row_visibility((jaws[:, 1], jaws[:, 1]), (jaws[:, 3], jaws[:, 3]))[0]
-
-
-def fit_to_frames(forward, frames, leaf_a, leaf_b, jaws, steps, split_rounds=0, refine_steps=0):
-    """``fit_window`` on frame pairs (B, 2, 256, 256) from [prev, curr] estimates (leaves (B, 104),
-    jaws (B, 4) [jaw_1 prev, curr, jaw_2 prev, curr]), the point before prev extrapolated:
-    (leaf_a, leaf_b (B, 104), jaws (B, 4), mu of the curr frame (B,))."""
-    def points(pair):
-        prev, curr = pair[:, :52], pair[:, 52:]
-        return torch.stack([2 * prev - curr, prev, curr], 1)
-
-    jaw_points = jaws.view(-1, 2, 2).transpose(1, 2)
-    start = Window(points(leaf_a), points(leaf_b), torch.stack([2 * jaw_points[:, 0] - jaw_points[:, 1],
-                                                                 jaw_points[:, 0], jaw_points[:, 1]], 1))
-    fitted = fit_window(forward, frames, start, FitSettings(steps, split_rounds, refine_steps))
-    return (fitted.leaf_a[:, 1:].flatten(1), fitted.leaf_b[:, 1:].flatten(1),
-            fitted.jaws[:, 1:].transpose(1, 2).reshape(-1, 4), fitted.mu[:, 1])
-
-
-def test_fit_moves_a_perturbed_estimate_to_the_rendered_geometry():
-    forward = tiny_forward_with_2mm_response()
-    leaf_a, leaf_b, scalars = whole_mm_control_points(2, seed=6, move_mm=3.0)
-    leaf_a, leaf_b = leaf_a + 0.4, leaf_b + 0.3  # off the grid
-    with torch.no_grad():  # the prev frame's motion starts 3 mm before prev: constant speed
-        prev = forward.render(torch.cat([leaf_a[:, :52] - 3.0, leaf_a[:, :52]], 1),
-                              torch.cat([leaf_b[:, :52] - 3.0, leaf_b[:, :52]], 1), scalars)[0] * 7.0
-        curr = forward.render(leaf_a, leaf_b, scalars)[0] * 12.0
-    frames = torch.stack([prev, curr], 1)
-    jaws = scalars[:, 1:]
-    start_a, start_b = leaf_a + 0.8, leaf_b - 0.8
-    fitted_a, fitted_b, fitted_jaws, mu = fit_to_frames(forward, frames, start_a, start_b, jaws + 0.5, 60)
-    open_rows = still_jaw_opening(jaws) > 0.99
-    error_before = (start_a[:, 52:] - leaf_a[:, 52:]).abs()[open_rows].mean()
-    error_after = (fitted_a[:, 52:] - leaf_a[:, 52:]).abs()[open_rows].mean()
-    assert error_before == pytest.approx(0.8)
-    assert error_after < 0.2
-    assert (fitted_jaws - jaws).abs().max() < 0.3
-    torch.testing.assert_close(mu, torch.full((2,), 12.0), rtol=0.02, atol=0.0)
-
-
-def test_split_search_finds_where_prev_lies_when_descent_alone_does_not():
-    forward = tiny_forward_with_2mm_response()
-    bank_a, bank_b, scalars = whole_mm_control_points(2, seed=6)
-    leaf_a, leaf_b = bank_a[:, :52] + 0.4, bank_b[:, :52] + 0.3
-    with torch.no_grad():  # 6 mm out from s to prev, 5 mm back from prev to curr
-        prev = forward.render(torch.cat([leaf_a, leaf_a + 6.0], 1), torch.cat([leaf_b, leaf_b + 6.0], 1), scalars)[0]
-        curr = forward.render(torch.cat([leaf_a + 6.0, leaf_a + 1.0], 1),
-                              torch.cat([leaf_b + 6.0, leaf_b + 1.0], 1), scalars)[0]
-    frames = torch.stack([7.0 * prev, 12.0 * curr], 1)
-    jaws = scalars[:, 1:]
-    # the estimate a reader of mean edge positions gives: each frame's mean position, at both ends
-    guess_a = torch.cat([leaf_a + 3.0, leaf_a + 3.5], 1)
-    guess_b = torch.cat([leaf_b + 3.0, leaf_b + 3.5], 1)
-    opening = still_jaw_opening(jaws)
-    open_rows, closed_rows = opening > 0.99, opening == 0
-
-    def curr_error(rounds: int) -> tuple[torch.Tensor, torch.Tensor]:
-        fitted_a, fitted_b, _, _ = fit_to_frames(forward, frames, guess_a, guess_b, jaws, 60, rounds, 30)
-        error = torch.cat([(fitted_a[:, 52:] - leaf_a - 1.0)[open_rows], (fitted_b[:, 52:] - leaf_b - 1.0)[open_rows]])
-        moved = torch.cat([fitted_a - guess_a, fitted_b - guess_b], 1)[closed_rows.repeat(1, 4)]
-        return error.abs(), moved.abs()
-
-    descent_error, _ = curr_error(0)
-    searched_error, closed_moved = curr_error(1)
-    assert descent_error.mean() > 1.0 and descent_error.max() > 5.0  # stuck with prev on the wrong side
-    assert searched_error.mean() < 0.1 and searched_error.max() < 0.3
-    assert closed_moved.max() == 0.0  # rows no jaw opens keep the estimate
-
-
 def test_a_checkpoint_rebuilds_the_pair_in_eval_mode():
     forward, inverse = build_models("tiny", "aperture")
     config = PairConfig.of(forward, inverse)
@@ -198,3 +116,15 @@ def test_a_checkpoint_rebuilds_the_pair_in_eval_mode():
     assert not rebuilt_forward.training and not rebuilt_inverse.training
     leaf_a, leaf_b, scalars = whole_mm_control_points(1, seed=7, move_mm=3.0)
     torch.testing.assert_close(rebuilt_forward(leaf_a, leaf_b, scalars)[0], forward(leaf_a, leaf_b, scalars)[0])
+
+
+def test_a_config_stored_before_leaf_tracking_refines_as_its_fit_did():
+    forward, inverse = build_models("tiny", "aperture")
+    stored = PairConfig.of(forward, inverse).to_dict()
+    for fit_steps, stages in ((100, am.LeafEdgeInverseConfig().track_stages), (0, ())):
+        old = {key: value for key, value in stored["inverse"].items() if key != "track_stages"}
+        old.update(fit_steps=fit_steps, split_rounds=3, refine_steps=40)
+        config = PairConfig.from_dict({**stored, "inverse": old})
+        assert config.inverse.track_stages == stages
+    with pytest.raises(ValueError, match="track_stages"):
+        am.LeafEdgeInverseConfig(track_stages=((8.0, 0.0),))

@@ -96,7 +96,7 @@ def test_bench_reconstruct_reports_every_method_on_held_out_arcs(tmp_path):
     save_checkpoint(checkpoint, checkpoint_payload(*build_models("tiny", "aperture")))
     output = tmp_path / "reconstruct.json"
     command = [sys.executable, "-m", "bench.bench_reconstruct", "--checkpoint", str(checkpoint), "--frames", "3",
-               "--fit", "2,1,1", "--window", "2", "--overlap", "1", "--device", "cpu", "--output", str(output)]
+               "--stages", "2:1,0.5:0.25", "--device", "cpu", "--output", str(output)]
     result = subprocess.run(command, cwd=ROOT, check=False, capture_output=True, text=True, env=clean_environment(),
                             timeout=300)
     assert result.returncode == 0, result.stderr
@@ -106,4 +106,4 @@ def test_bench_reconstruct_reports_every_method_on_held_out_arcs(tmp_path):
     for figures in report["summary"].values():
         assert figures["frames_per_second"] > 0 and figures["leaves"] > 0
         assert 0 <= figures["within_1mm"] <= 100 and np.isfinite(figures["leaf_mae_mm"])
-    assert "fit: FitSettings(steps=2, split_rounds=1, refine_steps=1)" in result.stdout
+    assert "leaf tracking stages (range, step mm): ((2.0, 1.0), (0.5, 0.25))" in result.stdout

@@ -33,7 +33,6 @@ from epid.frame_cache import plan_cache_key
 from epid.imaging import render_frames
 from epid.kernel import default_kernel
 from epid.plans import scan_plans
-from epid.reconstruct import FitSettings
 from epid.sequences import generate_control_points
 from tests.support import ROOT, TINY_RUN, clean_environment
 
@@ -280,8 +279,7 @@ def qa_of(tmp_path: Path, estimate_from_plan: bool, first: int = 1) -> plan_qa.P
             torch.from_numpy(np.stack([segment.jaw_1, segment.jaw_2], 1)), torch.from_numpy(segment.mu), "arc")
     else:
         torch.manual_seed(0)
-        estimate = plan_qa.reconstruct(build_models("tiny", "aperture"), segment, "arc",
-                                       settings=FitSettings(steps=2, split_rounds=0, refine_steps=0))
+        estimate = plan_qa.reconstruct(build_models("tiny", "aperture"), segment, "arc", stages=((1.0, 0.5),))
     return plan_qa.PlanQA(beam, measured, points, frames, gamma, segment, estimate)
 
 

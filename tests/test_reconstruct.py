@@ -1,6 +1,7 @@
-"""Reconstruction of control points from consecutive frames: the window fit settles what a frame
-pair cannot (a leaf that goes out and comes back), the arc's windows and their stitching, the lag
-taken out with the recorded frame before, and which reconstruction a model pair gets."""
+"""Reconstruction of control points from consecutive frames: leaf tracking settles what a frame
+pair cannot (a leaf that goes out and comes back), its pair costs are the misfit of the rendered
+steps, a whole arc with the lag taken out with the recorded frame before, and which
+reconstruction a model pair gets."""
 
 from __future__ import annotations
 
@@ -8,9 +9,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from epid import reconstruct
+from epid import leaf_tracking, reconstruct
 from epid.families import build_models
-from epid.reconstruct import FitSettings, Window, fit_window, reconstruct_arc
+from epid.reconstruct import reconstruct_arc
 
 JAWS = (-40.0, 45.0)
 """jaw_1, jaw_2 (mm) of every control point: rows 18..34 open."""
@@ -37,18 +38,31 @@ def out_and_back(points: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     return leaf_a, leaf_a + 30.0, torch.tensor(JAWS).repeat(points, 1)
 
 
+def render(forward: nn.Module, leaf_a: torch.Tensor, leaf_b: torch.Tensor, jaws: torch.Tensor) -> torch.Tensor:
+    """Signals per MU (N, 256, 256) of the motions between consecutive control points (N + 1, ...)."""
+    scalars = torch.cat([torch.ones(len(jaws) - 1, 1), jaws[:-1, :1], jaws[1:, :1], jaws[:-1, 1:], jaws[1:, 1:]], 1)
+    with torch.no_grad():
+        return forward.render(torch.cat([leaf_a[:-1], leaf_a[1:]], 1), torch.cat([leaf_b[:-1], leaf_b[1:]], 1),
+                              scalars)[0]
+
+
 def record(forward: nn.Module, leaf_a: torch.Tensor, leaf_b: torch.Tensor, jaws: torch.Tensor, mu: torch.Tensor,
            before: torch.Tensor) -> torch.Tensor:
     """Recorded frames (N, 256, 256) of control points 0..N: the forward model's signal of each
     motion times its MU, with the lag of the recorded frame before (``before`` for the first)."""
-    window = [t[None] for t in (leaf_a, leaf_b, jaws)]
-    with torch.no_grad():
-        signals = reconstruct._render(forward, window) * mu[:, None, None]
+    signals = render(forward, leaf_a, leaf_b, jaws) * mu[:, None, None]
     lag = float(forward.lag_fraction.detach())
     recorded = [before]
     for signal in signals:
         recorded.append((1 - lag) * signal + lag * recorded[-1])
     return torch.stack(recorded[1:])
+
+
+def track(forward: nn.Module, frames: torch.Tensor, leaf_a: torch.Tensor, leaf_b: torch.Tensor,
+          jaws: torch.Tensor, stages=((8.0, 0.5), (1.0, 0.1))) -> leaf_tracking.Tracked:
+    """``track_leaves`` on one run of lag-free frames (N, 256, 256) from control points (N + 1, ...)."""
+    domain = leaf_tracking.RowDomain.of(forward)
+    return leaf_tracking.track_leaves(domain, frames[None], leaf_a[None], leaf_b[None], jaws[None], stages)
 
 
 def test_three_frames_settle_the_excursion_a_pair_leaves_open():
@@ -57,25 +71,71 @@ def test_three_frames_settle_the_excursion_a_pair_leaves_open():
     frames = record(forward, leaf_a, leaf_b, jaws, torch.tensor([8.0, 12.0, 10.0]), torch.zeros(256, 256))
     # the mirror excursion (x0 + 6, x0, x0 + 6) renders the first two frames alike: a pair cannot choose
     mirror = torch.stack([leaf_a[1], leaf_a[0], leaf_a[1]])
-    with torch.no_grad():
-        pair = reconstruct._render(forward, [t[None] for t in (leaf_a[:3], leaf_b[:3], jaws[:3])])
-        mirrored = reconstruct._render(forward, [mirror[None], (mirror + 30.0)[None], jaws[None, :3]])
-    torch.testing.assert_close(pair, mirrored)
+    torch.testing.assert_close(render(forward, leaf_a[:3], leaf_b[:3], jaws[:3]),
+                               render(forward, mirror, mirror + 30.0, jaws[:3]))
 
     neutral = torch.full_like(leaf_a, 3.0) + leaf_a[0]  # every point at the mean position
-    start = Window(neutral[None], (neutral + 30.0)[None], jaws[None])
-    fitted = fit_window(forward, frames[None], start, FitSettings(60, 2, 30))
-    error = (fitted.leaf_a[0] - leaf_a)[:, OPEN_ROWS].abs()
-    assert error.max() < 0.3, error.amax(1)
-    torch.testing.assert_close(fitted.mu[0], torch.tensor([8.0, 12.0, 10.0]), rtol=0.02, atol=0.0)
+    tracked = track(forward, frames, neutral, neutral + 30.0, jaws)
+    for fitted, truth in ((tracked.leaf_a[0], leaf_a), (tracked.leaf_b[0], leaf_b)):
+        error = (fitted - truth)[:, OPEN_ROWS].abs()
+        assert error.max() < 0.3, error.amax(1)
+    torch.testing.assert_close(tracked.mu[0], torch.tensor([8.0, 12.0, 10.0]), rtol=0.02, atol=0.0)
 
 
-def test_windows_cover_the_arc_and_each_point_goes_to_the_window_it_lies_most_inside():
-    starts = reconstruct._window_starts(10, 4, 2)
-    assert starts == [0, 2, 4, 6]
-    assert reconstruct._owners(starts, 4, 10).tolist() == [0, 0, 0, 0, 1, 1, 2, 2, 3, 3, 3]
-    assert reconstruct._window_starts(11, 4, 2) == [0, 2, 4, 6, 7]  # the last window ends at the arc's end
-    assert reconstruct._window_starts(3, 4, 2) == [0]
+def test_pair_costs_are_the_misfit_of_the_rendered_steps():
+    forward = forward_with_2mm_response()
+    domain = leaf_tracking.RowDomain.of(forward)
+    gen = torch.Generator().manual_seed(3)
+    leaf_a = (-20.0 + torch.randn(4, 52, generator=gen) * 3).cumsum(0) / 2
+    banks = [leaf_a[None], leaf_a[None] + 30.0]
+    weights = 1.0 + torch.rand(1, 3, 52, 7, generator=gen)  # a_t, unequal where a jaw would move
+    rows = torch.randn(1, 3, 52, 255, generator=gen) * 0.05
+    offsets = torch.linspace(-1.5, 1.5, 7)
+    costs = leaf_tracking._pair_costs(domain, domain.correlate(rows), weights, banks[0], offsets, 0)
+    t = torch.linspace(0.0, 1.0, 7)
+    for frame, leaf in ((0, 5), (2, 30)):
+        u = leaf_a[frame, leaf] + offsets[:, None, None]
+        v = leaf_a[frame + 1, leaf] + offsets[None, :, None]
+        edges = leaf_tracking._edges(domain, u + (v - u) * t, 0)  # (S, S, 7)
+        steps = domain.blur(domain.splat(edges, weights[0, frame, leaf].expand_as(edges)))
+        misfit = (rows[0, frame, leaf] - steps).square().sum(-1)
+        expected = misfit - misfit.min()
+        got = costs[0, frame, leaf] - costs[0, frame, leaf][misfit == misfit.min()]
+        # equal a_t are exact; unequal ones take the cell-phase part at their mean
+        torch.testing.assert_close(got, expected, atol=0.02 * float(expected.max()), rtol=0.0)
+    equal = weights.mean(-1, keepdim=True).expand_as(weights)
+    costs = leaf_tracking._pair_costs(domain, domain.correlate(rows), equal, banks[0], offsets, 0)
+    u = leaf_a[1, 7] + offsets[:, None, None]
+    v = leaf_a[2, 7] + offsets[None, :, None]
+    edges = leaf_tracking._edges(domain, u + (v - u) * t, 0)
+    misfit = (rows[0, 1, 7] - domain.blur(domain.splat(edges, equal[0, 1, 7].expand_as(edges)))).square().sum(-1)
+    expected = misfit - misfit[0, 0]  # exact but for the cell-phase table's interpolation
+    tolerance = 0.005 * float(expected.abs().max())
+    torch.testing.assert_close(costs[0, 1, 7] - costs[0, 1, 7, 0, 0], expected, atol=tolerance, rtol=0.0)
+
+
+def test_tracking_recovers_rendered_motions_from_a_rough_start():
+    forward = forward_with_2mm_response()
+    with torch.no_grad():
+        forward.aperture.edge_shift.fill_(0.3)
+    gen = torch.Generator().manual_seed(0)
+    points = 12
+    leaf_a = -20.3 + 0.7 * (torch.arange(52) % 5) + (torch.randn(points, 52, generator=gen) * 3).cumsum(0)
+    leaf_b = leaf_a + 25.0 + 5.0 * torch.rand(points, 52, generator=gen)
+    jaws = torch.tensor(JAWS).repeat(points, 1) + torch.randn(points, 2, generator=gen).cumsum(0)
+    mu = 5.0 + 10.0 * torch.rand(points - 1, generator=gen)
+    frames = record(forward, leaf_a, leaf_b, jaws, mu, torch.zeros(256, 256))
+    start_a = leaf_a + 2.0 * torch.randn(points, 52, generator=gen)
+    start_b = leaf_b + 2.0 * torch.randn(points, 52, generator=gen)
+    tracked = track(forward, frames, start_a, start_b, jaws)
+    rows = slice(21, 32)  # open at every control point
+    for fitted, truth, start in ((tracked.leaf_a[0], leaf_a, start_a), (tracked.leaf_b[0], leaf_b, start_b)):
+        assert (start - truth)[:, rows].abs().mean() > 1.0
+        error = (fitted - truth)[:, rows].abs()
+        assert error.mean() < 0.1 and error.max() < 0.5, (error.mean(), error.max())
+    torch.testing.assert_close(tracked.mu[0], mu, rtol=0.01, atol=0.0)
+    closed = slice(0, 10)  # no jaw opens these rows: they keep their start
+    torch.testing.assert_close(tracked.leaf_a[0][:, closed], start_a[:, closed])
 
 
 class ShiftedTruth(nn.Module):
@@ -83,12 +143,11 @@ class ShiftedTruth(nn.Module):
     (matched by the frame's index in ``frames``), bank A off by +0.8 mm, bank B by -0.8 mm."""
 
     def __init__(self, frames: torch.Tensor, leaf_a: torch.Tensor, leaf_b: torch.Tensor, jaws: torch.Tensor,
-                 mu: torch.Tensor, fit: FitSettings) -> None:
+                 mu: torch.Tensor) -> None:
         super().__init__()
         self.frames, self.points = frames, (leaf_a + 0.8, leaf_b - 0.8, jaws)
         self.mu = mu
-        self.config = type("Config", (), {"fit_steps": fit.steps, "split_rounds": fit.split_rounds,
-                                          "refine_steps": fit.refine_steps})()
+        self.config = type("Config", (), {"track_stages": ((4.0, 0.5), (1.0, 0.1))})()
         self.lag_percent = torch.zeros(())
 
     def forward(self, epid_prev: torch.Tensor, epid_curr: torch.Tensor):
@@ -101,28 +160,26 @@ class ShiftedTruth(nn.Module):
                 scalars, None)
 
 
-def test_an_arc_is_reconstructed_through_overlapping_windows_with_the_lag_taken_out():
+def test_an_arc_is_reconstructed_with_the_lag_taken_out():
     forward = forward_with_2mm_response(lag_percent=3.0)
     points = 9
     leaf_a, leaf_b, jaws = out_and_back(points)
     leaf_a[4:] += torch.linspace(0.0, 8.0, points - 4)[:, None]  # a second motion later in the arc
     leaf_b[4:] += torch.linspace(0.0, 8.0, points - 4)[:, None]
     mu = torch.linspace(6.0, 14.0, points - 1)
-    with torch.no_grad():
-        before = reconstruct._render(forward, [t[None, :2] for t in (leaf_a, leaf_b, jaws)])[0] * 9.0
+    before = render(forward, leaf_a[:2], leaf_b[:2], jaws[:2])[0] * 9.0
     frames = record(forward, leaf_a, leaf_b, jaws, mu, before)
-    network = ShiftedTruth(frames, leaf_a, leaf_b, jaws, mu, FitSettings(60, 1, 30))
+    network = ShiftedTruth(frames, leaf_a, leaf_b, jaws, mu)
 
-    estimate = reconstruct_arc(forward, network, frames, frame_before=before, window=4, overlap=2)
-    assert estimate.method == "arc fit"
+    estimate = reconstruct_arc(forward, network, frames, frame_before=before)
+    assert estimate.method == "arc tracking"
     assert estimate.leaf_a.shape == (points, 52) and estimate.jaws.shape == (points, 2) and estimate.mu.shape == (8,)
     for fitted, truth in ((estimate.leaf_a, leaf_a), (estimate.leaf_b, leaf_b)):
         error = (fitted - truth)[:, OPEN_ROWS].abs()
         assert error.max() < 0.3, error.amax(1)
     torch.testing.assert_close(estimate.mu, mu, rtol=0.02, atol=0.0)  # the lag is out of every frame
 
-    network_only = reconstruct_arc(forward, network, frames, frame_before=before,
-                                   settings=FitSettings(0, 0, 0))
+    network_only = reconstruct_arc(forward, network, frames, frame_before=before, stages=())
     assert network_only.method == "network"
     torch.testing.assert_close(network_only.leaf_a, leaf_a + 0.8)  # both pair estimates of a point agree
     torch.testing.assert_close(network_only.mu, mu)
@@ -134,7 +191,7 @@ def test_a_pair_that_cannot_render_gets_the_network_estimate():
     assert reconstruct.method_used(legacy_forward, legacy_inverse, "arc") == "network"
     assert reconstruct.method_used(forward, inverse, "arc") == "arc"
     assert not reconstruct.can_refine(forward, build_models("tiny", "aperture")[1].__class__(
-        type(inverse.config)(**{**inverse.config.__dict__, "fit_steps": 0})))
+        type(inverse.config)(**{**inverse.config.__dict__, "track_stages": ()})))
     frames = torch.rand(2, 1, 256, 256)
     with torch.inference_mode():
         network = inverse.eval()(frames[:1], frames[1:])
