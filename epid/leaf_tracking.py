@@ -219,10 +219,14 @@ def step_products(gram: Tensor, reach: int, first: Tensor, second: Tensor) -> Te
     lag = (j - i).long()
 
     def g_at(k: Tensor) -> Tensor:
-        inside = k.abs() <= 2 * reach
-        return torch.where(inside, gram[(k + 2 * reach).clamp(0, 4 * reach)], 0.0)
+        return _gram_at(gram, reach, k)
 
     return ((1 - f) * (1 - g) + f * g) * g_at(lag) + (1 - f) * g * g_at(lag + 1) + f * (1 - g) * g_at(lag - 1)
+
+
+def _gram_at(gram: Tensor, reach: int, lag: Tensor) -> Tensor:
+    """G at integer lags (any shape), 0 beyond +-2 reach."""
+    return torch.where(lag.abs() <= 2 * reach, gram[(lag + 2 * reach).clamp(0, 4 * reach)], 0.0)
 
 
 @functools.cache
@@ -414,7 +418,7 @@ def _mean_product(domain: RowDomain, separation: Tensor) -> Tensor:
     lag = lag.long()
 
     def g_at(k: Tensor) -> Tensor:
-        return torch.where(k.abs() <= 2 * reach, domain.gram[(k + 2 * reach).clamp(0, 4 * reach)], 0.0)
+        return _gram_at(domain.gram, reach, k)
 
     # lag k of the gram weighs B(k - s), B the overlap of two unit triangles (the cubic B-spline)
     return ((2 / 3 - f * f + f * f * f / 2) * g_at(lag) + (1 / 6 + f / 2 + f * f / 2 - f * f * f / 2) * g_at(lag + 1)
