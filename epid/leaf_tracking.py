@@ -4,13 +4,16 @@ The frame a forward model renders is its detector response K applied to the aper
 on 1 mm cells. A Wiener filter turns each lag-free frame S into D = T * (mu F): the fluence seen
 through a small sampled Gaussian T (``TARGET_SIGMA_MM``, taps t) instead of K, wide enough that
 the filter amplifies no noise (T's spectrum falls faster than K's). In D, a leaf row's profile
-along x (its central pixel rows averaged) depends on that leaf's edges, a little on its
-neighbours' (through T along y) and on the jaws' open share of the row at each sub-aperture.
+along x (its pixel rows averaged, the central ones and those the jaws leave open weighing most,
+``ROW_WEIGHTS``) depends on that leaf's edges, a little on its neighbours' (through T along y)
+and on the jaws' open share of each pixel row at each sub-aperture.
 Differenced along x, a profile is a sum of blurred steps: each of the 7 sub-aperture positions p
 of a bank A edge adds a lin_t(boundary - p), bank B's subtract, a = MU x (1 - leaf transmission)
-x the row's open share / 7. lin_t, the taps linearly interpolated, is exact for a cell covered in
-part: a step at p is t applied to the "splat" of p onto the 1 mm lattice (weight 1 - f at
-floor(p), f at floor(p) + 1, f = p - floor(p)).
+x the row's open share / 7. In the 1 mm rows beside a boundary between two leaves, the share the
+tongue-and-groove strip covers is open only where both leaves are: its steps sit at the more
+closed of the two edges (and closed leaves leak a little more there). lin_t, the taps linearly
+interpolated, is exact for a cell covered in part: a step at p is t applied to the "splat" of p
+onto the 1 mm lattice (weight 1 - f at floor(p), f at floor(p) + 1, f = p - floor(p)).
 
 For one edge, with every other edge held, the misfit of frame k moving the edge from u to v is,
 up to a constant,
@@ -22,7 +25,8 @@ with t on the integer lattice, linearly interpolated, is exact, and A(p, p') the
 two steps. A depends on p - p' and, by a few %, on where p falls in its cell (a step on a cell
 boundary is sharper than one inside a cell): ``step_products`` tabulates the second part for
 equal weights a_t, so costs are exact where the jaws leave the row's open share constant during
-the frame and nearly so elsewhere.
+the frame and nearly so elsewhere. An edge's own weight includes the strips beside its leaf
+where, at its current position, it is the more closed of the two; the stages settle that.
 
 An edge's control points form a chain (frame k joins points k - 1 and k), so the positions of
 least total misfit over the whole run of frames, each within a range of its start on a grid,
@@ -30,6 +34,13 @@ follow exactly by dynamic programming (the Viterbi recursion): a leaf that goes 
 back is settled by the frames on either side, as far along the arc as they reach. Each stage
 (range, grid step) updates bank A, then bank B, each frame's MU refitted (least
 squares on the differenced profiles) as the residual is recomputed.
+
+A frame fixes the mean of its edge's sub-aperture positions sharply but their spread, the motion
+within the frame, only weakly: a chain that zig-zags about the true positions (each point in
+turn too far out and too far in) changes each frame's misfit little, and noise, a partly open
+row or a synthesis that rounds edges to the 1 mm grid can favour it. Each mm an edge travels in
+a frame therefore costs ``TRAVEL_COST`` of one open-row step's energy: among motions the frames
+cannot tell apart, the one of least travel.
 
 Jaws are taken as given; leaves that no jaw opens keep their start (a small pull to it breaks
 ties). Everything runs batched over independent runs of frames (a batch of frame pairs, or one
@@ -56,10 +67,14 @@ EDGE_PAD = 32
 """Rows and columns each frame is extended by (its edges repeated) before the Wiener filter."""
 WIENER_FLOOR = 1e-4
 """Regularisation of the Wiener filter, relative to the response spectrum's peak power."""
-ROW_WEIGHTS = (0.0, 1.0, 1.0, 1.0, 0.0)
-"""Weights of a leaf's 5 pixel rows in its profile (the rows beside the neighbours left out)."""
+ROW_WEIGHTS = (0.1, 1.0, 1.0, 1.0, 0.1)
+"""Weights of a leaf's 5 pixel rows in its profile where the jaws leave them open (the rows beside
+the neighbours count little, unless the jaws close the others)."""
 PULL_PER_MM2 = 1e-6
 """Pull of each control point to its start (misfit per mm squared), for leaves no frame shows."""
+TRAVEL_COST = 5e-4
+"""Cost of each mm an edge travels within a frame, relative to the energy of one edge's step in a
+fully open row: among motions the frames can hardly tell apart, the one of least travel."""
 PHASES = 20
 """Cell phases of the ``step_products`` table."""
 TABLE_STEP_MM = 0.05
@@ -78,23 +93,27 @@ class RowDomain:
 
     wiener: (H, W // 2 + 1) complex spectrum mapping a leaf-grid frame to D (padded FFT shape
     ``fft_shape``); taps: t on offsets -reach..reach (sum 1); gram: G(k) = sum_n t(n) t(n + k)
-    for k = -2 reach..2 reach; row_coupling: (5, 2 R + 1) weights h_o[r'] of pixel row r' of
-    leaf j + o in leaf j's profile (o = -R..R); edge offsets of banks A and B and of the jaws (mm,
-    positive widens); leaf and jaw transmission (fractions); phase_error: (PHASES + 1, 2 M + 1)
-    the cell-phase part of the step products (``step_products``).
+    for k = -2 reach..2 reach; row_taps: (2 R + 1, 5, 5) the taps between pixel row r of leaf j and
+    pixel row r' of leaf j + o, M_o[r, r'] (o = -R..R); edge offsets of banks A and B and of the jaws (mm,
+    positive widens); leaf, jaw and interleaf transmission (fractions); groove_share: the share
+    of each 1 mm row beside a boundary between leaves that the tongue-and-groove strip covers;
+    phase_error: (PHASES + 1, 2 M + 1) the cell-phase part of the step products
+    (``step_products``).
     """
 
     wiener: Tensor
     fft_shape: tuple[int, int]
     taps: Tensor
     gram: Tensor
-    row_coupling: Tensor
+    row_taps: Tensor
     phase_error: Tensor
     offset_a: float
     offset_b: float
     jaw_offset: float
     leaf_transmission: float
     jaw_transmission: float
+    interleaf_leakage: float
+    groove_share: float
 
     @property
     def reach(self) -> int:
@@ -125,18 +144,20 @@ class RowDomain:
             return cls(
                 wiener=wiener.to(device, torch.complex64), fft_shape=tuple(response.fft_shape),
                 taps=taps.float().to(device), gram=gram.float().to(device),
-                row_coupling=_row_coupling(taps).float().to(device),
+                row_taps=_row_taps(taps).float().to(device),
                 phase_error=_phase_error(TARGET_SIGMA_MM).to(device),
                 offset_a=offset_a, offset_b=offset_b, jaw_offset=shift,
                 leaf_transmission=float(aperture.leaf_transmission_percent) / 100.0,
                 jaw_transmission=float(aperture.jaw_transmission_percent) / 100.0,
+                interleaf_leakage=float(aperture.interleaf_leakage_percent) / 100.0,
+                groove_share=min(max(float(aperture.tongue_groove_mm) / 2.0, 0.0), 1.0),
             )
 
-    def profiles(self, signals: Tensor) -> Tensor:
-        """Lag-free frames (..., 256, 256) -> differenced leaf-row profiles (..., 52, 255) of D:
-        entry c is profile(c + 1) - profile(c), at the boundary x = c - 127 mm. The frames are
-        extended by ``EDGE_PAD`` rows and columns repeating their edges, so that the filter sees
-        no step where the imager ends."""
+    def profiles(self, signals: Tensor, row_weights: Tensor) -> Tensor:
+        """Lag-free frames (..., 256, 256) -> differenced leaf-row profiles (..., 52, 255) of D,
+        each leaf's pixel rows weighted by ``row_weights`` (..., 52, 5): entry c is profile(c + 1)
+        - profile(c), at the boundary x = c - 127 mm. The frames are extended by ``EDGE_PAD`` rows
+        and columns repeating their edges, so that the filter sees no step where the imager ends."""
         frames = signals.float().flip(-2)  # rows y ascending, as the leaf grid
         shape = frames.shape
         padded = F.pad(frames.reshape(-1, 1, *shape[-2:]), (EDGE_PAD,) * 4, mode="replicate").view(
@@ -145,25 +166,49 @@ class RowDomain:
         first = EDGE_PAD - IMAGER_MARGIN
         rows = seen[..., first:first + LEAF_GRID_ROWS, EDGE_PAD:EDGE_PAD + GRID_SIZE]
         rows = rows.unflatten(-2, (NUM_LEAF_PAIRS, ROWS_PER_LEAF))
-        weights = torch.tensor(ROW_WEIGHTS, device=signals.device)
-        profile = (rows * (weights / weights.sum())[:, None]).sum(-2)
-        return torch.diff(profile, dim=-1)
+        return torch.diff((rows * row_weights[..., None]).sum(-2), dim=-1)
 
-    def coupling(self, jaws: Tensor) -> Tensor:
-        """Jaws (..., P, 2) at P control points -> (..., P - 1, 7, 52, 2 R + 1): the weight of leaf
-        j + o's edges in leaf j's profile at each sub-aperture of each frame, (1 - leaf
-        transmission) x the jaws' transmission of that leaf's rows, seen through t along y."""
+    def jaw_openings(self, jaws: Tensor) -> Tensor:
+        """Jaws (..., P, 2) at P control points -> (..., P - 1, 7, 52, 5): the open share of each
+        pixel row of each leaf at each sub-aperture of each frame (learned jaw offset applied)."""
         t = torch.linspace(0.0, 1.0, SUB_APERTURES, device=jaws.device)
         moving = jaws[..., :-1, None, :] + (jaws[..., 1:, None, :] - jaws[..., :-1, None, :]) * t[:, None]
         rows = leaf_grid_centres(jaws.device)
-        jaw_open = cell_coverage(moving[..., 0] - self.jaw_offset, moving[..., 1] + self.jaw_offset, rows)
-        jaw_open = self.jaw_transmission + (1 - self.jaw_transmission) * jaw_open  # (..., P - 1, 7, 260)
-        per_leaf = jaw_open.unflatten(-1, (NUM_LEAF_PAIRS, ROWS_PER_LEAF))
-        reach = (self.row_coupling.shape[1] - 1) // 2
-        padded = F.pad(per_leaf, (0, 0, reach, reach))  # leaves -R..51+R
-        coupling = torch.stack([padded[..., o:o + NUM_LEAF_PAIRS, :] @ self.row_coupling[:, o]
-                                for o in range(2 * reach + 1)], -1)
-        return (1 - self.leaf_transmission) * coupling
+        opening = cell_coverage(moving[..., 0] - self.jaw_offset, moving[..., 1] + self.jaw_offset, rows)
+        return opening.unflatten(-1, (NUM_LEAF_PAIRS, ROWS_PER_LEAF))
+
+    @staticmethod
+    def row_weights(openings: Tensor) -> Tensor:
+        """``jaw_openings`` (..., F, 7, 52, 5) -> the weights (..., F, 52, 5) of each leaf's pixel
+        rows in its profile in each frame: ``ROW_WEIGHTS`` x the row's mean open share, summing to
+        1 (all 0 where the jaws close the leaf)."""
+        weights = openings.mean(-3) * torch.tensor(ROW_WEIGHTS, device=openings.device)
+        return weights / weights.sum(-1, keepdim=True).clamp_min(1e-6)
+
+    def coupling(self, openings: Tensor, row_weights: Tensor) -> tuple[Tensor, Tensor]:
+        """``jaw_openings`` (..., F, 7, 52, 5) and ``row_weights`` (..., F, 52, 5) -> the weights
+        in leaf j's profile at each sub-aperture of each frame of the edges of leaf j + o, (...,
+        F, 7, 52, 2 R + 1) for o = -R..R, and of the tongue-and-groove edges of the boundary
+        between leaves j + q and j + q + 1, (..., F, 7, 52, 2 R + 2) for q = -R - 1..R: the jaws'
+        and the leaves' transmission of each source row seen through t along y, the rows beside
+        a boundary shared between the leaf's own edge and the strip's."""
+        passed = self.jaw_transmission + (1 - self.jaw_transmission) * openings
+        strip = torch.zeros(NUM_LEAF_PAIRS, ROWS_PER_LEAF, device=openings.device)
+        strip[:-1, -1] = 1.0  # the last row of every leaf but the last, the first of every leaf but the first
+        strip[1:, 0] = 1.0
+        source = passed * (1 - self.leaf_transmission - self.interleaf_leakage * strip)
+        reach = (self.row_taps.shape[0] - 1) // 2
+        padded = F.pad(source, (0, 0, reach, reach))  # leaves -R..51+R
+        strips = F.pad(strip, (0, 0, reach, reach))
+        own, groove = [], [0.0] * (2 * reach + 2)
+        for o in range(2 * reach + 1):
+            through = torch.einsum("...jr,rs->...js", row_weights, self.row_taps[o])
+            seen = through[..., None, :, :] * padded[..., o:o + NUM_LEAF_PAIRS, :]  # (..., F, 7, 52, 5)
+            rows = strips[o:o + NUM_LEAF_PAIRS]
+            own.append((seen * (1 - self.groove_share * rows)).sum(-1))
+            groove[o + 1] = groove[o + 1] + self.groove_share * seen[..., -1] * rows[:, -1]  # boundary below j + o
+            groove[o] = groove[o] + self.groove_share * seen[..., 0] * rows[:, 0]  # boundary above j + o
+        return torch.stack(own, -1), torch.stack(groove, -1)
 
     def splat(self, positions: Tensor, weights: Tensor) -> Tensor:
         """Edges at ``positions`` (..., K) mm with ``weights`` (..., K) -> their splat on the
@@ -190,21 +235,17 @@ class RowDomain:
         return F.conv1d(flat, self.taps[None, None]).view(*rows.shape[:-1], self.lattice)
 
 
-def _row_coupling(taps: Tensor) -> Tensor:
-    """h_o[r'] (5, 2 R + 1): the weight of pixel row r' of leaf j + o in leaf j's profile through
-    the vertical taps (offsets -reach..reach) and ``ROW_WEIGHTS``."""
+def _row_taps(taps: Tensor) -> Tensor:
+    """M_o[r, r'] (2 R + 1, 5, 5): the vertical taps between pixel row r of a leaf and pixel row
+    r' of the leaf o rows on (offsets -reach..reach; R leaves the taps reach)."""
     reach = (len(taps) - 1) // 2
-    weights = torch.tensor(ROW_WEIGHTS, dtype=taps.dtype)
-    weights = weights / weights.sum()
     leaves = math.ceil((reach + ROWS_PER_LEAF - 1) / ROWS_PER_LEAF)
-    coupling = torch.zeros(ROWS_PER_LEAF, 2 * leaves + 1, dtype=taps.dtype)
+    rows = torch.arange(ROWS_PER_LEAF)
+    matrices = []
     for o in range(-leaves, leaves + 1):
-        for r in range(ROWS_PER_LEAF):
-            for r_other in range(ROWS_PER_LEAF):
-                offset = r - (r_other + ROWS_PER_LEAF * o)
-                if abs(offset) <= reach:
-                    coupling[r_other, o + leaves] += weights[r] * taps[offset + reach]
-    return coupling
+        offset = rows[:, None] - rows[None, :] - ROWS_PER_LEAF * o
+        matrices.append(torch.where(offset.abs() <= reach, taps[(offset + reach).clamp(0, 2 * reach)], 0.0))
+    return torch.stack(matrices)
 
 
 def step_products(gram: Tensor, reach: int, first: Tensor, second: Tensor) -> Tensor:
@@ -271,14 +312,18 @@ def track_leaves(domain: RowDomain, signals: Tensor, leaf_a: Tensor, leaf_b: Ten
     start (leaf_a, leaf_b (B, N + 1, 52), jaws (B, N + 1, 2) mm) through ``stages`` ((range, grid
     step) mm each); see the module docstring. ``chunk_frames`` bounds the frames filtered at once."""
     frames = signals.shape[1]
-    profiles = torch.cat([domain.profiles(signals[:, k:k + chunk_frames]) for k in range(0, frames, chunk_frames)], 1)
-    coupling = domain.coupling(jaws.float())  # (B, N, 7, 52, O)
+    openings = domain.jaw_openings(jaws.float())  # (B, N, 7, 52, 5)
+    row_weights = domain.row_weights(openings)
+    profiles = torch.cat([domain.profiles(signals[:, k:k + chunk_frames], row_weights[:, k:k + chunk_frames])
+                          for k in range(0, frames, chunk_frames)], 1)
+    coupling = domain.coupling(openings, row_weights)  # (B, N, 7, 52, O)
+    seen = row_weights.sum(-1) > 0  # (B, N, 52): the leaf's rows open in the frame
     banks = [leaf_a.float().clone(), leaf_b.float().clone()]
     for range_mm, step_mm in stages:
         states = round(2 * range_mm / step_mm) + 1
         offsets = torch.linspace(-range_mm, range_mm, states, device=signals.device)
         for bank in (0, 1):
-            banks[bank] = _track_bank(domain, profiles, coupling, banks, bank, offsets)
+            banks[bank] = _track_bank(domain, profiles, coupling, seen, banks, bank, offsets)
     mu = _best_mu(profiles, _model(domain, coupling, banks))
     return Tracked(banks[0], banks[1], mu)
 
@@ -294,17 +339,27 @@ def _edges(domain: RowDomain, positions: Tensor, bank: int) -> Tensor:
     return positions - domain.offset_a if bank == 0 else positions + domain.offset_b
 
 
-def _model(domain: RowDomain, coupling: Tensor, banks: list[Tensor]) -> Tensor:
-    """Differenced profiles per MU (B, F, 52, 255) of both banks' control points (B, F + 1, 52)."""
-    reach = (coupling.shape[-1] - 1) // 2
-    splats = 0.0
-    for bank, sign in ((0, 1.0), (1, -1.0)):
-        edges = F.pad(_edges(domain, _sub_apertures(banks[bank]), bank), (reach, reach))  # (B, F, 7, 52 + 2R)
-        for o in range(2 * reach + 1):
-            source = edges[..., o:o + NUM_LEAF_PAIRS].transpose(-2, -1)  # (B, F, 52, 7): leaf j + o
-            weights = coupling[..., o].transpose(-2, -1)
-            splats = splats + sign * domain.splat(source, weights)
-    return domain.blur(splats) / SUB_APERTURES
+def _model(domain: RowDomain, coupling: tuple[Tensor, Tensor], banks: list[Tensor]) -> Tensor:
+    """Differenced profiles per MU (B, F, 52, 255) of both banks' control points (B, F + 1, 52),
+    ``coupling`` as ``RowDomain.coupling``: every leaf's edges and, where both leaves beside a
+    boundary are open, the tongue-and-groove strip's (bank A's at the larger of the two, bank
+    B's at the smaller)."""
+    own, groove = coupling
+    edges = [_edges(domain, _sub_apertures(banks[bank]), bank) for bank in (0, 1)]  # (B, F, 7, 52)
+    strip_a = torch.maximum(edges[0][..., :-1], edges[0][..., 1:])  # (B, F, 7, 51): boundaries 0..50
+    strip_b = torch.maximum(strip_a, torch.minimum(edges[1][..., :-1], edges[1][..., 1:]))
+    parts = [(edges[0], own, 1.0), (edges[1], own, -1.0)]
+    if domain.groove_share > 0:
+        parts += [(strip_a, groove, 1.0), (strip_b, groove, -1.0)]
+    positions, weights = [], []
+    for edge, coupling_of, sign in parts:
+        sources = coupling_of.shape[-1]
+        first = (sources - 1 - (edge.shape[-1] - NUM_LEAF_PAIRS)) // 2  # sources before leaf / boundary 0
+        padded = F.pad(edge, (first, sources - 1 - first + NUM_LEAF_PAIRS - edge.shape[-1]))
+        # (B, F, 52, 7 x sources): the edges of leaf (or boundary) j + source seen in leaf j's profile
+        positions.append(padded.unfold(-1, NUM_LEAF_PAIRS, 1).permute(0, 1, 4, 2, 3).flatten(-2))
+        weights.append(sign * coupling_of.permute(0, 1, 3, 2, 4).flatten(-2))
+    return domain.blur(domain.splat(torch.cat(positions, -1), torch.cat(weights, -1))) / SUB_APERTURES
 
 
 def _best_mu(profiles: Tensor, model: Tensor) -> Tensor:
@@ -312,10 +367,11 @@ def _best_mu(profiles: Tensor, model: Tensor) -> Tensor:
     return (profiles * model).sum((-2, -1)) / model.square().sum((-2, -1)).clamp_min(1e-12)
 
 
-def _track_bank(domain: RowDomain, profiles: Tensor, coupling: Tensor, banks: list[Tensor], bank: int,
+def _track_bank(domain: RowDomain, profiles: Tensor, coupling: Tensor, seen: Tensor, banks: list[Tensor], bank: int,
                 offsets: Tensor) -> Tensor:
-    """One bank's control points (B, N + 1, 52) of least misfit within ``offsets`` (S,) of their
-    current positions, the other bank held and each frame's MU refitted (the Viterbi recursion)."""
+    """One bank's control points (B, N + 1, 52) of least misfit plus travel (in the frames where
+    ``seen`` (B, N, 52), the leaf's rows open) within ``offsets`` (S,) of their current positions,
+    the other bank held and each frame's MU refitted (the Viterbi recursion)."""
     batch, frames = profiles.shape[:2]
     start = banks[bank]
     states = len(offsets)
@@ -324,18 +380,22 @@ def _track_bank(domain: RowDomain, profiles: Tensor, coupling: Tensor, banks: li
     choices = torch.empty(frames, batch, NUM_LEAF_PAIRS, states, dtype=torch.long, device=profiles.device)
     per_chunk = max(1, PAIR_ELEMENTS // (batch * NUM_LEAF_PAIRS * states * states))
     sign = 1.0 if bank == 0 else -1.0
-    reach = (coupling.shape[-1] - 1) // 2
     for k in range(0, frames, per_chunk):
         part = slice(k, min(k + per_chunk, frames))
         points = [b[:, part.start:part.stop + 1] for b in banks]
-        model = _model(domain, coupling[:, part], points)
+        chunk_coupling = tuple(c[:, part] for c in coupling)
+        model = _model(domain, chunk_coupling, points)
         frame_mu = _best_mu(profiles[:, part], model)
-        weights = coupling[:, part, :, :, reach] * frame_mu[..., None, None] / SUB_APERTURES  # (B, F, 7, 52)
+        weights = _own_weights(domain, chunk_coupling, points[bank], bank) * frame_mu[..., None, None] / SUB_APERTURES
         edges = _edges(domain, _sub_apertures(points[bank]), bank).transpose(-2, -1)
         own = domain.blur(domain.splat(edges, weights.transpose(-2, -1)))
         residual = profiles[:, part] - frame_mu[..., None, None] * model
         correlation = domain.correlate(sign * residual + own)  # (B, F, 52, lattice)
         costs = _pair_costs(domain, correlation, weights.transpose(-2, -1), points[bank], offsets, bank)
+        motion = (points[bank][:, 1:] - points[bank][:, :-1])[..., None, None] + offsets - offsets[:, None]
+        step_energy = (frame_mu * (1 - domain.leaf_transmission)).square() * domain.gram[2 * domain.reach]
+        travel = TRAVEL_COST * step_energy[..., None] * seen[:, part]  # (B, F, 52) per mm
+        costs = costs + travel[..., None, None] * motion.abs()  # motion [i, i']: v - u
         for frame in range(costs.shape[1]):
             total = best[..., :, None] + costs[:, frame]
             best, choices[k + frame] = total.min(-2)
@@ -347,6 +407,24 @@ def _track_bank(domain: RowDomain, profiles: Tensor, coupling: Tensor, banks: li
         index = choices[frame].gather(-1, index[..., None])[..., 0]
         chosen.append(index)
     return start + offsets[torch.stack(chosen[::-1], 1)]
+
+
+def _own_weights(domain: RowDomain, coupling: tuple[Tensor, Tensor], points: Tensor, bank: int) -> Tensor:
+    """Per MU, the weight (B, F, 7, 52) of each edge of ``bank`` (control points (B, F + 1, 52)) in
+    its own leaf's profile at each sub-aperture: its own coupling, plus the tongue-and-groove
+    strip's on each side where the edge is the strip's (bank A's the larger of the two leaves',
+    bank B's the smaller) at its current position."""
+    own, groove = coupling
+    reach = (own.shape[-1] - 1) // 2
+    weights = own[..., reach]
+    if domain.groove_share > 0:
+        positions = _sub_apertures(points)
+        previous = torch.cat([positions[..., :1], positions[..., :-1]], -1)  # leaf j - 1 (no strip before leaf 0)
+        following = torch.cat([positions[..., 1:], positions[..., -1:]], -1)  # leaf j + 1
+        leads = torch.ge if bank == 0 else torch.le
+        weights = (weights + groove[..., reach] * leads(positions, previous)
+                   + groove[..., reach + 1] * leads(positions, following))
+    return weights
 
 
 def _pair_costs(domain: RowDomain, correlation: Tensor, weights: Tensor, points: Tensor, offsets: Tensor,

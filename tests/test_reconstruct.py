@@ -5,11 +5,14 @@ reconstruction a model pair gets."""
 
 from __future__ import annotations
 
+from unittest import mock
+
 import numpy as np
 import torch
 from torch import nn
 
 from epid import leaf_tracking, reconstruct
+from epid.aperture_models import LeafEdgeInverseConfig
 from epid.families import build_models
 from epid.reconstruct import reconstruct_arc
 
@@ -114,6 +117,53 @@ def test_pair_costs_are_the_misfit_of_the_rendered_steps():
     torch.testing.assert_close(costs[0, 1, 7] - costs[0, 1, 7, 0, 0], expected, atol=tolerance, rtol=0.0)
 
 
+def test_row_model_is_the_rendered_frame_seen_through_the_wiener_filter():
+    """The differenced profiles ``_model`` predicts are those of the forward model's own rendering
+    after the Wiener filter, with a real MLC's physics (transmission, rounded leaf ends, interleaf
+    leakage, a tongue-and-groove strip between leaves that differ by mm) and rows the moving jaws
+    leave partly open."""
+    forward = forward_with_2mm_response()
+    with torch.no_grad():
+        aperture = forward.aperture
+        aperture.leaf_transmission_percent.fill_(0.5)
+        aperture.jaw_transmission_percent.fill_(0.1)
+        aperture.interleaf_leakage_percent.fill_(0.5)
+        aperture.tongue_groove_mm.fill_(0.8)
+        aperture.leaf_end_offset.fill_(0.6)
+    gen = torch.Generator().manual_seed(0)
+    leaf_a = -20.3 + (torch.randn(3, 52, generator=gen) * 3).cumsum(0) + 4 * torch.randn(52, generator=gen)
+    leaf_b = leaf_a + 25.0 + 4 * torch.randn(52, generator=gen)
+    jaws = torch.tensor([[-41.3, 43.6], [-40.2, 44.9], [-38.7, 47.2]])  # edges inside rows 17 and 34
+    domain = leaf_tracking.RowDomain.of(forward)
+    openings = domain.jaw_openings(jaws[None])
+    row_weights = domain.row_weights(openings)
+    assert 0.0 < float(openings[0, :, :, 17].mean()) < 0.5 and 0.0 < float(openings[0, :, :, 34].mean()) < 0.95
+    profiles = domain.profiles(render(forward, leaf_a, leaf_b, jaws)[None], row_weights)
+    model = leaf_tracking._model(domain, domain.coupling(openings, row_weights), [leaf_a[None], leaf_b[None]])
+    torch.testing.assert_close(profiles, model, atol=0.01 * float(model.abs().max()), rtol=0.0)
+
+
+def test_travel_cost_settles_a_zigzag_the_frames_hardly_see():
+    """Static leaves started on a zig-zag (each control point in turn 1.5 mm out and in): the
+    frames barely tell the motion within a frame, so without the travel cost some zig-zag stays;
+    with it the chain comes back to rest on the truth."""
+    forward = forward_with_2mm_response()
+    points = 16
+    leaf_a = (-20.3 + 0.7 * (torch.arange(52) % 5)).repeat(points, 1)
+    jaws = torch.tensor(JAWS).repeat(points, 1)
+    frames = record(forward, leaf_a, leaf_a + 30.0, jaws, torch.full((points - 1,), 10.0), torch.zeros(256, 256))
+    zigzag = 1.5 * (-1.0) ** torch.arange(points)[:, None]
+    stages = ((4.0, 0.2), (1.0, 0.05))
+
+    def error(travel_cost: float) -> torch.Tensor:
+        with mock.patch.object(leaf_tracking, "TRAVEL_COST", travel_cost):
+            tracked = track(forward, frames, leaf_a + zigzag, leaf_a + 30.0 - zigzag, jaws, stages)
+        return (tracked.leaf_a[0] - leaf_a)[:, OPEN_ROWS].abs()
+
+    assert error(0.0).max() > 0.3
+    assert error(leaf_tracking.TRAVEL_COST).max() < 0.05
+
+
 def test_tracking_recovers_rendered_motions_from_a_rough_start():
     forward = forward_with_2mm_response()
     with torch.no_grad():
@@ -127,7 +177,7 @@ def test_tracking_recovers_rendered_motions_from_a_rough_start():
     frames = record(forward, leaf_a, leaf_b, jaws, mu, torch.zeros(256, 256))
     start_a = leaf_a + 2.0 * torch.randn(points, 52, generator=gen)
     start_b = leaf_b + 2.0 * torch.randn(points, 52, generator=gen)
-    tracked = track(forward, frames, start_a, start_b, jaws)
+    tracked = track(forward, frames, start_a, start_b, jaws, LeafEdgeInverseConfig().track_stages)
     rows = slice(21, 32)  # open at every control point
     for fitted, truth, start in ((tracked.leaf_a[0], leaf_a, start_a), (tracked.leaf_b[0], leaf_b, start_b)):
         assert (start - truth)[:, rows].abs().mean() > 1.0
