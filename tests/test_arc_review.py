@@ -107,3 +107,6 @@ def test_bench_reconstruct_reports_every_method_on_held_out_arcs(tmp_path):
         assert figures["frames_per_second"] > 0 and figures["leaves"] > 0
         assert 0 <= figures["within_1mm"] <= 100 and np.isfinite(figures["leaf_mae_mm"])
     assert "leaf tracking stages (range, step mm): ((2.0, 1.0), (0.5, 0.25))" in result.stdout
+    arc = report["summary"]["arc"]
+    verdict = "met" if arc["within_1mm"] >= 99.0 else "MISSED"
+    assert f"within 1 mm {verdict}" in result.stdout.splitlines()[-1]
