@@ -316,7 +316,7 @@ def track_leaves(domain: RowDomain, signals: Tensor, leaf_a: Tensor, leaf_b: Ten
     row_weights = domain.row_weights(openings)
     profiles = torch.cat([domain.profiles(signals[:, k:k + chunk_frames], row_weights[:, k:k + chunk_frames])
                           for k in range(0, frames, chunk_frames)], 1)
-    coupling = domain.coupling(openings, row_weights)  # (B, N, 7, 52, O)
+    coupling = domain.coupling(openings, row_weights)  # own (B, N, 7, 52, O), strips (B, N, 7, 52, O + 1)
     seen = row_weights.sum(-1) > 0  # (B, N, 52): the leaf's rows open in the frame
     banks = [leaf_a.float().clone(), leaf_b.float().clone()]
     for range_mm, step_mm in stages:
@@ -367,8 +367,8 @@ def _best_mu(profiles: Tensor, model: Tensor) -> Tensor:
     return (profiles * model).sum((-2, -1)) / model.square().sum((-2, -1)).clamp_min(1e-12)
 
 
-def _track_bank(domain: RowDomain, profiles: Tensor, coupling: Tensor, seen: Tensor, banks: list[Tensor], bank: int,
-                offsets: Tensor) -> Tensor:
+def _track_bank(domain: RowDomain, profiles: Tensor, coupling: tuple[Tensor, Tensor], seen: Tensor,
+                banks: list[Tensor], bank: int, offsets: Tensor) -> Tensor:
     """One bank's control points (B, N + 1, 52) of least misfit plus travel (in the frames where
     ``seen`` (B, N, 52), the leaf's rows open) within ``offsets`` (S,) of their current positions,
     the other bank held and each frame's MU refitted (the Viterbi recursion)."""
