@@ -373,7 +373,7 @@ class LeafEdgeInverseConfig:
     jaw_depth: int = 3
     readout_hidden: int = 32
     deblur_reach_rows: int = 10
-    track_stages: tuple[tuple[float, float], ...] = ((16.0, 1.0), (2.0, 0.2), (8.0, 0.5), (1.0, 0.1))
+    track_stages: tuple[tuple[float, float], ...] = ((16.0, 1.0), (2.0, 0.2), (16.0, 1.0), (1.0, 0.1))
 
     RETIRED_FIELDS = ("fit_steps", "split_rounds", "refine_steps")
     """Fields of configs stored before leaf tracking: the eval-mode fit's descent steps (0 = no fit),

@@ -42,9 +42,12 @@ row or a synthesis that rounds edges to the 1 mm grid can favour it. Each mm an 
 a frame therefore costs ``TRAVEL_COST`` of one open-row step's energy: among motions the frames
 cannot tell apart, the one of least travel.
 
-Jaws are taken as given; leaves that no jaw opens keep their start (a small pull to it breaks
-ties). Everything runs batched over independent runs of frames (a batch of frame pairs, or one
-arc), on the CPU or a GPU.
+The jaws decide how much of a leaf row each frame shows, and in a row the jaws have only begun
+to uncover, a few tenths of a mm of jaw error change that several times over: after the first
+stage, with the leaves roughly in place, the jaws are refined from the frames' row sums
+(``epid.jaw_tracking``) and the rows re-weighed for the stages after it. Leaves that no jaw
+opens keep their start (a small pull to it breaks ties). Everything runs batched over
+independent runs of frames (a batch of frame pairs, or one arc), on the CPU or a GPU.
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ from torch import Tensor, nn
 
 from epid.aperture_models import IMAGER_MARGIN, LEAF_GRID_ROWS, ROWS_PER_LEAF, leaf_grid_centres
 from epid.imaging import GRID_SIZE, SUB_APERTURES, cell_coverage
+from epid.jaw_tracking import JAW_STAGES, track_jaws
 from epid.sequences import NUM_LEAF_PAIRS
 
 TARGET_SIGMA_MM = 2.0
@@ -153,20 +157,30 @@ class RowDomain:
                 groove_share=min(max(float(aperture.tongue_groove_mm) / 2.0, 0.0), 1.0),
             )
 
-    def profiles(self, signals: Tensor, row_weights: Tensor) -> Tensor:
-        """Lag-free frames (..., 256, 256) -> differenced leaf-row profiles (..., 52, 255) of D,
-        each leaf's pixel rows weighted by ``row_weights`` (..., 52, 5): entry c is profile(c + 1)
-        - profile(c), at the boundary x = c - 127 mm. The frames are extended by ``EDGE_PAD`` rows
-        and columns repeating their edges, so that the filter sees no step where the imager ends."""
+    def filtered_rows(self, signals: Tensor) -> Tensor:
+        """Lag-free frames (..., 256, 256) -> D on the leaf grid's rows (..., 260, 256), y ascending.
+        The frames are extended by ``EDGE_PAD`` rows and columns repeating their edges, so that the
+        filter sees no step where the imager ends."""
         frames = signals.float().flip(-2)  # rows y ascending, as the leaf grid
         shape = frames.shape
         padded = F.pad(frames.reshape(-1, 1, *shape[-2:]), (EDGE_PAD,) * 4, mode="replicate").view(
             *shape[:-2], *(size + 2 * EDGE_PAD for size in shape[-2:]))
         seen = torch.fft.irfft2(torch.fft.rfft2(padded, s=self.fft_shape) * self.wiener, s=self.fft_shape)
         first = EDGE_PAD - IMAGER_MARGIN
-        rows = seen[..., first:first + LEAF_GRID_ROWS, EDGE_PAD:EDGE_PAD + GRID_SIZE]
+        return seen[..., first:first + LEAF_GRID_ROWS, EDGE_PAD:EDGE_PAD + GRID_SIZE]
+
+    @staticmethod
+    def leaf_profiles(rows: Tensor, row_weights: Tensor) -> Tensor:
+        """``filtered_rows`` (..., 260, 256) -> differenced leaf-row profiles (..., 52, 255), each
+        leaf's pixel rows weighted by ``row_weights`` (..., 52, 5): entry c is profile(c + 1) -
+        profile(c), at the boundary x = c - 127 mm."""
         rows = rows.unflatten(-2, (NUM_LEAF_PAIRS, ROWS_PER_LEAF))
         return torch.diff((rows * row_weights[..., None]).sum(-2), dim=-1)
+
+    def profiles(self, signals: Tensor, row_weights: Tensor) -> Tensor:
+        """Lag-free frames (..., 256, 256) -> differenced leaf-row profiles (..., 52, 255) of D
+        (``filtered_rows``, ``leaf_profiles``)."""
+        return self.leaf_profiles(self.filtered_rows(signals), row_weights)
 
     def jaw_openings(self, jaws: Tensor) -> Tensor:
         """Jaws (..., P, 2) at P control points -> (..., P - 1, 7, 52, 5): the open share of each
@@ -298,34 +312,63 @@ def _target_taps(sigma_mm: float) -> tuple[Tensor, Tensor]:
 
 @dataclass(frozen=True)
 class Tracked:
-    """Leaf edges tracked through B runs of N frames: leaf_a, leaf_b (B, N + 1, 52) mm at the
-    control points and mu (B, N) of each frame (least squares on the differenced profiles)."""
+    """Leaf edges tracked through B runs of N frames: leaf_a, leaf_b (B, N + 1, 52) and jaws (B, N +
+    1, 2) mm at the control points and mu (B, N) of each frame (least squares on the differenced
+    profiles)."""
 
     leaf_a: Tensor
     leaf_b: Tensor
+    jaws: Tensor
     mu: Tensor
 
 
 def track_leaves(domain: RowDomain, signals: Tensor, leaf_a: Tensor, leaf_b: Tensor, jaws: Tensor,
-                 stages: tuple[tuple[float, float], ...], chunk_frames: int = 64) -> Tracked:
+                 stages: tuple[tuple[float, float], ...], chunk_frames: int = 64,
+                 jaw_stages: tuple[tuple[float, float], ...] = JAW_STAGES) -> Tracked:
     """Track the leaf edges of B runs of N lag-free frames ``signals`` (B, N, 256, 256) from their
     start (leaf_a, leaf_b (B, N + 1, 52), jaws (B, N + 1, 2) mm) through ``stages`` ((range, grid
-    step) mm each); see the module docstring. ``chunk_frames`` bounds the frames filtered at once."""
-    frames = signals.shape[1]
-    openings = domain.jaw_openings(jaws.float())  # (B, N, 7, 52, 5)
-    row_weights = domain.row_weights(openings)
-    profiles = torch.cat([domain.profiles(signals[:, k:k + chunk_frames], row_weights[:, k:k + chunk_frames])
-                          for k in range(0, frames, chunk_frames)], 1)
-    coupling = domain.coupling(openings, row_weights)  # own (B, N, 7, 52, O), strips (B, N, 7, 52, O + 1)
-    seen = row_weights.sum(-1) > 0  # (B, N, 52): the leaf's rows open in the frame
+    step) mm each); see the module docstring. After the first stage the jaws are refined with the
+    leaves found (``epid.jaw_tracking``, ``jaw_stages``; none: the jaws as given). ``chunk_frames``
+    bounds the frames filtered at once."""
+    jaws = jaws.float()
+    observed = _Observed.of(domain, signals, jaws, chunk_frames, row_sums=bool(jaw_stages))
     banks = [leaf_a.float().clone(), leaf_b.float().clone()]
-    for range_mm, step_mm in stages:
+    for number, (range_mm, step_mm) in enumerate(stages):
         states = round(2 * range_mm / step_mm) + 1
         offsets = torch.linspace(-range_mm, range_mm, states, device=signals.device)
         for bank in (0, 1):
-            banks[bank] = _track_bank(domain, profiles, coupling, seen, banks, bank, offsets)
-    mu = _best_mu(profiles, _model(domain, coupling, banks))
-    return Tracked(banks[0], banks[1], mu)
+            banks[bank] = _track_bank(domain, observed.profiles, observed.coupling, observed.seen, banks, bank, offsets)
+        if number == 0 and jaw_stages:
+            mu = _best_mu(observed.profiles, _model(domain, observed.coupling, banks))
+            jaws = track_jaws(domain, observed.row_sums, banks[0], banks[1], jaws, mu, jaw_stages)
+            observed = _Observed.of(domain, signals, jaws, chunk_frames, row_sums=False)
+    mu = _best_mu(observed.profiles, _model(domain, observed.coupling, banks))
+    return Tracked(banks[0], banks[1], jaws, mu)
+
+
+@dataclass(frozen=True)
+class _Observed:
+    """What tracking reads of B runs of N frames under given jaws: the differenced leaf-row profiles
+    (B, N, 52, 255), the ``RowDomain.coupling`` pair, ``seen`` (B, N, 52) (the leaf's rows open in
+    the frame) and, when asked for, the filtered frames' row sums (B, N, 260)."""
+
+    profiles: Tensor
+    coupling: tuple[Tensor, Tensor]
+    seen: Tensor
+    row_sums: Tensor | None
+
+    @classmethod
+    def of(cls, domain: RowDomain, signals: Tensor, jaws: Tensor, chunk_frames: int, row_sums: bool) -> _Observed:
+        openings = domain.jaw_openings(jaws)  # (B, N, 7, 52, 5)
+        row_weights = domain.row_weights(openings)
+        profiles, sums = [], []
+        for k in range(0, signals.shape[1], chunk_frames):
+            rows = domain.filtered_rows(signals[:, k:k + chunk_frames])
+            profiles.append(domain.leaf_profiles(rows, row_weights[:, k:k + chunk_frames]))
+            if row_sums:
+                sums.append(rows.sum(-1))
+        return cls(torch.cat(profiles, 1), domain.coupling(openings, row_weights), row_weights.sum(-1) > 0,
+                   torch.cat(sums, 1) if row_sums else None)
 
 
 def _sub_apertures(points: Tensor) -> Tensor:
@@ -454,9 +497,13 @@ def _pair_costs(domain: RowDomain, correlation: Tensor, weights: Tensor, points:
     quadratic = _motion_products(domain, weights, motion)  # (B, F, 52, 2 S - 1)
     quadratic = quadratic.unfold(-1, states, 1).flip(-2)  # [i, i'] -> motion index S - 1 - i + i'
     mean_weight = weights.mean(-1)
-    phase = (prev[..., None] + step * torch.arange(states, device=points.device)) % 1.0  # (B, F, 52, S)
-    correction = _phase_lookup(domain, phase[..., :, None].expand(*phase.shape, states),
-                               motion.unfold(-1, states, 1).flip(-2))
+    if step == round(step):  # every state in the same cell phase: one lookup per motion
+        phase = (prev % 1.0)[..., None].expand(motion.shape)
+        correction = _phase_lookup(domain, phase, motion).unfold(-1, states, 1).flip(-2)
+    else:
+        phase = (prev[..., None] + step * torch.arange(states, device=points.device)) % 1.0  # (B, F, 52, S)
+        correction = _phase_lookup(domain, phase[..., :, None].expand(*phase.shape, states),
+                                   motion.unfold(-1, states, 1).flip(-2))
     return quadratic + mean_weight[..., None, None].square() * correction - 2 * linear
 
 

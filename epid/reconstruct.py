@@ -16,8 +16,8 @@ leaf that comes back to where it was gives the same two frames as one that made 
 excursion: the pair cannot tell them apart. Over a whole arc the neighbouring frames decide it,
 except at the arc's ends.
 
-Jaws keep the network's estimate; only the geometry's leaves move, and the forward model's
-parameters are read, never trained.
+The jaws start from the network's estimate and are refined with the leaves
+(``epid.jaw_tracking``); the forward model's parameters are read, never trained.
 """
 
 from __future__ import annotations
@@ -97,9 +97,10 @@ def pair_estimate(forward_model: nn.Module, inverse_model: nn.Module, epid_prev:
     tracked = track_leaves(RowDomain.of(forward_model, frames.device), signals,
                            with_start(leaf_a[:, :half], leaf_a[:, half:]),
                            with_start(leaf_b[:, :half], leaf_b[:, half:]), jaw_points, stages)
-    mu = _rendered_mu(forward_model, signals[:, 1], tracked.leaf_a[:, 1:], tracked.leaf_b[:, 1:], jaw_points[:, 1:])
+    jaws = tracked.jaws[:, 1:]  # (B, 2 [prev, curr], 2 [jaw_1, jaw_2])
+    mu = _rendered_mu(forward_model, signals[:, 1], tracked.leaf_a[:, 1:], tracked.leaf_b[:, 1:], jaws)
     return (tracked.leaf_a[:, 1:].flatten(1), tracked.leaf_b[:, 1:].flatten(1),
-            torch.cat([mu[:, None], scalars[:, 1:].float()], 1))
+            torch.cat([mu[:, None], jaws[..., 0], jaws[..., 1]], 1))
 
 
 def reconstruct_arc(forward_model: nn.Module, inverse_model: nn.Module, frames: Tensor, *,
@@ -141,10 +142,10 @@ def reconstruct_arc(forward_model: nn.Module, inverse_model: nn.Module, frames: 
     for begin in range(0, count, batch_frames):
         end = min(begin + batch_frames, count)
         mu[begin:end] = _rendered_mu(forward_model, signals[begin:end], tracked.leaf_a[0, begin:end + 1],
-                                     tracked.leaf_b[0, begin:end + 1], jaws[begin:end + 1])
+                                     tracked.leaf_b[0, begin:end + 1], tracked.jaws[0, begin:end + 1])
         if progress is not None:
             progress(end - begin)
-    return ArcReconstruction(tracked.leaf_a[0], tracked.leaf_b[0], jaws, mu, method="arc tracking")
+    return ArcReconstruction(tracked.leaf_a[0], tracked.leaf_b[0], tracked.jaws[0], mu, method="arc tracking")
 
 
 def _rendered_mu(forward_model: nn.Module, signals: Tensor, leaf_a: Tensor, leaf_b: Tensor, jaws: Tensor) -> Tensor:

@@ -188,14 +188,20 @@ def test_tracking_recovers_rendered_motions_from_a_rough_start():
     torch.testing.assert_close(tracked.leaf_a[0][:, closed], start_a[:, closed])
 
 
+def jaw_errors(points: int) -> torch.Tensor:
+    """(points, 2) errors of a network's jaws, mm: independent for each control point, up to 0.4."""
+    return 0.4 * torch.rand(points, 2, generator=torch.Generator().manual_seed(5)) - 0.2
+
+
 class ShiftedTruth(nn.Module):
     """An inverse network stand-in: the true control points of each pair of consecutive frames
-    (matched by the frame's index in ``frames``), bank A off by +0.8 mm, bank B by -0.8 mm."""
+    (matched by the frame's index in ``frames``), bank A off by +0.8 mm, bank B by -0.8 mm, the
+    jaws by up to 0.4 mm, each control point by its own amount (``jaw_errors``)."""
 
     def __init__(self, frames: torch.Tensor, leaf_a: torch.Tensor, leaf_b: torch.Tensor, jaws: torch.Tensor,
                  mu: torch.Tensor) -> None:
         super().__init__()
-        self.frames, self.points = frames, (leaf_a + 0.8, leaf_b - 0.8, jaws)
+        self.frames, self.points = frames, (leaf_a + 0.8, leaf_b - 0.8, jaws + jaw_errors(len(jaws)))
         self.mu = mu
         self.config = type("Config", (), {"track_stages": ((4.0, 0.5), (1.0, 0.1))})()
         self.lag_percent = torch.zeros(())
@@ -227,11 +233,13 @@ def test_an_arc_is_reconstructed_with_the_lag_taken_out():
     for fitted, truth in ((estimate.leaf_a, leaf_a), (estimate.leaf_b, leaf_b)):
         error = (fitted - truth)[:, OPEN_ROWS].abs()
         assert error.max() < 0.3, error.amax(1)
+    assert (estimate.jaws - jaws).abs().mean() < 0.05 < jaw_errors(points).abs().mean()  # refined
     torch.testing.assert_close(estimate.mu, mu, rtol=0.02, atol=0.0)  # the lag is out of every frame
 
     network_only = reconstruct_arc(forward, network, frames, frame_before=before, stages=())
     assert network_only.method == "network"
     torch.testing.assert_close(network_only.leaf_a, leaf_a + 0.8)  # both pair estimates of a point agree
+    torch.testing.assert_close(network_only.jaws, jaws + jaw_errors(points))
     torch.testing.assert_close(network_only.mu, mu)
 
 
