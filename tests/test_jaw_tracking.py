@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from epid import jaw_tracking, leaf_tracking
-from tests.test_reconstruct import forward_with_2mm_response, record
+from tests.test_reconstruct import forward_with_2mm_response, record, with_real_mlc
 
 
 def moving_aperture(points: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -21,14 +21,9 @@ def moving_aperture(points: int, generator: torch.Generator) -> tuple[torch.Tens
 
 
 def test_row_sums_of_the_model_are_the_forward_models_fluence_summed_along_x():
-    forward = forward_with_2mm_response()
+    forward = with_real_mlc(forward_with_2mm_response())
+    aperture = forward.aperture
     with torch.no_grad():
-        aperture = forward.aperture
-        aperture.leaf_transmission_percent.fill_(0.5)
-        aperture.jaw_transmission_percent.fill_(0.2)
-        aperture.interleaf_leakage_percent.fill_(0.6)
-        aperture.tongue_groove_mm.fill_(0.8)
-        aperture.leaf_end_offset.fill_(0.6)
         aperture.edge_shift.fill_(0.2)
     leaf_a, leaf_b, jaws = moving_aperture(3, torch.Generator().manual_seed(1))
     leaf_b[:, 20] = leaf_a[:, 20] + 0.4  # a nearly closed pair: the strips beside it pass almost nothing

@@ -32,6 +32,19 @@ def forward_with_2mm_response(lag_percent: float = 0.0) -> nn.Module:
     return forward.eval()
 
 
+def with_real_mlc(forward: nn.Module) -> nn.Module:
+    """``forward`` with a real MLC's learned physics: 0.5 % leaf and 0.1 % jaw transmission, 0.5 %
+    interleaf leakage, a 0.8 mm tongue-and-groove strip, leaf ends 0.6 mm out."""
+    with torch.no_grad():
+        aperture = forward.aperture
+        aperture.leaf_transmission_percent.fill_(0.5)
+        aperture.jaw_transmission_percent.fill_(0.1)
+        aperture.interleaf_leakage_percent.fill_(0.5)
+        aperture.tongue_groove_mm.fill_(0.8)
+        aperture.leaf_end_offset.fill_(0.6)
+    return forward
+
+
 def out_and_back(points: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Control points (points, 52) of leaves that go 6 mm out and come back, then rest: bank A at
     x0, x0 + 6, x0, x0, ... (x0 off the grid, differing per row), bank B 30 mm beyond; jaws (points, 2)."""
@@ -122,14 +135,7 @@ def test_row_model_is_the_rendered_frame_seen_through_the_wiener_filter():
     after the Wiener filter, with a real MLC's physics (transmission, rounded leaf ends, interleaf
     leakage, a tongue-and-groove strip between leaves that differ by mm) and rows the moving jaws
     leave partly open."""
-    forward = forward_with_2mm_response()
-    with torch.no_grad():
-        aperture = forward.aperture
-        aperture.leaf_transmission_percent.fill_(0.5)
-        aperture.jaw_transmission_percent.fill_(0.1)
-        aperture.interleaf_leakage_percent.fill_(0.5)
-        aperture.tongue_groove_mm.fill_(0.8)
-        aperture.leaf_end_offset.fill_(0.6)
+    forward = with_real_mlc(forward_with_2mm_response())
     gen = torch.Generator().manual_seed(0)
     leaf_a = -20.3 + (torch.randn(3, 52, generator=gen) * 3).cumsum(0) + 4 * torch.randn(52, generator=gen)
     leaf_b = leaf_a + 25.0 + 4 * torch.randn(52, generator=gen)
