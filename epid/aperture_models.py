@@ -76,6 +76,12 @@ def sub_aperture_positions(prev: Tensor, curr: Tensor) -> Tensor:
     return prev.unsqueeze(-1) + (curr - prev).unsqueeze(-1) * t
 
 
+def frame_sub_apertures(points: Tensor) -> Tensor:
+    """Positions (..., F + 1, K) at consecutive control points -> (..., F, 7, K) at the sub-apertures
+    of the F frames between them."""
+    return sub_aperture_positions(points[..., :-1, :], points[..., 1:, :]).transpose(-2, -1)
+
+
 def to_imager(leaf_grid: Tensor) -> Tensor:
     """(..., 260, W) leaf-grid rows (y ascending) -> (..., 256, W) imager rows (row 0 = most positive y)."""
     return leaf_grid[..., IMAGER_MARGIN:IMAGER_MARGIN + GRID_SIZE, :].flip(-2)

@@ -35,8 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from epid.aperture_models import IMAGER_MARGIN, LEAF_GRID_ROWS, ROWS_PER_LEAF, leaf_grid_centres
-from epid.imaging import GRID_SIZE, SUB_APERTURES, cell_coverage
+from epid.aperture_models import IMAGER_MARGIN, LEAF_GRID_ROWS, ROWS_PER_LEAF, frame_sub_apertures
+from epid.imaging import GRID_SIZE, SUB_APERTURES
 from epid.sequences import MLC_Y_MIN_MM, NUM_LEAF_PAIRS
 
 if TYPE_CHECKING:
@@ -58,18 +58,14 @@ of speed, not the network's noise)."""
 CHUNK_ELEMENTS = 2**24
 """Candidate rows evaluated at once (candidates x runs x frames x 7 x 260)."""
 HALF_IMAGER_MM = GRID_SIZE / 2
+"""Half the imager's width along x, mm: the leaves' openings are counted within +-this."""
 
 
 def leaf_row_fluence(domain: RowDomain, leaf_a: Tensor, leaf_b: Tensor) -> Tensor:
     """Leaves (B, N + 1, 52) at the control points -> R (B, N, 7, 260): each leaf-grid row's fluence
     summed along the imager's x at each sub-aperture of each frame, per MU, with the jaws open."""
-    t = torch.linspace(0.0, 1.0, SUB_APERTURES, device=leaf_a.device)[:, None]
-
-    def sub_apertures(points: Tensor) -> Tensor:
-        return points[:, :-1, None] + (points[:, 1:, None] - points[:, :-1, None]) * t
-
-    low = (sub_apertures(leaf_a.float()) - domain.offset_a).clamp(-HALF_IMAGER_MM, HALF_IMAGER_MM)
-    high = (sub_apertures(leaf_b.float()) + domain.offset_b).clamp(-HALF_IMAGER_MM, HALF_IMAGER_MM)
+    low = (frame_sub_apertures(leaf_a.float()) - domain.offset_a).clamp(-HALF_IMAGER_MM, HALF_IMAGER_MM)
+    high = (frame_sub_apertures(leaf_b.float()) + domain.offset_b).clamp(-HALF_IMAGER_MM, HALF_IMAGER_MM)
     own = (high - low).clamp_min(0.0)  # (B, N, 7, 52)
     both = (torch.minimum(high[..., :-1], high[..., 1:]) - torch.maximum(low[..., :-1], low[..., 1:])).clamp_min(0.0)
     share = domain.groove_share
@@ -84,12 +80,9 @@ def leaf_row_fluence(domain: RowDomain, leaf_a: Tensor, leaf_b: Tensor) -> Tenso
 
 def jaw_passes(domain: RowDomain, jaws: Tensor) -> Tensor:
     """Jaws (..., N + 1, 2) at the control points -> (..., N, 7, 260): the share of each leaf-grid
-    row the jaws pass at each sub-aperture of each frame (learned edge offset and transmission)."""
-    t = torch.linspace(0.0, 1.0, SUB_APERTURES, device=jaws.device)[:, None]
-    moving = jaws[..., :-1, None, :] + (jaws[..., 1:, None, :] - jaws[..., :-1, None, :]) * t
-    opening = cell_coverage(moving[..., 0] - domain.jaw_offset, moving[..., 1] + domain.jaw_offset,
-                            leaf_grid_centres(jaws.device))
-    return domain.jaw_transmission + (1 - domain.jaw_transmission) * opening
+    row the jaws pass at each sub-aperture of each frame (``RowDomain.jaw_openings``, with the
+    learned jaw transmission)."""
+    return domain.jaw_transmission + (1 - domain.jaw_transmission) * domain.jaw_openings(jaws).flatten(-2)
 
 
 def imager_rows(device: torch.device | str) -> Tensor:
@@ -168,7 +161,7 @@ def _travel(domain: RowDomain, fluence: Tensor, candidates: Tensor, jaw: int, mu
     frame's MU x the fluence per MU of the open row at the jaw at the frame's start, squared, seen
     through T) per mm the jaw moves within the frame."""
     motion = (candidates[..., 1:, jaw] - candidates[..., :-1, jaw]).abs()  # (S, B, N)
-    start = candidates[0, :, :-1, jaw] - MLC_Y_MIN_MM  # (B, N) mm above the leaf grid's first row
+    start = candidates[0, :, :-1, jaw] - MLC_Y_MIN_MM  # (B, N): the first candidate's, mm above the leaf grid
     row = (start.floor().long() - jaw).clamp(0, LEAF_GRID_ROWS - 1)  # jaw_1: the row above it, jaw_2: below
     step = fluence[..., 0, :].gather(-1, row[..., None])[..., 0]  # (B, N)
     energy = (step * mu.float()).square() * domain.gram[2 * domain.reach]

@@ -60,7 +60,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from epid.aperture_models import IMAGER_MARGIN, LEAF_GRID_ROWS, ROWS_PER_LEAF, leaf_grid_centres
+from epid.aperture_models import (
+    IMAGER_MARGIN,
+    LEAF_GRID_ROWS,
+    ROWS_PER_LEAF,
+    frame_sub_apertures,
+    leaf_grid_centres,
+)
 from epid.imaging import GRID_SIZE, SUB_APERTURES, cell_coverage
 from epid.jaw_tracking import JAW_STAGES, track_jaws
 from epid.sequences import NUM_LEAF_PAIRS
@@ -185,8 +191,7 @@ class RowDomain:
     def jaw_openings(self, jaws: Tensor) -> Tensor:
         """Jaws (..., P, 2) at P control points -> (..., P - 1, 7, 52, 5): the open share of each
         pixel row of each leaf at each sub-aperture of each frame (learned jaw offset applied)."""
-        t = torch.linspace(0.0, 1.0, SUB_APERTURES, device=jaws.device)
-        moving = jaws[..., :-1, None, :] + (jaws[..., 1:, None, :] - jaws[..., :-1, None, :]) * t[:, None]
+        moving = frame_sub_apertures(jaws)
         rows = leaf_grid_centres(jaws.device)
         opening = cell_coverage(moving[..., 0] - self.jaw_offset, moving[..., 1] + self.jaw_offset, rows)
         return opening.unflatten(-1, (NUM_LEAF_PAIRS, ROWS_PER_LEAF))
@@ -341,6 +346,7 @@ def track_leaves(domain: RowDomain, signals: Tensor, leaf_a: Tensor, leaf_b: Ten
         if number == 0 and jaw_stages:
             mu = _best_mu(observed.profiles, _model(domain, observed.coupling, banks))
             jaws = track_jaws(domain, observed.row_sums, banks[0], banks[1], jaws, mu, jaw_stages)
+            # the frames are filtered again rather than kept: a whole arc's would hold (N, 260, 256) floats
             observed = _Observed.of(domain, signals, jaws, chunk_frames, row_sums=False)
     mu = _best_mu(observed.profiles, _model(domain, observed.coupling, banks))
     return Tracked(banks[0], banks[1], jaws, mu)
@@ -371,12 +377,6 @@ class _Observed:
                    torch.cat(sums, 1) if row_sums else None)
 
 
-def _sub_apertures(points: Tensor) -> Tensor:
-    """Control points (B, F + 1, 52) -> sub-aperture positions (B, F, 7, 52) of the F frames."""
-    t = torch.linspace(0.0, 1.0, SUB_APERTURES, device=points.device)[:, None]
-    return points[:, :-1, None] + (points[:, 1:, None] - points[:, :-1, None]) * t
-
-
 def _edges(domain: RowDomain, positions: Tensor, bank: int) -> Tensor:
     """Edge positions of a bank's leaves at ``positions``, after the bank's leaf-end offset."""
     return positions - domain.offset_a if bank == 0 else positions + domain.offset_b
@@ -388,7 +388,7 @@ def _model(domain: RowDomain, coupling: tuple[Tensor, Tensor], banks: list[Tenso
     boundary are open, the tongue-and-groove strip's (bank A's at the larger of the two, bank
     B's at the smaller)."""
     own, groove = coupling
-    edges = [_edges(domain, _sub_apertures(banks[bank]), bank) for bank in (0, 1)]  # (B, F, 7, 52)
+    edges = [_edges(domain, frame_sub_apertures(banks[bank]), bank) for bank in (0, 1)]  # (B, F, 7, 52)
     strip_a = torch.maximum(edges[0][..., :-1], edges[0][..., 1:])  # (B, F, 7, 51): boundaries 0..50
     strip_b = torch.maximum(strip_a, torch.minimum(edges[1][..., :-1], edges[1][..., 1:]))
     parts = [(edges[0], own, 1.0), (edges[1], own, -1.0)]
@@ -430,7 +430,7 @@ def _track_bank(domain: RowDomain, profiles: Tensor, coupling: tuple[Tensor, Ten
         model = _model(domain, chunk_coupling, points)
         frame_mu = _best_mu(profiles[:, part], model)
         weights = _own_weights(domain, chunk_coupling, points[bank], bank) * frame_mu[..., None, None] / SUB_APERTURES
-        edges = _edges(domain, _sub_apertures(points[bank]), bank).transpose(-2, -1)
+        edges = _edges(domain, frame_sub_apertures(points[bank]), bank).transpose(-2, -1)
         own = domain.blur(domain.splat(edges, weights.transpose(-2, -1)))
         residual = profiles[:, part] - frame_mu[..., None, None] * model
         correlation = domain.correlate(sign * residual + own)  # (B, F, 52, lattice)
@@ -461,7 +461,7 @@ def _own_weights(domain: RowDomain, coupling: tuple[Tensor, Tensor], points: Ten
     reach = (own.shape[-1] - 1) // 2
     weights = own[..., reach]
     if domain.groove_share > 0:
-        positions = _sub_apertures(points)
+        positions = frame_sub_apertures(points)
         previous = torch.cat([positions[..., :1], positions[..., :-1]], -1)  # leaf j - 1 (no strip before leaf 0)
         following = torch.cat([positions[..., 1:], positions[..., -1:]], -1)  # leaf j + 1
         leads = torch.ge if bank == 0 else torch.le
