@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ctypes
 import datetime
+import gc
 import os
 import signal
 import socket
@@ -169,8 +170,8 @@ def _spawn(worker: Worker, config: Config) -> int:
             print(f"training failed on rank {error.error_index}:{error}", file=sys.stderr, flush=True)
             return 1
         except mp.ProcessExitedException as error:
-            print(f"training failed: rank {error.error_index} (pid {error.pid}) {_exit_text(error)}", file=sys.stderr,
-                  flush=True)
+            print(f"training failed: rank {error.error_index} (pid {error.error_pid}) {_exit_text(error)}",
+                  file=sys.stderr, flush=True)
             return 1
     return 0
 
@@ -182,9 +183,19 @@ def _exit_text(error: mp.ProcessExitedException) -> str:
 
 
 def _spawned_rank(index: int, worker: Worker, config: Config) -> None:
+    """One spawned rank; it leaves without the interpreter's teardown once its work is done.
+
+    The distributed backend's threads outlive ``destroy_process_group`` (DDP keeps the group
+    alive), and one that still holds a tensor when the interpreter finalises can abort the
+    process (SIGABRT, "terminate called without an active exception") after the job has
+    finished. Everything the rank wrote is closed by then; a collection first lets the data
+    loader's finalizers stop its worker processes.
+    """
     status = _run_rank(worker, config, index, index)
-    if status:
-        sys.exit(status)
+    gc.collect()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 def _run_rank(worker: Worker, config: Config, rank: int, local_rank: int) -> int:

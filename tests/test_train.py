@@ -7,6 +7,7 @@ three datasets over two ranks (uneven shards), the tiny model preset, gloo on th
 
 from __future__ import annotations
 
+import atexit
 import csv
 import hashlib
 import math
@@ -326,6 +327,44 @@ def test_a_silent_peer_fails_the_job_after_the_collective_timeout(monkeypatch):
     assert time.monotonic() - started < 60
 
 
+def _rank_one_aborts(context: RankContext, config) -> int:
+    """Rank 1 dies of SIGABRT at once; rank 0 would go on for a minute."""
+    if context.rank == 1:
+        os.abort()
+    time.sleep(60)
+    return 0
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_that_dies_of_a_signal_is_named_with_its_pid_and_signal(monkeypatch, capfd):
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    config = load_config({"EPID_WORLD_SIZE": "2", "EPID_DEVICE": "cpu", "EPID_THREADS": "1"})
+    started = time.monotonic()
+    assert launch(_rank_one_aborts, config) == 1
+    assert time.monotonic() - started < 50  # rank 0 is stopped, not waited for
+    stderr = capfd.readouterr().err
+    assert re.search(r"^training failed: rank 1 \(pid \d+\) was killed by SIGABRT$", stderr, re.MULTILINE), stderr
+
+
+def _rank_one_would_abort_in_teardown(context: RankContext, config) -> int:
+    """Both ranks finish their work; rank 1 holds something that aborts the process if the
+    interpreter's teardown runs (as a backend thread holding a tensor can)."""
+    torch.distributed.all_reduce(torch.zeros(1))
+    if context.rank == 1:
+        atexit.register(os.abort)
+    return 0
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_that_finished_its_work_is_not_failed_by_interpreter_teardown(monkeypatch, capfd):
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    config = load_config({"EPID_WORLD_SIZE": "2", "EPID_DEVICE": "cpu", "EPID_THREADS": "1"})
+    assert launch(_rank_one_would_abort_in_teardown, config) == 0
+    assert "training failed" not in capfd.readouterr().err
+
+
 def test_a_killed_rank_fails_the_job_and_its_last_checkpoint_resumes_on_another_world_size(tmp_path):
     checkpoint = tmp_path / "epid.pth"
     longer = {"EPID_CONTROL_POINTS": "34", "EPID_GAMMA_SAMPLES": "0"}
@@ -343,7 +382,9 @@ def test_a_killed_rank_fails_the_job_and_its_last_checkpoint_resumes_on_another_
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
     text = log.read_text()
-    assert "training failed: rank" in text, text
+    # the launcher names the killed rank, or rank 1's error if rank 1 failed its collective first
+    assert re.search(rf"^training failed(: rank 0 \(pid {rank_pids(text)[0]}\) was killed by SIGKILL$| on rank 1:)",
+                     text, re.MULTILINE), text
     killed = load_checkpoint(checkpoint)
     assert killed["epoch"] >= 1 and killed["interrupted"] is None
     assert killed["history"]["steps_per_rank"][0] == [14, 14]  # 2 datasets x 7 windows on rank 0
