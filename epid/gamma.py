@@ -13,6 +13,8 @@ order of radius; the evaluated doses at the integer-pixel shifts around each poi
 are gathered once into a (shift, point) matrix, one shell's interpolated samples
 are one matrix product of that shell's bilinear weights with a slice of it, and
 points whose search is over are dropped from the working set as the radius grows.
+On a CPU with several torch threads, chunks of points are searched side by side, one
+thread each.
 
 ``GammaCriteria`` holds one set of criteria; ``gamma_maps`` and ``gamma_pass_rate`` are the
 one pipeline training's validation, ``epid.evaluate`` and ``epid.compare`` compute pass rates
@@ -21,8 +23,11 @@ with.
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import math
+import queue
+import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -101,30 +106,26 @@ def gamma_index(
         pixel_mm, dose_percent, distance_mm, lower_percent_cutoff, max_gamma, interp_fraction
     )
     reference_t, evaluation_t, shape = _as_image_stacks(reference, evaluation)
-    images, height, width = reference_t.shape
     normalisation = _normalisation(reference_t, global_normalisation, shape[:-2])
     threshold = torch.where(normalisation > 0, lower_percent_cutoff / 100 * normalisation, math.inf)
     counted = reference_t >= threshold[:, None, None]
     if local and lower_percent_cutoff == 0:
         counted &= reference_t != 0
-    flat_index = torch.nonzero(counted.view(-1)).squeeze(1)
-    gamma = torch.full((images * height * width,), math.nan, device=reference_t.device)
-    if flat_index.numel():
-        search = _ShellSearch(
-            reference_t,
-            evaluation_t,
-            flat_index,
-            dose_criterion=dose_percent / 100 * normalisation,
-            local_dose_percent=dose_percent if local else None,
-        )
-        gamma_squared = search.run(
-            distance_mm=distance_mm,
-            interp_fraction=interp_fraction,
-            max_gamma=max_gamma,
-            pixel_mm=pixel_mm,
-        )
-        gamma.index_copy_(0, flat_index, gamma_squared.sqrt_().clamp_(max=max_gamma))
-    return gamma.reshape(shape)
+    search = _ShellSearch(
+        reference_t,
+        evaluation_t,
+        counted,
+        dose_criterion=dose_percent / 100 * normalisation,
+        local_dose_percent=dose_percent if local else None,
+    )
+    gamma_squared = search.run(
+        distance_mm=distance_mm,
+        interp_fraction=interp_fraction,
+        max_gamma=max_gamma,
+        pixel_mm=pixel_mm,
+    )
+    gamma = gamma_squared.sqrt_().clamp_(max=max_gamma)
+    return gamma.masked_fill_(counted.logical_not_(), math.nan).reshape(shape)
 
 
 def gamma_pass_rate(gamma) -> torch.Tensor:
@@ -366,14 +367,33 @@ def _build_shells(
     return shells, shifts
 
 
+class _Workspace:
+    """One worker's reused buffers, flat, each grown to the largest size asked of it: the
+    working set's sample matrix (``samples``), the one it is compacted into when points
+    are dropped (``spare``), and a shell's interpolated samples (``products``). Reusing
+    them spares the page faults of mapping that much memory afresh for every chunk."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.samples = self.spare = self.products = torch.empty(0, device=device)
+
+    def matrix(self, name: str, rows: int, columns: int) -> torch.Tensor:
+        """The first rows x columns elements of buffer ``name`` as a matrix."""
+        buffer = getattr(self, name)
+        if buffer.numel() < rows * columns:
+            buffer = torch.empty(rows * columns, device=self.device)
+            setattr(self, name, buffer)
+        return buffer[: rows * columns].view(rows, columns)
+
+
 @dataclass
 class _WorkingSet:
     """The points of one chunk still searching.
 
-    ``samples`` holds, from shift ``first_row`` of the sorted shift list on, the
-    evaluated dose at point + shift minus the reference dose at the point, filled
-    up to shift ``gathered``. ``position`` is each point's index in the chunk and
-    ``best`` its squared gamma so far.
+    ``samples`` (in ``workspace.samples``) holds, from shift ``first_row`` of the sorted
+    shift list on, the evaluated dose at point + shift minus the reference dose at the
+    point, filled up to shift ``gathered``. ``position`` is each point's index in the
+    chunk and ``best`` its squared gamma so far.
     """
 
     padded_index: torch.Tensor
@@ -381,20 +401,26 @@ class _WorkingSet:
     local_factor: torch.Tensor | None
     position: torch.Tensor
     best: torch.Tensor
-    samples: torch.Tensor
+    workspace: _Workspace
+    shift_count: int
     first_row: int = 0
     gathered: int = 0
+
+    def __post_init__(self) -> None:
+        self.samples = self.workspace.matrix("samples", self.shift_count, self.best.numel())
 
     def rows(self, start: int, stop: int) -> torch.Tensor:
         """Samples of the shifts ``start:stop``, (stop - start, points)."""
         return self.samples[start - self.first_row : stop - self.first_row]
 
-    def keep(self, keep: torch.Tensor, first_row: int, shift_count: int) -> None:
+    def keep(self, keep: torch.Tensor, first_row: int) -> None:
         """Keeps the points ``keep`` and the samples of shifts from ``first_row`` on."""
-        samples = torch.empty((shift_count - first_row, keep.numel()), device=keep.device)
+        workspace = self.workspace
+        samples = workspace.matrix("spare", self.shift_count - first_row, keep.numel())
         torch.index_select(
             self.rows(first_row, self.gathered), 1, keep, out=samples[: self.gathered - first_row]
         )
+        workspace.samples, workspace.spare = workspace.spare, workspace.samples
         self.samples, self.first_row = samples, first_row
         self.padded_index, self.reference, self.position, self.best = (
             t.index_select(0, keep) for t in (self.padded_index, self.reference, self.position, self.best)
@@ -404,55 +430,55 @@ class _WorkingSet:
 
 
 class _ShellSearch:
-    """Gamma search around reference points of (images, H, W) image stacks.
+    """Gamma search around the counted points of (images, H, W) image stacks.
 
-    Doses are in units of the global dose criterion. Points are searched in chunks;
-    for each, a working set gathers the evaluated doses at the integer shifts that
-    the shells need, shell by shell, and drops the points whose gamma is settled.
+    Doses are in units of the global dose criterion. The squared gamma at each point
+    itself (radius 0) is computed for whole images; the points it does not settle are
+    searched in chunks, side by side on a multi-threaded CPU: for each chunk, a working
+    set gathers the evaluated doses at the integer shifts that the shells need, shell by
+    shell, and drops the points whose gamma is settled.
     """
 
     def __init__(
         self,
         reference: torch.Tensor,
         evaluation: torch.Tensor,
-        flat_index: torch.Tensor,
+        counted: torch.Tensor,
         dose_criterion: torch.Tensor,
         local_dose_percent: float | None,
     ) -> None:
-        """Search around the points ``flat_index`` of the flattened image stacks.
+        """Search around the points where ``counted`` (images, H, W) is true.
 
-        Doses are taken in units of ``dose_criterion``, each image's global dose
-        criterion (images,) in the units of the images; only the points and the
-        padded evaluated images are scaled, not whole copies of both stacks. For
-        local gamma, ``local_dose_percent`` is the dose criterion in percent of the
-        reference dose at each point; None for global gamma.
+        ``dose_criterion`` is each image's global dose criterion (images,) in the units
+        of the images. For local gamma, ``local_dose_percent`` is the dose criterion in
+        percent of the reference dose at each point; None for global gamma.
         """
-        images, height, width = reference.shape
+        self.reference = reference.contiguous()
         self.evaluation = evaluation
-        self.flat_index = flat_index
+        self.counted = counted
         self.scale = dose_criterion.reciprocal()
-        point_scale = self.scale.index_select(0, flat_index // (height * width))
-        self.reference_dose = reference.reshape(-1).index_select(0, flat_index).mul_(point_scale)
-        self.evaluation_dose = evaluation.reshape(-1).index_select(0, flat_index).mul_(point_scale)
-        self.local_factor = None
-        if local_dose_percent is not None:
-            # (global criterion / local criterion)^2 converts squared differences; the
-            # finite cap keeps exact agreement at 0 where the reference is tiny, and
-            # the other points there above any max_gamma.
-            local_factor = (100 / local_dose_percent) / self.reference_dose
-            self.local_factor = local_factor.square_().clamp_(max=1e30)
+        self.local_dose_percent = local_dose_percent
         self.device = evaluation.device
 
     def run(
         self, *, distance_mm: float, interp_fraction: float, max_gamma: float, pixel_mm: float
     ) -> torch.Tensor:
-        """Squared gamma (points,), uncapped."""
-        gamma_at_point = self._gamma_at_point()
-        largest = torch.nan_to_num(gamma_at_point, nan=0.0, posinf=0.0).max().item()
+        """Squared gamma (images, H, W), uncapped, at the counted points (the others are
+        left at their squared dose difference)."""
+        gamma_squared = self._gamma_at_point()
+        first = _search_distances(distance_mm, interp_fraction, max_gamma, stop_at_mm=sys.float_info.min)
+        if len(first) == 1:
+            return gamma_squared
+        # NaN (a non-finite dose) compares false: such points are not searched
+        searching = torch.gt(gamma_squared, (first[1][0] / distance_mm) ** 2).logical_and_(self.counted)
+        points = torch.nonzero(searching.view(-1)).squeeze(1)
+        if points.numel() == 0:
+            return gamma_squared
+        at_points = gamma_squared.take(points)
+        # the search is over once the distance term alone passes the largest gamma at a point
+        largest = at_points.nan_to_num(posinf=0.0).max().item()
         stop_at_mm = distance_mm * math.sqrt(min(largest, _FAR))
         distances = _search_distances(distance_mm, interp_fraction, max_gamma, stop_at_mm)
-        if len(distances) == 1:
-            return gamma_at_point
         shells, shifts = _build_shells(distances[1:], distance_mm, pixel_mm)
         self.shells = [
             _Shell(torch.as_tensor(w, device=self.device), a, b, d)
@@ -461,48 +487,91 @@ class _ShellSearch:
         later_starts = [shell.shift_start for shell in self.shells[1:]] + [len(shifts)]
         self.first_shift_after = np.minimum.accumulate(later_starts[::-1])[::-1].tolist()
         self.shift_count = len(shifts)
-        searching = torch.nonzero(gamma_at_point > self.shells[0].distance_term).squeeze(1)
-        if searching.numel() == 0:
-            return gamma_at_point
-        self.padded, padded_index, self.shift_offsets = self._pad(
-            shifts, self.flat_index.index_select(0, searching)
-        )
+        self.padded, self.shift_offsets = self._pad(shifts)
         device_type = self.device.type if self.device.type in _CHUNK_POINTS else "cpu"
-        chunk = max(1024, min(_CHUNK_POINTS[device_type], _SAMPLES_BUDGET[device_type] // len(shifts)))
-        found = []
-        for start in range(0, searching.numel(), chunk):
-            part = searching[start : start + chunk]
-            found.append(
-                self._run_chunk(
-                    _WorkingSet(
-                        padded_index[start : start + chunk],
-                        self.reference_dose.index_select(0, part),
-                        None if self.local_factor is None else self.local_factor.index_select(0, part),
-                        torch.arange(part.numel(), device=self.device),
-                        gamma_at_point.index_select(0, part),
-                        torch.empty((len(shifts), part.numel()), device=self.device),
-                    )
-                )
-            )
-        return gamma_at_point.index_copy_(0, searching, torch.cat(found))
+        largest_chunk = max(1024, min(_CHUNK_POINTS[device_type], _SAMPLES_BUDGET[device_type] // len(shifts)))
+        threads = torch.get_num_threads()
+        workers = min(threads, -(-points.numel() // largest_chunk)) if self.device.type == "cpu" else 1
+        # as many chunks for each worker, of about one size
+        chunk_count = workers * -(-points.numel() // (workers * largest_chunk))
+        chunk = -(-points.numel() // chunk_count)
+        starts = range(0, points.numel(), chunk)
+        workspaces: queue.SimpleQueue[_Workspace] = queue.SimpleQueue()
+        for _ in range(workers):
+            workspaces.put(_Workspace(self.device))
+
+        def search_chunk(start: int) -> None:
+            workspace = workspaces.get()
+            try:
+                part = slice(start, start + chunk)
+                self._search_chunk(points[part], at_points[part], gamma_squared, workspace)
+            finally:
+                workspaces.put(workspace)
+
+        if workers > 1:
+            # One torch thread per worker: the gathers run on one thread anyway, and two
+            # levels of threads would oversubscribe the cores. torch.set_num_threads also
+            # sets the count that threads starting later inherit; it is restored after.
+            try:
+                with concurrent.futures.ThreadPoolExecutor(workers, initializer=torch.set_num_threads,
+                                                           initargs=(1,)) as pool:
+                    list(pool.map(search_chunk, starts))
+            finally:
+                torch.set_num_threads(threads)
+        else:
+            for start in starts:
+                search_chunk(start)
+        return gamma_squared
+
+    def _search_chunk(
+        self, flat_index: torch.Tensor, at_point: torch.Tensor, gamma_squared: torch.Tensor, workspace: _Workspace
+    ) -> None:
+        """Searches around the points ``flat_index`` (n,) of the flattened image stacks,
+        whose squared gamma at the point itself is ``at_point`` (n,), and writes their
+        squared gamma into ``gamma_squared``."""
+        images, height, width = gamma_squared.shape
+        image_row = torch.div(flat_index, width, rounding_mode="floor")
+        column = flat_index - image_row * width
+        image = torch.div(image_row, height, rounding_mode="floor")
+        padded_index = self.padded_row_start.index_select(0, image_row).add_(column)
+        if self.padded.numel() < 2**31:
+            padded_index = padded_index.int()
+        reference_dose = self.reference.view(-1).index_select(0, flat_index).mul_(self.scale.index_select(0, image))
+        chunk = _WorkingSet(
+            padded_index,
+            reference_dose,
+            None if self.local_dose_percent is None else self._local_factor(reference_dose),
+            torch.arange(flat_index.numel(), device=self.device),
+            at_point,
+            workspace,
+            self.shift_count,
+        )
+        gamma_squared.view(-1).index_copy_(0, flat_index, self._run_chunk(chunk))
+
+    def _local_factor(self, reference_dose: torch.Tensor) -> torch.Tensor:
+        """(global criterion / local criterion)^2 at reference doses: it converts squared
+        differences. The finite cap keeps exact agreement at 0 where the reference is
+        tiny, and the other points there above any max_gamma."""
+        return ((100 / self.local_dose_percent) / reference_dose).square_().clamp_(max=1e30)
 
     def _gamma_at_point(self) -> torch.Tensor:
-        """Squared gamma from the evaluated dose at the points themselves (radius 0)."""
-        gamma_at_point = (self.evaluation_dose - self.reference_dose).square_()
-        if self.local_factor is not None:
-            gamma_at_point.mul_(self.local_factor)
-        return gamma_at_point
+        """Squared gamma from the evaluated dose at the points themselves (radius 0),
+        (images, H, W)."""
+        scale = self.scale[:, None, None]
+        gamma_squared = torch.sub(self.evaluation, self.reference).mul_(scale).square_()
+        if self.local_dose_percent is not None:
+            gamma_squared.mul_(self._local_factor(self.reference * scale))
+        return gamma_squared
 
-    def _pad(
-        self, shifts: np.ndarray, flat_index: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    def _pad(self, shifts: np.ndarray) -> tuple[torch.Tensor, list[int]]:
         """Flattened evaluated images, in units of the dose criterion, padded to hold
         every shift around every point.
 
         Each shift's samples are read through a view of the padded images that
-        starts at that shift, with one index per point shared by all shifts.
-        Returns the padded images, that index for the points ``flat_index`` and
-        the start of each shift's view.
+        starts at that shift, with one index per point shared by all shifts: the
+        index of the point's row start (``padded_row_start``, one per row of all
+        images) plus its column. Returns the padded images and the start of each
+        shift's view.
         """
         images, height, width = self.evaluation.shape
         margin = int(np.abs(shifts).max())
@@ -514,17 +583,11 @@ class _ShellSearch:
         padded[:, margin : margin + height, margin + width :].fill_(_FAR)
         interior = padded[:, margin : margin + height, margin : margin + width]
         torch.mul(self.evaluation, self.scale[:, None, None], out=interior)
-        padded = padded.view(-1)
-        image_row = torch.arange(images * height, device=self.device)
-        image, row = image_row // height, image_row % height
-        padded_row_start = (image * padded_height + row + margin) * padded_width + margin
-        row_offset = padded_row_start - image_row * width
-        padded_index = flat_index + row_offset.index_select(0, flat_index // width)
         shift_offsets = shifts[:, 0] * padded_width + shifts[:, 1]
-        padded_index += int(shift_offsets.min())
-        if padded.numel() < 2**31:
-            padded_index = padded_index.int()
-        return padded, padded_index, (shift_offsets - shift_offsets.min()).tolist()
+        padded_rows = torch.arange(images * padded_height, device=self.device).view(images, padded_height)
+        self.padded_row_start = padded_rows[:, margin : margin + height].reshape(-1) * padded_width
+        self.padded_row_start += margin + int(shift_offsets.min())
+        return padded.view(-1), (shift_offsets - shift_offsets.min()).tolist()
 
     def _run_chunk(self, points: _WorkingSet) -> torch.Tensor:
         """Squared gamma of a chunk of points, walking the shells in order."""
@@ -532,7 +595,8 @@ class _ShellSearch:
         for number, shell in enumerate(self.shells):
             self._gather(points, shell.shift_stop)
             window = points.rows(shell.shift_start, shell.shift_stop)
-            closest = torch.mm(shell.weights, window).square_().amin(dim=0)
+            products = points.workspace.matrix("products", len(shell.weights), window.shape[1])
+            closest = torch.mm(shell.weights, window, out=products).square_().amin(dim=0)
             if points.local_factor is not None:
                 closest.mul_(points.local_factor)
             torch.minimum(points.best, closest.add_(shell.distance_term), out=points.best)
@@ -567,5 +631,5 @@ class _ShellSearch:
         next_shell_work = len(following.weights) + max(following.shift_stop - points.gathered, 0)
         if settled * (next_shell_work + 4) > remaining * (points.gathered - next_row + 4):
             result.index_copy_(0, points.position, points.best)
-            points.keep(torch.nonzero(searching).squeeze(1), next_row, self.shift_count)
+            points.keep(torch.nonzero(searching).squeeze(1), next_row)
         return remaining

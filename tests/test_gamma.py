@@ -185,9 +185,16 @@ def test_batch_equals_per_image_calls(monkeypatch):
                 single = gamma_index(references[i, j], evaluations[i, j], local=local)
                 assert torch.allclose(batch[i, j], single, atol=1e-6, equal_nan=True)
         assert gamma_pass_rate(batch).shape == (2, 3)
-        # Points searched in many small chunks give the same result.
+        # Points searched in many small chunks, by two worker threads, give the same result,
+        # and the torch thread count is left as it was.
         monkeypatch.setattr(gamma_module, "_CHUNK_POINTS", {"cpu": 1024, "cuda": 1024})
-        chunked = gamma_index(references, evaluations, local=local)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(2)
+        try:
+            chunked = gamma_index(references, evaluations, local=local)
+            assert torch.get_num_threads() == 2
+        finally:
+            torch.set_num_threads(threads)
         monkeypatch.undo()
         assert torch.allclose(chunked, batch, atol=1e-6, equal_nan=True)
 
