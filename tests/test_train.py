@@ -306,6 +306,13 @@ def test_restored_trainer_holds_the_saved_weights_optimizer_and_schedule(two_ran
     assert trainer.state.epoch == 2 and trainer.state.history["lr"] == saved["history"]["lr"]
 
 
+def two_cpu_ranks(monkeypatch, **settings: str):
+    """The configuration of two spawned CPU ranks of one thread each, on a free local port."""
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    return load_config({"EPID_WORLD_SIZE": "2", "EPID_DEVICE": "cpu", "EPID_THREADS": "1", **settings})
+
+
 def _rank_one_stays_silent(context: RankContext, config) -> int:
     """Rank 1 lives on without joining rank 0's all-reduce: a peer lost without closing its connection."""
     if context.rank == 1:
@@ -317,10 +324,7 @@ def _rank_one_stays_silent(context: RankContext, config) -> int:
 
 @pytest.mark.timeout(120)
 def test_a_silent_peer_fails_the_job_after_the_collective_timeout(monkeypatch):
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))
-    config = load_config({"EPID_WORLD_SIZE": "2", "EPID_DEVICE": "cpu", "EPID_THREADS": "1",
-                          "EPID_COLLECTIVE_TIMEOUT": "3"})
+    config = two_cpu_ranks(monkeypatch, EPID_COLLECTIVE_TIMEOUT="3")
     started = time.monotonic()
     assert launch(_rank_one_stays_silent, config) == 1
     # spawning and importing torch take a few seconds; without the timeout rank 0 would wait 300 s
@@ -337,9 +341,7 @@ def _rank_one_aborts(context: RankContext, config) -> int:
 
 @pytest.mark.timeout(120)
 def test_a_rank_that_dies_of_a_signal_is_named_with_its_pid_and_signal(monkeypatch, capfd):
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))
-    config = load_config({"EPID_WORLD_SIZE": "2", "EPID_DEVICE": "cpu", "EPID_THREADS": "1"})
+    config = two_cpu_ranks(monkeypatch)
     started = time.monotonic()
     assert launch(_rank_one_aborts, config) == 1
     assert time.monotonic() - started < 50  # rank 0 is stopped, not waited for
@@ -358,9 +360,7 @@ def _rank_one_would_abort_in_teardown(context: RankContext, config) -> int:
 
 @pytest.mark.timeout(120)
 def test_a_rank_that_finished_its_work_is_not_failed_by_interpreter_teardown(monkeypatch, capfd):
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))
-    config = load_config({"EPID_WORLD_SIZE": "2", "EPID_DEVICE": "cpu", "EPID_THREADS": "1"})
+    config = two_cpu_ranks(monkeypatch)
     assert launch(_rank_one_would_abort_in_teardown, config) == 0
     assert "training failed" not in capfd.readouterr().err
 
