@@ -118,14 +118,13 @@ def gamma_index(
         dose_criterion=dose_percent / 100 * normalisation,
         local_dose_percent=dose_percent if local else None,
     )
-    gamma_squared = search.run(
+    gamma = search.run(
         distance_mm=distance_mm,
         interp_fraction=interp_fraction,
         max_gamma=max_gamma,
         pixel_mm=pixel_mm,
     )
-    gamma = gamma_squared.sqrt_().clamp_(max=max_gamma)
-    return gamma.masked_fill_(counted.logical_not_(), math.nan).reshape(shape)
+    return gamma.reshape(shape)
 
 
 def gamma_pass_rate(gamma) -> torch.Tensor:
@@ -463,18 +462,18 @@ class _ShellSearch:
     def run(
         self, *, distance_mm: float, interp_fraction: float, max_gamma: float, pixel_mm: float
     ) -> torch.Tensor:
-        """Squared gamma (images, H, W), uncapped, at the counted points (the others are
-        left at their squared dose difference)."""
-        gamma_squared = self._gamma_at_point()
+        """Gamma (images, H, W), capped at ``max_gamma``, NaN where not counted."""
+        gamma = self._gamma_at_point()
         first = _search_distances(distance_mm, interp_fraction, max_gamma, stop_at_mm=sys.float_info.min)
         if len(first) == 1:
-            return gamma_squared
-        # NaN (a non-finite dose) compares false: such points are not searched
-        searching = torch.gt(gamma_squared, (first[1][0] / distance_mm) ** 2).logical_and_(self.counted)
-        points = torch.nonzero(searching.view(-1)).squeeze(1)
+            return gamma.clamp_(max=max_gamma)
+        # A first shell within the search radius means max_gamma >= its distance term: the points
+        # not searched need no cap. NaN (not counted, a non-finite dose) compares false.
+        points = torch.nonzero(torch.gt(gamma, first[1][0] / distance_mm).view(-1)).squeeze(1)
         if points.numel() == 0:
-            return gamma_squared
-        at_points = gamma_squared.take(points)
+            return gamma
+        self.max_gamma = max_gamma
+        at_points = gamma.take(points).square_()
         # the search is over once the distance term alone passes the largest gamma at a point
         largest = at_points.nan_to_num(posinf=0.0).max().item()
         stop_at_mm = distance_mm * math.sqrt(min(largest, _FAR))
@@ -504,7 +503,7 @@ class _ShellSearch:
             workspace = workspaces.get()
             try:
                 part = slice(start, start + chunk)
-                self._search_chunk(points[part], at_points[part], gamma_squared, workspace)
+                self._search_chunk(points[part], at_points[part], gamma, workspace)
             finally:
                 workspaces.put(workspace)
 
@@ -521,15 +520,15 @@ class _ShellSearch:
         else:
             for start in starts:
                 search_chunk(start)
-        return gamma_squared
+        return gamma
 
     def _search_chunk(
-        self, flat_index: torch.Tensor, at_point: torch.Tensor, gamma_squared: torch.Tensor, workspace: _Workspace
+        self, flat_index: torch.Tensor, at_point: torch.Tensor, gamma: torch.Tensor, workspace: _Workspace
     ) -> None:
         """Searches around the points ``flat_index`` (n,) of the flattened image stacks,
         whose squared gamma at the point itself is ``at_point`` (n,), and writes their
-        squared gamma into ``gamma_squared``."""
-        images, height, width = gamma_squared.shape
+        gamma, capped, into ``gamma``."""
+        images, height, width = gamma.shape
         image_row = torch.div(flat_index, width, rounding_mode="floor")
         column = flat_index - image_row * width
         image = torch.div(image_row, height, rounding_mode="floor")
@@ -546,7 +545,7 @@ class _ShellSearch:
             workspace,
             self.shift_count,
         )
-        gamma_squared.view(-1).index_copy_(0, flat_index, self._run_chunk(chunk))
+        gamma.view(-1).index_copy_(0, flat_index, self._run_chunk(chunk).sqrt_().clamp_(max=self.max_gamma))
 
     def _local_factor(self, reference_dose: torch.Tensor) -> torch.Tensor:
         """(global criterion / local criterion)^2 at reference doses: it converts squared
@@ -555,13 +554,13 @@ class _ShellSearch:
         return ((100 / self.local_dose_percent) / reference_dose).square_().clamp_(max=1e30)
 
     def _gamma_at_point(self) -> torch.Tensor:
-        """Squared gamma from the evaluated dose at the points themselves (radius 0),
-        (images, H, W)."""
+        """Gamma from the evaluated dose at the points themselves (radius 0), (images, H, W),
+        NaN where not counted."""
         scale = self.scale[:, None, None]
-        gamma_squared = torch.sub(self.evaluation, self.reference).mul_(scale).square_()
+        gamma = torch.sub(self.evaluation, self.reference).mul_(scale).abs_()
         if self.local_dose_percent is not None:
-            gamma_squared.mul_(self._local_factor(self.reference * scale))
-        return gamma_squared
+            gamma.mul_(self._local_factor(self.reference * scale).sqrt_())
+        return gamma.masked_fill_(self.counted.logical_not(), math.nan)
 
     def _pad(self, shifts: np.ndarray) -> tuple[torch.Tensor, list[int]]:
         """Flattened evaluated images, in units of the dose criterion, padded to hold
