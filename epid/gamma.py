@@ -487,8 +487,14 @@ class _ShellSearch:
         self.first_shift_after = np.minimum.accumulate(later_starts[::-1])[::-1].tolist()
         self.shift_count = len(shifts)
         self.padded, self.shift_offsets = self._pad(shifts)
+        self._search(points, at_points, gamma)
+        return gamma
+
+    def _search(self, points: torch.Tensor, at_points: torch.Tensor, gamma: torch.Tensor) -> None:
+        """Searches around ``points`` (flat indices, (n,)) in chunks, side by side on a CPU with
+        several torch threads, and writes their gamma into ``gamma``."""
         device_type = self.device.type if self.device.type in _CHUNK_POINTS else "cpu"
-        largest_chunk = max(1024, min(_CHUNK_POINTS[device_type], _SAMPLES_BUDGET[device_type] // len(shifts)))
+        largest_chunk = max(1024, min(_CHUNK_POINTS[device_type], _SAMPLES_BUDGET[device_type] // self.shift_count))
         threads = torch.get_num_threads()
         workers = min(threads, -(-points.numel() // largest_chunk)) if self.device.type == "cpu" else 1
         # as many chunks for each worker, of about one size
@@ -520,7 +526,6 @@ class _ShellSearch:
         else:
             for start in starts:
                 search_chunk(start)
-        return gamma
 
     def _search_chunk(
         self, flat_index: torch.Tensor, at_point: torch.Tensor, gamma: torch.Tensor, workspace: _Workspace
