@@ -185,18 +185,20 @@ def test_batch_equals_per_image_calls(monkeypatch):
                 single = gamma_index(references[i, j], evaluations[i, j], local=local)
                 assert torch.allclose(batch[i, j], single, atol=1e-6, equal_nan=True)
         assert gamma_pass_rate(batch).shape == (2, 3)
-        # Points searched in many small chunks, by two worker threads, give the same result,
-        # and the torch thread count is left as it was.
+        # Two worker threads (blocks of images, or the chunks of one image) searching points in
+        # many small chunks give the same result, and leave the torch thread count as it was.
         monkeypatch.setattr(gamma_module, "_CHUNK_POINTS", {"cpu": 1024, "cuda": 1024})
         threads = torch.get_num_threads()
         torch.set_num_threads(2)
         try:
             chunked = gamma_index(references, evaluations, local=local)
+            one_image = gamma_index(references[1, 2], evaluations[1, 2], local=local)
             assert torch.get_num_threads() == 2
         finally:
             torch.set_num_threads(threads)
         monkeypatch.undo()
         assert torch.allclose(chunked, batch, atol=1e-6, equal_nan=True)
+        assert torch.allclose(one_image, batch[1, 2], atol=1e-6, equal_nan=True)
 
 
 def test_inputs_broadcast_and_numpy_or_torch_give_the_same_result():
