@@ -13,8 +13,8 @@ order of radius; the evaluated doses at the integer-pixel shifts around each poi
 are gathered once into a (shift, point) matrix, one shell's interpolated samples
 are one matrix product of that shell's bilinear weights with a slice of it, and
 points whose search is over are dropped from the working set as the radius grows.
-On a CPU with several torch threads, chunks of points are searched side by side, one
-thread each.
+On a CPU with several torch threads, workers of one thread each share the work: a stack
+of images in blocks, one per worker, the points of a single image in chunks.
 
 ``GammaCriteria`` holds one set of criteria; ``gamma_maps`` and ``gamma_pass_rate`` are the
 one pipeline training's validation, ``epid.evaluate`` and ``epid.compare`` compute pass rates
