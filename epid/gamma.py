@@ -542,7 +542,7 @@ class _ShellSearch:
         later_starts = [shell.shift_start for shell in self.shells[1:]] + [len(shifts)]
         self.first_shift_after = np.minimum.accumulate(later_starts[::-1])[::-1].tolist()
         self.shift_count = len(shifts)
-        self.padded, self.shift_offsets = self._pad(shifts)
+        self.padded, self.padded_row_start, self.shift_offsets = self._pad(shifts)
         self._search(points, at_points, gamma)
         return gamma
 
@@ -575,7 +575,7 @@ class _ShellSearch:
         """Searches around the points ``flat_index`` (n,) of the flattened image stacks,
         whose squared gamma at the point itself is ``at_point`` (n,), and writes their
         gamma, capped, into ``gamma``."""
-        images, height, width = gamma.shape
+        _, height, width = gamma.shape
         image_row = torch.div(flat_index, width, rounding_mode="floor")
         column = flat_index - image_row * width
         image = torch.div(image_row, height, rounding_mode="floor")
@@ -609,15 +609,14 @@ class _ShellSearch:
             gamma.mul_(self._local_factor(self.reference * scale).sqrt_())
         return gamma.masked_fill_(self.counted.logical_not(), math.nan)
 
-    def _pad(self, shifts: np.ndarray) -> tuple[torch.Tensor, list[int]]:
+    def _pad(self, shifts: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
         """Flattened evaluated images, in units of the dose criterion, padded to hold
         every shift around every point.
 
         Each shift's samples are read through a view of the padded images that
         starts at that shift, with one index per point shared by all shifts: the
-        index of the point's row start (``padded_row_start``, one per row of all
-        images) plus its column. Returns the padded images and the start of each
-        shift's view.
+        index of the point's row start plus its column. Returns the padded images,
+        the row starts (one per row of all images) and the start of each shift's view.
         """
         images, height, width = self.evaluation.shape
         margin = int(np.abs(shifts).max())
@@ -631,9 +630,9 @@ class _ShellSearch:
         torch.mul(self.evaluation, self.scale[:, None, None], out=interior)
         shift_offsets = shifts[:, 0] * padded_width + shifts[:, 1]
         padded_rows = torch.arange(images * padded_height, device=self.device).view(images, padded_height)
-        self.padded_row_start = padded_rows[:, margin : margin + height].reshape(-1) * padded_width
-        self.padded_row_start += margin + int(shift_offsets.min())
-        return padded.view(-1), (shift_offsets - shift_offsets.min()).tolist()
+        row_start = padded_rows[:, margin : margin + height].reshape(-1) * padded_width
+        row_start += margin + int(shift_offsets.min())
+        return padded.view(-1), row_start, (shift_offsets - shift_offsets.min()).tolist()
 
     def _run_chunk(self, points: _WorkingSet) -> torch.Tensor:
         """Squared gamma of a chunk of points, walking the shells in order."""
