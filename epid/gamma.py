@@ -14,7 +14,11 @@ are gathered once into a (shift, point) matrix, one shell's interpolated samples
 are one matrix product of that shell's bilinear weights with a slice of it, and
 points whose search is over are dropped from the working set as the radius grows.
 On a CPU with several torch threads, workers of one thread each share the work: a stack
-of images in blocks, one per worker, the points of a single image in chunks.
+of images in blocks, one per worker, the points of a single image in chunks. The large
+buffers (inputs converted to float32, padded images, sample matrices) are reused, and on
+the CPU kept between calls up to 512 MiB (``release_workspaces`` frees them): memory
+mapped afresh costs a page fault per 4 KiB on first touch, and on a virtual machine
+those faults took a fifth of a call.
 
 ``GammaCriteria`` holds one set of criteria; ``gamma_maps`` and ``gamma_pass_rate`` are the
 one pipeline training's validation, ``epid.evaluate`` and ``epid.compare`` compute pass rates
@@ -27,8 +31,8 @@ import concurrent.futures
 import contextlib
 import functools
 import math
-import queue
 import sys
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -107,37 +111,42 @@ def gamma_index(
     _check_options(
         pixel_mm, dose_percent, distance_mm, lower_percent_cutoff, max_gamma, interp_fraction
     )
-    reference_t, evaluation_t, shape = _as_image_stacks(reference, evaluation)
-    normalisation = _normalisation(reference_t, global_normalisation, shape[:-2])
-    threshold = torch.where(normalisation > 0, lower_percent_cutoff / 100 * normalisation, math.inf)
-    counted = reference_t >= threshold[:, None, None]
-    if local and lower_percent_cutoff == 0:
-        counted &= reference_t != 0
-    criterion = dose_percent / 100 * normalisation
-    device = reference_t.device
-    workers = torch.get_num_threads() if device.type == "cpu" else 1
-    workspaces = _WorkspacePool(workers, device)
-    options = {"distance_mm": distance_mm, "interp_fraction": interp_fraction, "max_gamma": max_gamma,
-               "pixel_mm": pixel_mm}
+    device = _device_of(reference, evaluation)
+    workspaces = _workspaces(device)
+    with workspaces.inputs.lent() as inputs:
+        reference_t, evaluation_t, shape = _as_image_stacks(reference, evaluation, device, inputs)
+        normalisation = _normalisation(reference_t, global_normalisation, shape[:-2])
+        threshold = torch.where(normalisation > 0, lower_percent_cutoff / 100 * normalisation, math.inf)
+        counted = reference_t >= threshold[:, None, None]
+        if local and lower_percent_cutoff == 0:
+            counted &= reference_t != 0
+        criterion = dose_percent / 100 * normalisation
+        workers = torch.get_num_threads() if device.type == "cpu" else 1
+        options = {"distance_mm": distance_mm, "interp_fraction": interp_fraction, "max_gamma": max_gamma,
+                   "pixel_mm": pixel_mm}
+        gamma = torch.empty(reference_t.shape, device=device)
 
-    def search(images: slice, workers: int) -> torch.Tensor:
-        return _ShellSearch(reference_t[images], evaluation_t[images], counted[images], criterion[images],
-                            dose_percent if local else None, workspaces, workers).run(**options)
+        def search(images: slice, workers: int) -> None:
+            _ShellSearch(reference_t[images], evaluation_t[images], counted[images], criterion[images],
+                         dose_percent if local else None, workspaces, workers).run(gamma[images], **options)
 
-    images = reference_t.shape[0]
-    if workers == 1 or images < _BLOCKS_PER_WORKER * workers:
-        return search(slice(None), workers).reshape(shape)
-    # blocks of whole images, each searched start to end by one worker: the work on whole
-    # images (the gamma at each point, the search set) runs side by side as well
-    gamma = torch.empty(reference_t.shape, device=device)
-    bounds = np.linspace(0, images, _BLOCKS_PER_WORKER * workers + 1).round().astype(int).tolist()
-
-    def search_block(start: int, stop: int) -> None:
-        gamma[start:stop] = search(slice(start, stop), 1)
-
-    with _one_thread_workers(workers) as pool:
-        list(pool.map(search_block, bounds[:-1], bounds[1:]))
+        images = reference_t.shape[0]
+        if workers == 1 or images < _BLOCKS_PER_WORKER * workers:
+            search(slice(None), workers)
+            return gamma.reshape(shape)
+        # blocks of whole images, each searched start to end by one worker: the work on whole
+        # images (the gamma at each point, the search set) runs side by side as well
+        bounds = np.linspace(0, images, _BLOCKS_PER_WORKER * workers + 1).round().astype(int).tolist()
+        with _one_thread_workers(workers) as pool:
+            list(pool.map(lambda start, stop: search(slice(start, stop), 1), bounds[:-1], bounds[1:]))
     return gamma.reshape(shape)
+
+
+def release_workspaces() -> None:
+    """Frees the buffers that ``gamma_index`` keeps between calls on the CPU (at most
+    ``_KEPT_BYTES``, 512 MiB; for 64 images of 256 x 256, about 200 MB)."""
+    for pool in _CPU_WORKSPACES.pools():
+        pool.clear()
 
 
 def gamma_pass_rate(gamma) -> torch.Tensor:
@@ -234,25 +243,35 @@ def _check_options(
         )
 
 
-def _as_tensor(values, device: torch.device | None) -> torch.Tensor:
-    if isinstance(values, torch.Tensor):
-        return values.detach().to(device=device, dtype=torch.float32)
-    array = np.asarray(values, dtype=np.float32)
-    if not array.flags.writeable:
-        array = array.copy()
-    return torch.from_numpy(array).to(device)
+def _device_of(*values) -> torch.device:
+    """The device of the first torch tensor among ``values``; the CPU if none is one."""
+    return next((t.device for t in values if isinstance(t, torch.Tensor)), torch.device("cpu"))
 
 
-def _as_image_stacks(reference, evaluation) -> tuple[torch.Tensor, torch.Tensor, torch.Size]:
-    """Both inputs broadcast, as float32 (images, H, W) tensors on one device.
+def _as_tensor(values, device: torch.device, workspace: _Workspace | None = None, name: str = "") -> torch.Tensor:
+    """``values`` (array-like or tensor) as a float32 tensor on ``device``. Values of another
+    dtype are converted into buffer ``name`` of ``workspace`` when one is given."""
+    if not isinstance(values, torch.Tensor):
+        array = np.asarray(values)
+        values = torch.from_numpy(array if array.flags.writeable else array.copy())
+    values = values.detach().to(device)
+    if values.dtype == torch.float32:
+        return values
+    if workspace is None:
+        return values.float()
+    return workspace.matrix(name, 1, values.numel()).view(values.shape).copy_(values)
+
+
+def _as_image_stacks(
+    reference, evaluation, device: torch.device, workspace: _Workspace
+) -> tuple[torch.Tensor, torch.Tensor, torch.Size]:
+    """Both inputs broadcast, as float32 (images, H, W) tensors on ``device``; inputs of
+    another dtype are converted into buffers of ``workspace``.
 
     Also returns the broadcast shape (..., H, W).
     """
-    device = next(
-        (t.device for t in (reference, evaluation) if isinstance(t, torch.Tensor)), None
-    )
     reference_t, evaluation_t = torch.broadcast_tensors(
-        _as_tensor(reference, device), _as_tensor(evaluation, device)
+        _as_tensor(reference, device, workspace, "reference"), _as_tensor(evaluation, device, workspace, "evaluation")
     )
     if reference_t.ndim < 2:
         raise ValueError(f"image shape {tuple(reference_t.shape)}: expected (..., H, W)")
@@ -401,46 +420,105 @@ def _one_thread_workers(workers: int) -> Iterator[concurrent.futures.ThreadPoolE
 
 
 class _Workspace:
-    """One worker's reused buffers, flat, each grown to the largest size asked of it: the
-    working set's sample matrix (``samples``), the one it is compacted into when points
-    are dropped (``spare``), and a shell's interpolated samples (``products``). Reusing
-    them spares the page faults of mapping that much memory afresh for every chunk."""
+    """Reused float32 buffers, flat, by name, each grown to the largest size asked of it.
+
+    Memory mapped afresh costs a page fault per 4 KiB page on first touch; on a virtual
+    machine that is ~1.5 us each, as long as the whole search of a small stack. Reusing
+    the buffers (within a call, and across calls on the CPU) spares it.
+    """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.samples = self.spare = self.products = torch.empty(0, device=device)
+        self.buffers: dict[str, torch.Tensor] = {}
 
     def matrix(self, name: str, rows: int, columns: int) -> torch.Tensor:
         """The first rows x columns elements of buffer ``name`` as a matrix."""
-        buffer = getattr(self, name)
-        if buffer.numel() < rows * columns:
-            buffer = torch.empty(rows * columns, device=self.device)
-            setattr(self, name, buffer)
+        buffer = self.buffers.get(name)
+        if buffer is None or buffer.numel() < rows * columns:
+            buffer = self.buffers[name] = torch.empty(rows * columns, device=self.device)
         return buffer[: rows * columns].view(rows, columns)
+
+    def swap(self, name: str, other: str) -> None:
+        """Exchanges buffers ``name`` and ``other``."""
+        self.buffers[name], self.buffers[other] = self.buffers[other], self.buffers[name]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(buffer.nbytes for buffer in self.buffers.values())
 
 
 class _WorkspacePool:
-    """One workspace per worker, each lent to one chunk's search at a time."""
+    """Workspaces for one use, each lent to one worker at a time; a new one when none is free.
 
-    def __init__(self, count: int, device: torch.device) -> None:
-        self.free: queue.SimpleQueue[_Workspace] = queue.SimpleQueue()
-        for _ in range(count):
-            self.free.put(_Workspace(device))
+    A pool that ``keeps`` holds its returned workspaces for later calls, as long as all kept
+    pools together hold at most ``_KEPT_BYTES``; others are freed when returned.
+    """
+
+    def __init__(self, device: torch.device, keeps: bool) -> None:
+        self.device = device
+        self.keeps = keeps
+        self.free: list[_Workspace] = []
 
     @contextlib.contextmanager
     def lent(self) -> Iterator[_Workspace]:
-        workspace = self.free.get()
+        with _KEPT_LOCK:
+            workspace = self.free.pop() if self.free else _Workspace(self.device)
         try:
             yield workspace
         finally:
-            self.free.put(workspace)
+            with _KEPT_LOCK:
+                if self.keeps and _kept_bytes() + workspace.nbytes <= _KEPT_BYTES:
+                    self.free.append(workspace)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(workspace.nbytes for workspace in self.free)
+
+    def clear(self) -> None:
+        with _KEPT_LOCK:
+            self.free.clear()
+
+
+@dataclass(frozen=True)
+class _Workspaces:
+    """The pools of one call: converted inputs, padded image stacks (``images``) and
+    the working sets of chunks of points (``points``). Kept apart, each kind of
+    workspace grows only the buffers of its own use."""
+
+    inputs: _WorkspacePool
+    images: _WorkspacePool
+    points: _WorkspacePool
+
+    def pools(self) -> tuple[_WorkspacePool, ...]:
+        return self.inputs, self.images, self.points
+
+
+_KEPT_BYTES = 1 << 29
+"""Most memory (bytes) that the CPU pools keep between calls."""
+
+_KEPT_LOCK = threading.Lock()
+"""Guards the kept pools' lists of free workspaces (calls may come from several threads)."""
+
+_CPU_WORKSPACES = _Workspaces(*(_WorkspacePool(torch.device("cpu"), keeps=True) for _ in range(3)))
+
+
+def _kept_bytes() -> int:
+    return sum(pool.nbytes for pool in _CPU_WORKSPACES.pools())
+
+
+def _workspaces(device: torch.device) -> _Workspaces:
+    """The CPU's kept pools, or pools for one call on other devices (whose caching allocator
+    already reuses memory)."""
+    if device.type == "cpu":
+        return _CPU_WORKSPACES
+    return _Workspaces(*(_WorkspacePool(device, keeps=False) for _ in range(3)))
 
 
 @dataclass
 class _WorkingSet:
     """The points of one chunk still searching.
 
-    ``samples`` (in ``workspace.samples``) holds, from shift ``first_row`` of the sorted
+    ``samples`` (buffer ``samples`` of ``workspace``) holds, from shift ``first_row`` of the sorted
     shift list on, the evaluated dose at point + shift minus the reference dose at the
     point, filled up to shift ``gathered``. ``position`` is each point's index in the
     chunk and ``best`` its squared gamma so far.
@@ -470,7 +548,7 @@ class _WorkingSet:
         torch.index_select(
             self.rows(first_row, self.gathered), 1, keep, out=samples[: self.gathered - first_row]
         )
-        workspace.samples, workspace.spare = workspace.spare, workspace.samples
+        workspace.swap("samples", "spare")
         self.samples, self.first_row = samples, first_row
         self.padded_index, self.reference, self.position, self.best = (
             t.index_select(0, keep) for t in (self.padded_index, self.reference, self.position, self.best)
@@ -496,15 +574,16 @@ class _ShellSearch:
         counted: torch.Tensor,
         dose_criterion: torch.Tensor,
         local_dose_percent: float | None,
-        workspaces: _WorkspacePool,
+        workspaces: _Workspaces,
         workers: int,
     ) -> None:
         """Search around the points where ``counted`` (images, H, W) is true.
 
         ``dose_criterion`` is each image's global dose criterion (images,) in the units
         of the images. For local gamma, ``local_dose_percent`` is the dose criterion in
-        percent of the reference dose at each point; None for global gamma. Chunks borrow
-        ``workspaces``; up to ``workers`` threads search them side by side.
+        percent of the reference dose at each point; None for global gamma. The padded
+        images and the chunks borrow ``workspaces``; up to ``workers`` threads search the
+        chunks side by side.
         """
         self.workspaces = workspaces
         self.workers = workers
@@ -516,18 +595,21 @@ class _ShellSearch:
         self.device = evaluation.device
 
     def run(
-        self, *, distance_mm: float, interp_fraction: float, max_gamma: float, pixel_mm: float
-    ) -> torch.Tensor:
-        """Gamma (images, H, W), capped at ``max_gamma``, NaN where not counted."""
-        gamma = self._gamma_at_point()
+        self, gamma: torch.Tensor, *, distance_mm: float, interp_fraction: float, max_gamma: float,
+        pixel_mm: float,
+    ) -> None:
+        """Writes gamma into ``gamma`` (images, H, W, contiguous), capped at ``max_gamma``,
+        NaN where not counted."""
+        self._gamma_at_point(gamma)
         first = _search_distances(distance_mm, interp_fraction, max_gamma, stop_at_mm=sys.float_info.min)
         if len(first) == 1:
-            return gamma.clamp_(max=max_gamma)
+            gamma.clamp_(max=max_gamma)
+            return
         # A first shell within the search radius means max_gamma >= its distance term: the points
         # not searched need no cap. NaN (not counted, a non-finite dose) compares false.
         points = torch.nonzero(torch.gt(gamma, first[1][0] / distance_mm).view(-1)).squeeze(1)
         if points.numel() == 0:
-            return gamma
+            return
         self.max_gamma = max_gamma
         at_points = gamma.take(points).square_()
         # the search is over once the distance term alone passes the largest gamma at a point
@@ -542,9 +624,9 @@ class _ShellSearch:
         later_starts = [shell.shift_start for shell in self.shells[1:]] + [len(shifts)]
         self.first_shift_after = np.minimum.accumulate(later_starts[::-1])[::-1].tolist()
         self.shift_count = len(shifts)
-        self.padded, self.padded_row_start, self.shift_offsets = self._pad(shifts)
-        self._search(points, at_points, gamma)
-        return gamma
+        with self.workspaces.images.lent() as workspace:
+            self.padded, self.padded_row_start, self.shift_offsets = self._pad(shifts, workspace)
+            self._search(points, at_points, gamma)
 
     def _search(self, points: torch.Tensor, at_points: torch.Tensor, gamma: torch.Tensor) -> None:
         """Searches around ``points`` (flat indices, (n,)) in chunks, side by side on a CPU with
@@ -559,7 +641,7 @@ class _ShellSearch:
 
         def search_chunk(start: int) -> None:
             part = slice(start, start + chunk)
-            with self.workspaces.lent() as workspace:
+            with self.workspaces.points.lent() as workspace:
                 self._search_chunk(points[part], at_points[part], gamma, workspace)
 
         if workers > 1:
@@ -600,28 +682,29 @@ class _ShellSearch:
         tiny, and the other points there above any max_gamma."""
         return ((100 / self.local_dose_percent) / reference_dose).square_().clamp_(max=1e30)
 
-    def _gamma_at_point(self) -> torch.Tensor:
-        """Gamma from the evaluated dose at the points themselves (radius 0), (images, H, W),
-        NaN where not counted."""
+    def _gamma_at_point(self, gamma: torch.Tensor) -> None:
+        """Writes into ``gamma`` (images, H, W) the gamma from the evaluated dose at the points
+        themselves (radius 0), NaN where not counted."""
         scale = self.scale[:, None, None]
-        gamma = torch.sub(self.evaluation, self.reference).mul_(scale).abs_()
+        torch.sub(self.evaluation, self.reference, out=gamma).mul_(scale).abs_()
         if self.local_dose_percent is not None:
             gamma.mul_(self._local_factor(self.reference * scale).sqrt_())
-        return gamma.masked_fill_(self.counted.logical_not(), math.nan)
+        gamma.masked_fill_(self.counted.logical_not(), math.nan)
 
-    def _pad(self, shifts: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    def _pad(self, shifts: np.ndarray, workspace: _Workspace) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
         """Flattened evaluated images, in units of the dose criterion, padded to hold
         every shift around every point.
 
         Each shift's samples are read through a view of the padded images that
         starts at that shift, with one index per point shared by all shifts: the
-        index of the point's row start plus its column. Returns the padded images,
-        the row starts (one per row of all images) and the start of each shift's view.
+        index of the point's row start plus its column. Returns the padded images (a
+        buffer of ``workspace``), the row starts (one per row of all images) and the start
+        of each shift's view.
         """
         images, height, width = self.evaluation.shape
         margin = int(np.abs(shifts).max())
         padded_height, padded_width = height + 2 * margin, width + 2 * margin
-        padded = torch.empty((images, padded_height, padded_width), device=self.device)
+        padded = workspace.matrix("padded", images * padded_height, padded_width).view(images, padded_height, -1)
         padded[:, :margin].fill_(_FAR)
         padded[:, margin + height :].fill_(_FAR)
         padded[:, margin : margin + height, :margin].fill_(_FAR)

@@ -212,6 +212,35 @@ def test_inputs_broadcast_and_numpy_or_torch_give_the_same_result():
     assert torch.allclose(from_numpy, from_torch, equal_nan=True)
 
 
+def test_buffers_kept_between_calls_never_alias_results_and_stay_within_their_cap(monkeypatch):
+    rng = np.random.default_rng(5)
+    references = torch.from_numpy(np.stack([epid_like_field(rng) for _ in range(4)]))  # float64
+    evaluations = torch.from_numpy(shift(references.numpy(), (0, 0.7, -0.4), order=1) * 1.02)
+    expected = gamma_index(references.float(), evaluations.float())
+    gamma_module.release_workspaces()
+    first = gamma_index(references, evaluations)
+    kept = gamma_module._kept_bytes()
+    assert kept > references.numel() * 4  # the converted inputs at least
+    first_copy = first.clone()
+    # another call (other images, other dtype) reuses the buffers: the first result is untouched
+    second = gamma_index(evaluations, references.to(torch.float16))
+    assert torch.equal(first.nan_to_num(-1), first_copy.nan_to_num(-1))
+    assert torch.allclose(first, expected, atol=1e-6, equal_nan=True)
+    assert torch.allclose(second, gamma_index(evaluations.float(), references.half().float()), equal_nan=True)
+    # calls from two threads at once each borrow their own buffers
+    with gamma_module._one_thread_workers(2) as pool:
+        results = list(pool.map(lambda _: gamma_index(references, evaluations), range(4)))
+    for result in results:
+        assert torch.allclose(result, expected, atol=1e-6, equal_nan=True)
+    gamma_module.release_workspaces()
+    assert gamma_module._kept_bytes() == 0
+    # past the cap, buffers are freed after the call
+    monkeypatch.setattr(gamma_module, "_KEPT_BYTES", kept // 2)
+    assert torch.allclose(gamma_index(references, evaluations), expected, atol=1e-6, equal_nan=True)
+    assert 0 < gamma_module._kept_bytes() <= kept // 2
+    gamma_module.release_workspaces()
+
+
 @pytest.mark.parametrize(
     "options",
     [
