@@ -22,9 +22,11 @@ points k - 1 and k) has one moving point and the costs of different points are i
 for the leaves, a frame fixes the mean of the jaw's sub-aperture positions sharply and the spread
 weakly, so each mm a jaw travels within a frame costs ``TRAVEL_COST`` of that jaw's step energy:
 among motions the frames cannot tell apart, the one of least travel. Moving one point at a time
-cannot undo a zig-zag of the start (each move alone shifts a frame's mean), so the start's
-alternating part is taken out first, within ``ZIGZAG_MM``. Rows within ``EDGE_ROWS`` of the
-imager's ends, where the filter saw the frame's repeated edges, are left out.
+cannot undo a zig-zag (each move alone shifts a frame's mean), and it makes one of a start off by
+the same amount at neighbouring points (the points of one parity move twice that amount the other
+way, and every frame's mean is right), so the chain's alternating part is taken out before every
+stage, within ``ZIGZAG_MM``. Rows within ``EDGE_ROWS`` of the imager's ends, where the filter saw
+the frame's repeated edges, are left out.
 """
 
 from __future__ import annotations
@@ -50,8 +52,11 @@ fluence per MU at the jaw, squared)."""
 PULL_PER_MM2 = 1e-9
 """Pull of each control point to where it was (relative to the frame's energy, per mm squared),
 for jaws the frames do not show."""
-EDGE_ROWS = 10
-"""Leaf-grid rows at each end of the imager left out of the misfit, mm."""
+EDGE_ROWS = 3
+"""Leaf-grid rows at each end of the imager left out of the misfit, mm. With 10, jaws within 10 mm
+of the imager's ends kept the network's estimate, and the leaf rows they partly open were
+tracked with a wrong opening: 1.1 % of the leaves scored on held-out arc 2 missed 1 mm for that
+alone (whole arcs 2, 82, 162: 98.9-99.0 % within 1 mm with 10, 99.4 % with 3; 1-3 alike)."""
 ZIGZAG_MM = 0.5
 """Largest change of a jaw's start that taking its zig-zag out may make, mm (more is a real change
 of speed, not the network's noise)."""
@@ -103,10 +108,11 @@ def track_jaws(domain: RowDomain, row_sums: Tensor, leaf_a: Tensor, leaf_b: Tens
     measured = torch.diff(row_sums.float(), dim=-1) * weights
     measured = measured - (measured.sum(-1, keepdim=True) / weights.sum()) * weights
     energy = measured.square().sum(-1)  # (B, N)
-    jaws = _without_zigzag(jaws.float())
+    jaws = jaws.float()
     points = jaws.shape[1]
     parity = torch.arange(points, device=jaws.device) % 2
     for range_mm, step_mm in stages:
+        jaws = _without_zigzag(jaws)
         offsets = torch.linspace(-range_mm, range_mm, round(2 * range_mm / step_mm) + 1, device=jaws.device)
         pull = PULL_PER_MM2 * offsets.square()[:, None, None] * energy.mean(-1)[None, :, None]
         for jaw in (0, 1):
