@@ -58,6 +58,7 @@ _CHUNK_POINTS = {"cpu": 1 << 16, "cuda": 1 << 20}
 """Reference points searched together, per device type."""
 
 
+@torch.inference_mode(False)  # worker threads do not inherit inference mode; kept buffers outlive it
 @torch.no_grad()
 def gamma_index(
     reference,

@@ -201,6 +201,32 @@ def test_batch_equals_per_image_calls(monkeypatch):
         assert torch.allclose(one_image, batch[1, 2], atol=1e-6, equal_nan=True)
 
 
+def test_calls_under_inference_mode_and_outside_it_mix_on_two_threads():
+    """Worker threads do not inherit inference mode, and the kept buffers outlive it: a call under
+    torch.inference_mode (inputs made there too), then one outside it, then one inside again."""
+    rng = np.random.default_rng(6)
+    references = torch.from_numpy(np.stack([epid_like_field(rng) for _ in range(4)]))
+    evaluations = references * 1.02
+    expected = gamma_index(references.float(), evaluations.float())
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        gamma_module.release_workspaces()
+        with torch.inference_mode():
+            inside = [gamma_index(references.clone(), evaluations.clone()),
+                      gamma_index(references.float(), evaluations.float())]
+        outside = gamma_index(references, evaluations)
+        with torch.inference_mode():
+            inside.append(gamma_index(references, evaluations))
+            inside[-1].clamp_(max=1.0)  # a result the caller may change where it got it
+    finally:
+        torch.set_num_threads(threads)
+        gamma_module.release_workspaces()
+    for gamma in (*inside[:2], outside):
+        assert torch.allclose(gamma, expected, atol=1e-6, equal_nan=True)
+    assert torch.allclose(inside[2], expected.clamp(max=1.0), atol=1e-6, equal_nan=True)
+
+
 def test_inputs_broadcast_and_numpy_or_torch_give_the_same_result():
     rng = np.random.default_rng(3)
     reference = epid_like_field(rng)
