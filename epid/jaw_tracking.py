@@ -59,8 +59,8 @@ tracked with a wrong opening: on 512 frames of held-out arc 2 (ideal physics) 98
 leaves were within 1 mm with 10 rows left out, 99.5-99.6 % with 0 to 3; whole arcs 2, 82, 162:
 98.9-99.0 % with 10, 99.4 % with 3. Nearer than ~3 mm the filter's repeated edges distort the rows."""
 ZIGZAG_MM = 0.5
-"""Largest change of a jaw's start that taking its zig-zag out may make, mm (more is a real change
-of speed, not the network's noise)."""
+"""Largest change that taking a jaw chain's zig-zag out may make to a control point, mm (more is a
+real change of speed, not the network's noise)."""
 CHUNK_ELEMENTS = 2**24
 """Candidate rows evaluated at once (candidates x runs x frames x 7 x 260)."""
 HALF_IMAGER_MM = GRID_SIZE / 2
