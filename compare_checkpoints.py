@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import argparse
 
-from epid.cli import run_main
+from epid.core.cli import run_main
 
 
 def _count(minimum: int):
@@ -38,7 +38,7 @@ def _count(minimum: int):
 
 
 def main() -> int:
-    from epid.compare import DEFAULT_DATASET_RANGE, CompareOptions, compare
+    from epid.evaluation.compare import DEFAULT_DATASET_RANGE, CompareOptions, compare
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoints", nargs="+", metavar="CHECKPOINT",

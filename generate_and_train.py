@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import argparse
 
-from epid.cli import run_main
-from epid.config import describe, help_text, load_config, rank_report
+from epid.config.load import describe, help_text, load_config, rank_report
+from epid.core.cli import run_main
 
 
 def main() -> int:
@@ -25,13 +25,13 @@ def main() -> int:
     parser.parse_args()
     config = load_config()
     if config.dry_run:
-        from epid.preflight import check
+        from epid.training.preflight import check
 
         for note in check(config):  # every check the launch makes
             print(note)
         print(f"Resolved configuration:\n{describe(config)}\nDataset IDs per rank:\n{rank_report(config)}")
         return 0
-    from epid.train import launch
+    from epid.training.loop import launch
 
     return launch(config)
 

@@ -12,13 +12,13 @@ Samples are drawn from the validation part of each arc unless --split says other
 control points are reconstructed from each frame pair (--reconstruction pair, the default), by
 the inverse network alone (network) or jointly over consecutive frames (arc); the run and
 quality.json say which was used. --arc reconstructs --arc-frames consecutive frames of each
-arc instead (epid.reconstruct) and draws arc_<id>.png: the leaf error per leaf and control
+arc instead (epid.reconstruction.estimate) and draws arc_<id>.png: the leaf error per leaf and control
 point, the trajectories of the worst leaves, jaws and MU; arcs.csv holds the figures.
 
 Real plans and images (DICOM): --plan predicts every frame of an RT Plan's beam (--beam N when
 the plan has several treatment beams) and draws plan_frames.png; --export-frames writes the
 prediction as a multi-frame RT Image. With --frames (RT Images of the delivery, one frame per
-control-point interval) it also writes the delivery QA report (epid.plan_qa): gamma per frame
+control-point interval) it also writes the delivery QA report (epid.evaluation.plan_qa): gamma per frame
 (3 %/2 mm and 2 %/2 mm), the control points reconstructed from the measured frames (--reconstruction,
 default arc) against the plan, TG-218 and TG-142 pass/fail, qa_summary.json, qa_frames.csv,
 qa_leaves.csv and figures. Without --plan, --export-plan and --export-frames write the synthetic
@@ -49,17 +49,17 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from epid.cli import prepare_output_dir, run_main
-from epid.config import Config, load_config
-from epid.devices import resolve_device
-from epid.errors import InputError
-from epid.gamma import GammaCriteria, gamma_maps
-from epid.sequences import NUM_DATASETS, PATTERNS, pattern_for
-from epid.sharding import select_dataset_ids
-from epid.tables import format_table
+from epid.config.load import Config, load_config
+from epid.core.cli import prepare_output_dir, run_main
+from epid.core.devices import resolve_device
+from epid.core.errors import InputError
+from epid.core.tables import format_table
+from epid.data.sharding import select_dataset_ids
+from epid.evaluation.gamma import GammaCriteria, gamma_maps
+from epid.synthesis.sequences import NUM_DATASETS, PATTERNS, pattern_for
 
 if TYPE_CHECKING:
-    from epid.dicom_plan import PlanBeam
+    from epid.dicom.plan import PlanBeam
 
 PROGRAM = "inference_visualize.py"
 PROGRESS_BAR_MIN_ITEMS = 8
@@ -183,11 +183,7 @@ def _progress(items: Iterable, total: int, unit: str) -> Iterable:
 
 def load_models(path: str, device) -> tuple[dict, tuple]:
     """The checkpoint at ``path`` (weights only) and its (forward, inverse) models on ``device``."""
-    from epid.checkpoint import (
-        CheckpointError,
-        build_models_from_checkpoint,
-        load_checkpoint,
-    )
+    from epid.models.checkpoint import CheckpointError, build_models_from_checkpoint, load_checkpoint
 
     checkpoint = load_checkpoint(path)
     try:
@@ -221,13 +217,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise InputError(f"--checkpoint {args.checkpoint!r}: no such file (train first, or pass --checkpoint)")
     device = resolve_device(args.device, given=f"--device {args.device!r}")
 
-    from epid import evaluate, plots, quality
+    from epid.evaluation import inference, plots, quality
 
     started = time.perf_counter()
     _stage(f"loading checkpoint {args.checkpoint}")
     checkpoint, models = load_models(args.checkpoint, device)
-    settings = evaluate.resolve_synthesis(checkpoint.get("config") or {}, config)
-    kernel = evaluate.load_synthesis_kernel(settings)
+    settings = inference.resolve_synthesis(checkpoint.get("config") or {}, config)
+    kernel = inference.load_synthesis_kernel(settings)
     if args.arc:
         return review_arcs(args, checkpoint, models, settings, kernel, dataset_ids, device, output_dir, started)
     if dataset_ids is None and (checkpoint.get("config") or {}).get("plans"):
@@ -235,7 +231,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         dataset_ids = list(range(NUM_DATASETS))
     if dataset_ids is None:
         dataset_ids = sorted(checkpoint.get("dataset_ids") or range(NUM_DATASETS))
-    refs = evaluate.select_samples(
+    refs = inference.select_samples(
         dataset_ids, args.samples_per_dataset, args.seed, settings.control_points,
         max_total=args.max_total_samples or None, split=args.split,
     )
@@ -249,23 +245,23 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     used = len({ref.dataset_id for ref in refs})
     _stage(f"synthesising {len(refs)} samples ({args.split} split) from {used} datasets")
-    samples = evaluate.synthesise_samples(
+    samples = inference.synthesise_samples(
         refs, settings, kernel, device, progress=lambda ids: _progress(ids, used, "dataset")
     )
     _stage(f"predicting both directions (batches of {args.batch_size})")
-    predictions = evaluate.predict(models, samples, device, args.batch_size,
-                                   reconstruction=args.reconstruction or "pair")
+    predictions = inference.predict(models, samples, device, args.batch_size,
+                                    reconstruction=args.reconstruction or "pair")
     _stage(f"  control points reconstructed by: {predictions.reconstruction}")
     _stage(f"gamma {criteria.describe()}")
     gamma = gamma_maps(samples.epid_curr, predictions.epid, criteria, device, batch_size=args.batch_size)
-    records = evaluate.sample_metrics(samples, predictions, gamma)
+    records = inference.sample_metrics(samples, predictions, gamma)
     _stage("quality figures (gamma 3 %/3 mm, 3 %/2 mm, 2 %/2 mm; leaves, jaws and MU of both control points)")
     report = quality.assess(samples, predictions, device=device)
     report.write_json(output_dir / "quality.json", checkpoint=str(args.checkpoint), epoch=checkpoint["epoch"],
                       split=args.split, synthesis=settings.describe(), reconstruction=predictions.reconstruction)
 
     _stage(f"writing {len(records)} sample figures, losses.png, summary.png and summary.csv to {output_dir}")
-    evaluate.write_metrics_csv(output_dir / "summary.csv", records)
+    inference.write_metrics_csv(output_dir / "summary.csv", records)
     plots.save_figure(plots.losses_figure(checkpoint.get("history") or {}, checkpoint.get("best_epoch"),
                                           f"Training history: {run_label}"), output_dir / "losses.png")
     plots.save_figure(plots.summary_figure(records, f"{len(records)} samples from {used} datasets; {run_label}; "
@@ -275,7 +271,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         figure = plots.sample_figure(samples, predictions, gamma[index].numpy(), records[index], index, criteria)
         plots.save_figure(figure, output_dir / f"dataset_{ref.dataset_id:03d}_sample_{ref.sample:04d}.png")
 
-    print(pattern_table(evaluate.pattern_means(records)))
+    print(pattern_table(inference.pattern_means(records)))
     print(f"Quality ({len(records)} samples; quality.json):\n{report.table()}")
     _stage(f"done in {time.perf_counter() - started:.1f} s")
     return 0
@@ -284,7 +280,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def review_arcs(args: argparse.Namespace, checkpoint: dict, models: tuple, settings, kernel,
                 dataset_ids: list[int] | None, device, output_dir: Path, started: float) -> int:
     """``--arc``: reconstruct consecutive frames of whole arcs, one figure per arc, arcs.csv and a table."""
-    from epid import arc_review
+    from epid.evaluation import arc_review
 
     if dataset_ids is None:
         plans = (checkpoint.get("config") or {}).get("plans")
@@ -348,7 +344,7 @@ def real_plans(args: argparse.Namespace, config: Config) -> int:
 
 def _check_output_file(path: str, argument: str) -> None:
     """``path`` is not a folder and its folder can be made and written in; nothing is created."""
-    from epid.preflight import check_writable
+    from epid.training.preflight import check_writable
 
     if os.path.isdir(path):
         raise InputError(f"{argument} {path!r}: a folder; expected a file name")
@@ -357,7 +353,7 @@ def _check_output_file(path: str, argument: str) -> None:
 
 def select_beam(path: str, beam: int | None) -> PlanBeam:
     """The ``PlanBeam`` of ``--plan``: ``beam``, or the plan's only treatment beam."""
-    from epid.dicom_plan import read_plan
+    from epid.dicom.plan import read_plan
 
     beams = read_plan(path, beam)
     if len(beams) > 1:
@@ -367,10 +363,10 @@ def select_beam(path: str, beam: int | None) -> PlanBeam:
 
 
 def review_plan(args: argparse.Namespace) -> int:
-    """--plan: predict the beam's frames; with --frames, the delivery QA report (epid.plan_qa)."""
-    from epid import plan_qa
-    from epid.dicom_image import read_frames, write_frames
-    from epid.preflight import check_writable
+    """--plan: predict the beam's frames; with --frames, the delivery QA report (epid.evaluation.plan_qa)."""
+    from epid.dicom.image import read_frames, write_frames
+    from epid.evaluation import plan_qa
+    from epid.training.preflight import check_writable
 
     beam = select_beam(args.plan, args.beam)
     measured = read_frames(args.frames) if args.frames else None
@@ -426,11 +422,11 @@ def export_arc(args: argparse.Namespace, config: Config) -> int:
     """--export-plan / --export-frames without --plan: the synthetic arc of one dataset ID as an
     RT Plan and its synthesised frames (settings of the checkpoint when it exists, else of the
     EPID_* variables) as an RT Image."""
-    from epid import evaluate
-    from epid.dicom_image import write_frames
-    from epid.dicom_plan import write_plan
-    from epid.imaging import render_frames, renderer_for
-    from epid.sequences import generate_control_points
+    from epid.dicom.image import write_frames
+    from epid.dicom.plan import write_plan
+    from epid.evaluation import inference
+    from epid.synthesis.frames import render_frames, renderer_for
+    from epid.synthesis.sequences import generate_control_points
 
     dataset_ids = requested_dataset_ids(args, config)
     if dataset_ids is None or len(dataset_ids) != 1:
@@ -441,11 +437,11 @@ def export_arc(args: argparse.Namespace, config: Config) -> int:
     device = resolve_device(args.device, given=f"--device {args.device!r}")
     saved = {}
     if os.path.isfile(args.checkpoint):
-        from epid.checkpoint import load_checkpoint
+        from epid.models.checkpoint import load_checkpoint
 
         saved = load_checkpoint(args.checkpoint).get("config") or {}
-    settings = evaluate.resolve_synthesis(saved, config)
-    kernel = evaluate.load_synthesis_kernel(settings)
+    settings = inference.resolve_synthesis(saved, config)
+    kernel = inference.load_synthesis_kernel(settings)
     control_points = generate_control_points(dataset_id, settings.control_points)
     _stage(f"dataset {dataset_id} ({control_points.pattern}); synthesis: {settings.describe()}")
     if args.export_plan:

@@ -1,7 +1,7 @@
 """Real-plan speed: reading a whole-arc RT Plan and predicting all its frames on the CPU.
 
 Writes the synthetic arc of one dataset ID (2,050 control points) as an RT Plan
-(``epid.dicom_plan.write_plan``) in a temporary folder, then reports, as the median of --repeats
+(``epid.dicom.plan.write_plan``) in a temporary folder, then reports, as the median of --repeats
 runs (wall clock, with the process's CPU time beside it):
   - ``read_plan`` of that file (target 1 s);
   - the forward model's prediction of its 2,049 frames on the CPU in batches of --batch-size
@@ -30,12 +30,12 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts OpenM
 import numpy as np
 import torch
 
-from epid.checkpoint import build_models_from_checkpoint, load_checkpoint
-from epid.cli import run_main
-from epid.devices import cpu_features, cpu_model
-from epid.dicom_plan import read_plan, write_plan
-from epid.families import DEFAULT_FAMILY, build_models
-from epid.sequences import (
+from epid.core.cli import run_main
+from epid.core.devices import cpu_features, cpu_model
+from epid.dicom.plan import read_plan, write_plan
+from epid.models.checkpoint import build_models_from_checkpoint, load_checkpoint
+from epid.models.families import DEFAULT_FAMILY, build_models
+from epid.synthesis.sequences import (
     DEFAULT_CONTROL_POINTS,
     NUM_DATASETS,
     ControlPoints,

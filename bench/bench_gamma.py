@@ -1,10 +1,10 @@
-"""Gamma index speed: epid.gamma on a batch of maps vs pymedphys.gamma map by map.
+"""Gamma index speed: epid.evaluation.gamma on a batch of maps vs pymedphys.gamma map by map.
 
 Builds 64 EPID-like reference maps (256 x 256 at 1 mm: MLC-shaped apertures
 convolved with the broad EPID response kernel of design section 4) and evaluated
 maps that are shifted, scaled, blurred and noisy copies of them, then times at
 3 %/3 mm global gamma (10 % cutoff, max_gamma 2, interp_fraction 10):
-  - epid.gamma.gamma_index on the whole batch, on this CPU, for float32 and for
+  - epid.evaluation.gamma.gamma_index on the whole batch, on this CPU, for float32 and for
     float64 inputs (the same maps; gamma is computed in float32 either way);
   - pymedphys.gamma called once per map after its JIT warm-up, in a separate
     process, on an evenly spread subset of the maps (every k-th), extrapolated to
@@ -12,9 +12,9 @@ maps that are shifted, scaled, blurred and noisy copies of them, then times at
   - on a GPU when one is available, maps per second.
 All CPU timings are taken side by side in each repeat; medians are reported, with
 the CPU model, its vector features and the threads each library used. Both libraries are
-timed in a steady state: pymedphys over its maps in a row, epid.gamma as the median of
+timed in a steady state: pymedphys over its maps in a row, epid.evaluation.gamma as the median of
 3 calls in a row (its first call after pymedphys's process has run finds cold caches).
-epid.gamma's first call, before it keeps any buffers, is timed too (release_workspaces
+epid.evaluation.gamma's first call, before it keeps any buffers, is timed too (release_workspaces
 before each).
 OMP_WAIT_POLICY defaults to PASSIVE here (for both libraries): on a machine shared
 with other jobs, OpenMP threads that spin while waiting slow every parallel region
@@ -40,8 +40,8 @@ import numpy as np
 import torch
 from scipy.ndimage import convolve1d, gaussian_filter, shift
 
-from epid.devices import cpu_features, cpu_model
-from epid.gamma import GammaCriteria, gamma_index, gamma_pass_rate, release_workspaces
+from epid.core.devices import cpu_features, cpu_model
+from epid.evaluation.gamma import GammaCriteria, gamma_index, gamma_pass_rate, release_workspaces
 
 CRITERIA = GammaCriteria()  # 3 %/3 mm global, 10 % cutoff, max_gamma 2
 PERTURBATIONS = ("shift", "scale", "blur", "noise", "all")
@@ -130,7 +130,7 @@ def time_pymedphys(references: np.ndarray, evaluations: np.ndarray, threads: int
 
 
 def time_torch(references: torch.Tensor, evaluations: torch.Tensor, calls: int = 3) -> float:
-    """Seconds for epid.gamma on the whole batch: the median of ``calls`` calls in a row
+    """Seconds for epid.evaluation.gamma on the whole batch: the median of ``calls`` calls in a row
     (``calls`` 1 after release_workspaces: a first call, its buffers mapped afresh)."""
     times = []
     for _ in range(calls):
@@ -208,7 +208,7 @@ def main() -> None:
     for name, times in torch_times.items():
         torch_time = statistics.median(times)
         speedup = f"; speedup (median over median) {pymedphys_time / torch_time:.1f}x" if pymedphys_time else ""
-        print(f"epid.gamma, CPU, batch of {args.maps}, {name} inputs: {torch_time:.3f} s "
+        print(f"epid.evaluation.gamma, CPU, batch of {args.maps}, {name} inputs: {torch_time:.3f} s "
               f"({args.maps / torch_time:.1f} maps/s; repeats {', '.join(f'{t:.3f}' for t in times)}){speedup}")
         first_call = statistics.median(first_call_times[name])
         speedup = f"; speedup {pymedphys_time / first_call:.1f}x" if pymedphys_time else ""
@@ -223,7 +223,8 @@ def main() -> None:
             time_torch(gpu_references, gpu_evaluations)
             repeats = max(3, args.repeats)
             gpu_time = statistics.median(time_torch(gpu_references, gpu_evaluations) for _ in range(repeats))
-            print(f"epid.gamma, {torch.cuda.get_device_name(gpu)}, batch of {batch}: {gpu_time * 1e3:.1f} ms "
+            print(f"epid.evaluation.gamma, {torch.cuda.get_device_name(gpu)}, batch of {batch}: "
+                  f"{gpu_time * 1e3:.1f} ms "
                   f"({batch / gpu_time:.0f} maps/s)")
     else:
         print("no CUDA device: GPU timing skipped")

@@ -17,9 +17,10 @@ import time
 
 import torch
 
-from epid.dataset import EpidData, epoch_windows
-from epid.imaging import GRID_SIZE
-from epid.sequences import DEFAULT_CONTROL_POINTS
+from epid.data.dataset import EpidData
+from epid.data.windows import epoch_windows
+from epid.synthesis.geometry import GRID_SIZE
+from epid.synthesis.sequences import DEFAULT_CONTROL_POINTS
 
 MB = 1e6
 TARGET_BYTES = 2e9

@@ -30,14 +30,13 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from epid.dataset import Batch
-from epid.devices import choose_precision
-from epid.distributed import tune_host_allocator
-from epid.families import DEFAULT_FAMILY, FAMILIES, CrossModel, build_models
-from epid.imaging import GRID_SIZE
-from epid.losses import cross_training_loss
-from epid.sequences import NUM_LEAF_PAIRS
-from epid.side_by_side import SideBySide
+from epid.core.devices import choose_precision
+from epid.data.dataset import Batch
+from epid.models.families import DEFAULT_FAMILY, FAMILIES, CrossModel, build_models
+from epid.models.losses import cross_training_loss
+from epid.synthesis.geometry import GRID_SIZE, NUM_LEAF_PAIRS
+from epid.training.distributed import tune_host_allocator
+from epid.training.side_by_side import SideBySide
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -69,7 +68,7 @@ def synthetic_batch(batch_size: int, device: torch.device, seed: int = 0) -> Bat
 @dataclass(frozen=True)
 class Variant:
     """One way of running the step: autocast dtype (None = fp32), the two models side by side on
-    their own CPU threads (``epid.side_by_side``, as training runs a single CPU rank), torch.compile."""
+    their own CPU threads (``epid.training.side_by_side``, as training runs a single CPU rank), torch.compile."""
 
     name: str
     autocast_dtype: torch.dtype | None

@@ -14,9 +14,9 @@ Writes to ``--output-dir`` (default ``quality_output``):
 
 * ``checkpoint.pth``: an ordinary training checkpoint (``inference_visualize.py`` and
   ``compare_checkpoints.py`` read it);
-* ``quality.json``: every figure of ``epid.quality`` overall and per pattern (the inverse
+* ``quality.json``: every figure of ``epid.evaluation.quality`` overall and per pattern (the inverse
   figures of each reconstruction of ``--reconstructions``: the network's estimate refined per
-  frame pair, or jointly over the run of frames, ``epid.reconstruct``), with the budget,
+  frame pair, or jointly over the run of frames, ``epid.reconstruction.estimate``), with the budget,
   device, machine, samples seen, steps, the model, the physics (preset and settings), the
   kernel and the curve;
 * ``quality.png``: quality against training time (gamma pass rate at 3 %/2 mm and curr leaf
@@ -55,16 +55,18 @@ import epid  # noqa: F401  (first: sets the OpenMP wait policy of training befor
 import numpy as np
 import torch
 
-from epid import evaluate, families, plots, quality, reconstruct
-from epid.checkpoint import build_models_from_checkpoint, load_checkpoint
-from epid.cli import prepare_output_dir, run_main
-from epid.config import Config, load_config
-from epid.devices import resolve_device
-from epid.errors import InputError
-from epid.kernel import kernel_from_config
-from epid.physics import PRESETS
-from epid.sequences import DEFAULT_CONTROL_POINTS
-from epid.train import launch
+from epid.config.load import Config, load_config
+from epid.core.cli import prepare_output_dir, run_main
+from epid.core.devices import resolve_device
+from epid.core.errors import InputError
+from epid.evaluation import comparison_plots, inference, plots, quality
+from epid.models import families
+from epid.models.checkpoint import build_models_from_checkpoint, load_checkpoint
+from epid.reconstruction import estimate
+from epid.synthesis.kernel import kernel_from_config
+from epid.synthesis.physics import PRESETS
+from epid.synthesis.sequences import DEFAULT_CONTROL_POINTS
+from epid.training.loop import launch
 
 PROGRAM = "python -m bench.bench_quality"
 TRAIN_RANGE = "0:640:4"
@@ -111,7 +113,7 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
                         help="samples per held-out dataset, consecutive (one run of frames; default 8)")
     parser.add_argument("--reconstructions", default="pair,arc",
                         help="how the inverse figures reconstruct the control points, comma-separated of "
-                             f"{', '.join(reconstruct.METHODS)} (default pair,arc; the last is the headline)")
+                             f"{', '.join(estimate.METHODS)} (default pair,arc; the last is the headline)")
     parser.add_argument("--reevaluate", action="store_true",
                         help="train nothing: evaluate OUTPUT_DIR/checkpoint.pth again (same arguments as its "
                              "run), keeping the training figures of OUTPUT_DIR/quality.json")
@@ -128,10 +130,10 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     if args.eval_datasets < 12 or args.eval_datasets * args.eval_samples < 48:
         parser.error("expected at least 12 evaluation datasets and 48 samples in all")
     args.reconstructions = [name.strip() for name in args.reconstructions.split(",") if name.strip()]
-    unknown = [name for name in args.reconstructions if name not in reconstruct.METHODS]
+    unknown = [name for name in args.reconstructions if name not in estimate.METHODS]
     if unknown or not args.reconstructions:
         parser.error(f"--reconstructions {','.join(args.reconstructions)}: expected some of "
-                     f"{', '.join(reconstruct.METHODS)}")
+                     f"{', '.join(estimate.METHODS)}")
     if not args.combine:
         try:
             load_kernel_of(Config(kernel=args.kernel))
@@ -165,19 +167,19 @@ def training_environment(args: argparse.Namespace, output: Path, steps_per_epoch
     }
 
 
-def evaluation_set(args: argparse.Namespace) -> evaluate.SampleSet:
+def evaluation_set(args: argparse.Namespace) -> inference.SampleSet:
     """The held-out samples (IDs 2 mod 4; one run of consecutive samples per dataset, so that the
     arc reconstruction has its frames), synthesised once with the run's kernel and physics and the
     default noise."""
-    ids = evaluate.spread(list(EVAL_IDS), args.eval_datasets)
-    refs = evaluate.select_samples(ids, args.eval_samples, seed=args.seed, n_control_points=args.control_points,
-                                   split="all", run_length=args.eval_samples)
-    settings = evaluate.SynthesisSettings(control_points=args.control_points, kernel=args.kernel, noise_std=0.005,
-                                          noise_seed=0, sources={}, physics=PRESETS[args.physics])
-    return evaluate.synthesise_samples(refs, settings, load_kernel_of(Config(kernel=args.kernel)))
+    ids = inference.spread(list(EVAL_IDS), args.eval_datasets)
+    refs = inference.select_samples(ids, args.eval_samples, seed=args.seed, n_control_points=args.control_points,
+                                    split="all", run_length=args.eval_samples)
+    settings = inference.SynthesisSettings(control_points=args.control_points, kernel=args.kernel, noise_std=0.005,
+                                           noise_seed=0, sources={}, physics=PRESETS[args.physics])
+    return inference.synthesise_samples(refs, settings, load_kernel_of(Config(kernel=args.kernel)))
 
 
-def curve_subset(samples: evaluate.SampleSet) -> evaluate.SampleSet:
+def curve_subset(samples: inference.SampleSet) -> inference.SampleSet:
     """The first samples of every dataset: the curve's fixed subset."""
     seen: dict[int, int] = {}
     rows = []
@@ -224,14 +226,14 @@ def planned_steps(seconds_left: float, step_seconds: float, observer_seconds: fl
 class CurveObserver:
     """Evaluates the network estimates on the curve subset at every epoch end (rank 0)."""
 
-    def __init__(self, subset: evaluate.SampleSet, device: torch.device, started: float) -> None:
+    def __init__(self, subset: inference.SampleSet, device: torch.device, started: float) -> None:
         self.subset, self.device, self.started = subset, device, started
         self.curve = Curve()
 
     def __call__(self, epoch: int, forward_model: torch.nn.Module, inverse_model: torch.nn.Module,
                  samples_seen: int) -> None:
-        predictions = evaluate.predict((forward_model, inverse_model), self.subset, self.device,
-                                       reconstruction="network")
+        predictions = inference.predict((forward_model, inverse_model), self.subset, self.device,
+                                        reconstruction="network")
         report = quality.assess(self.subset, predictions, device=self.device, criteria=("3%/2mm",))
         figures = report.groups[quality.ALL]
         self.curve.minutes.append((time.perf_counter() - self.started) / 60)
@@ -286,7 +288,7 @@ def combine(folders: list[str], output: Path) -> None:
     first = next(iter(runs.values()))
     title = (f"{first['budget_minutes']:g} min on {first['device']} ({first['machine']}), seed {first['seed']}, "
              "held-out arcs")
-    plots.save_figure(plots.quality_figure(runs, title), output / "quality.png")
+    plots.save_figure(comparison_plots.quality_figure(runs, title), output / "quality.png")
     print(f"{PROGRAM}: wrote {output / 'quality.png'}")
 
 
@@ -347,7 +349,7 @@ def read_previous(output: Path) -> Path:
 
 
 def evaluate_run(args: argparse.Namespace, output: Path, device: torch.device, context: dict,
-                 samples: evaluate.SampleSet | None = None) -> int:
+                 samples: inference.SampleSet | None = None) -> int:
     """Evaluate OUTPUT_DIR/checkpoint.pth on the held-out samples with each of
     ``args.reconstructions``; write quality.json (``context`` and the figures of the last
     reconstruction, every reconstruction's under ``reconstructions``) and quality.png; print the
@@ -358,7 +360,7 @@ def evaluate_run(args: argparse.Namespace, output: Path, device: torch.device, c
     reports, seconds = {}, {}
     for method in args.reconstructions:
         evaluated = time.perf_counter()
-        predictions = evaluate.predict(models, samples, device, reconstruction=method)
+        predictions = inference.predict(models, samples, device, reconstruction=method)
         reports[predictions.reconstruction] = quality.assess(samples, predictions, device=device)
         seconds[predictions.reconstruction] = round(time.perf_counter() - evaluated, 1)
         print(f"{args.model} {args.size} on held-out arcs, {label}, reconstruction "
@@ -374,7 +376,7 @@ def evaluate_run(args: argparse.Namespace, output: Path, device: torch.device, c
     reports[headline].write_json(output / "quality.json", **context)
     written = json.loads((output / "quality.json").read_text())
     title = f"{args.model} {args.size}: {args.minutes:g} min on {device}, {label}, held-out arcs"
-    plots.save_figure(plots.quality_figure({args.model: written}, title), output / "quality.png")
+    plots.save_figure(comparison_plots.quality_figure({args.model: written}, title), output / "quality.png")
     print(f"{PROGRAM}: wrote {output / 'checkpoint.pth'}, {output / 'quality.json'}, {output / 'quality.png'}")
     return 0
 

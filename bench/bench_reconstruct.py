@@ -1,5 +1,5 @@
 """Reconstruction speed and accuracy on held-out arcs: the inverse network alone, refined per
-frame pair, and refined jointly over the arc (``epid.reconstruct``), side by side.
+frame pair, and refined jointly over the arc (``epid.reconstruction.estimate``), side by side.
 
 Takes a trained checkpoint (for example the ``checkpoint.pth`` that ``bench.bench_quality``
 writes) and, for one held-out dataset of each pattern (an ID the checkpoint never trained on),
@@ -11,7 +11,7 @@ section 10): MAE, RMS, share within 0.5 mm and 1 mm; jaw MAE and MU relative err
 
     python -m bench.bench_reconstruct --checkpoint quality_output/checkpoint.pth
     python -m bench.bench_reconstruct --checkpoint quality_output/checkpoint.pth --frames 64 \\
-        --methods pair,arc --stages 6:0.5,0.8:0.1 --output reconstruct.json
+        --methods pair,arc --stages 6:0.5,0.8:0.1 --output estimate_module.json
 """
 
 from __future__ import annotations
@@ -24,15 +24,15 @@ from pathlib import Path
 import torch
 
 from bench.bench_quality import machine
-from epid import reconstruct
-from epid.arc_review import arc_errors, pooled_errors, reconstruct_segment, synthesise_segment
-from epid.checkpoint import build_models_from_checkpoint, load_checkpoint
-from epid.cli import run_main
-from epid.config import load_config
-from epid.devices import resolve_device
-from epid.errors import InputError
-from epid.evaluate import load_synthesis_kernel, resolve_synthesis
-from epid.sequences import NUM_DATASETS, PATTERNS, pattern_for
+from epid.config.load import load_config
+from epid.core.cli import run_main
+from epid.core.devices import resolve_device
+from epid.core.errors import InputError
+from epid.evaluation.arc_review import arc_errors, pooled_errors, reconstruct_segment, synthesise_segment
+from epid.evaluation.inference import load_synthesis_kernel, resolve_synthesis
+from epid.models.checkpoint import build_models_from_checkpoint, load_checkpoint
+from epid.reconstruction import estimate as estimate_module
+from epid.synthesis.sequences import NUM_DATASETS, PATTERNS, pattern_for
 
 PROGRAM = "python -m bench.bench_reconstruct"
 TARGETS = {"cpu": 10.0, "cuda": 1000.0}
@@ -44,8 +44,8 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", required=True, help="a trained checkpoint (.pth)")
     parser.add_argument("--frames", type=int, default=2049, help="frames per arc from its start (default 2049)")
-    parser.add_argument("--methods", default=",".join(reconstruct.METHODS),
-                        help=f"comma-separated of {', '.join(reconstruct.METHODS)} (default all)")
+    parser.add_argument("--methods", default=",".join(estimate_module.METHODS),
+                        help=f"comma-separated of {', '.join(estimate_module.METHODS)} (default all)")
     parser.add_argument("--stages", default="", metavar="RANGE:STEP,...",
                         help="leaf tracking stages of pair and arc, mm: each control point searched within "
                              "+-RANGE on a STEP grid, stage after stage (default: the inverse model's own)")
@@ -53,15 +53,15 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--output", default="", help="also write the figures to this JSON file")
     args = parser.parse_args(argv)
     args.methods = [name.strip() for name in args.methods.split(",") if name.strip()]
-    if not args.methods or any(name not in reconstruct.METHODS for name in args.methods):
-        parser.error(f"--methods {','.join(args.methods)}: expected some of {', '.join(reconstruct.METHODS)}")
+    if not args.methods or any(name not in estimate_module.METHODS for name in args.methods):
+        parser.error(f"--methods {','.join(args.methods)}: expected some of {', '.join(estimate_module.METHODS)}")
     if args.frames < 2:
         parser.error(f"--frames {args.frames}: expected at least 2")
     args.stages = parse_stages(parser, args.stages) if args.stages else None
     return args
 
 
-def parse_stages(parser: argparse.ArgumentParser, text: str) -> reconstruct.Stages:
+def parse_stages(parser: argparse.ArgumentParser, text: str) -> estimate_module.Stages:
     """'8:0.5,1:0.1' -> ((8.0, 0.5), (1.0, 0.1)); a parser error unless each is RANGE >= 0 : STEP > 0."""
     try:
         stages = tuple(tuple(float(value) for value in part.split(":")) for part in text.split(","))
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     count = min(args.frames, settings.control_points - 1)
     print(f"{PROGRAM}: {count} frames of held-out arcs {arcs} on {device} ({machine(device)}); "
           f"{settings.describe()}", flush=True)
-    stages = (args.stages or reconstruct.stages_of(models[1])) if reconstruct.can_refine(*models) else None
+    stages = (args.stages or estimate_module.stages_of(models[1])) if estimate_module.can_refine(*models) else None
     print(f"leaf tracking stages (range, step mm): {stages or 'none (the pair cannot refine)'}", flush=True)
     results: dict[str, dict[str, dict[str, float]]] = {}
     for dataset_id in arcs:

@@ -10,7 +10,7 @@ Measures, reporting medians over --repeats runs:
     sub-frames of a frame);
   - one full dataset on CUDA when available (target 0.3 s);
   - the host memory of the control points of every dataset ID: bytes held and the peak RSS
-    of a fresh Python process (numpy and epid.sequences only) that generates and keeps them all.
+    of a fresh Python process (numpy and epid.synthesis.sequences only) that generates and keeps them all.
 Wall times are printed with the CPU time of the process beside them (all threads): on a
 busy machine the wall time grows while the CPU time stays put.
 OMP_WAIT_POLICY defaults to PASSIVE here: on a machine shared with other jobs, OpenMP
@@ -37,9 +37,10 @@ import numpy as np
 import scipy.signal
 import torch
 
-from epid.imaging import FrameRenderer, rasterize, render_frames, renderer_for
-from epid.kernel import default_kernel
-from epid.sequences import DEFAULT_CONTROL_POINTS, NUM_DATASETS, generate_control_points, pattern_for
+from epid.synthesis.fluence import rasterize
+from epid.synthesis.frames import FrameRenderer, render_frames, renderer_for
+from epid.synthesis.kernel import default_kernel
+from epid.synthesis.sequences import DEFAULT_CONTROL_POINTS, NUM_DATASETS, generate_control_points, pattern_for
 
 BATCH_SAMPLES = 128
 
@@ -152,7 +153,7 @@ def bench_cuda(dataset_id: int, repeats: int) -> None:
 
 _GENERATE_ALL = """
 import json, resource, sys, time
-from epid.sequences import generate_control_points
+from epid.synthesis.sequences import generate_control_points
 
 
 def peak_rss_bytes():

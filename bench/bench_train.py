@@ -46,12 +46,12 @@ from bench.bench_models import (  # the step as bench_models times it
     Variant,
     synchronize,
 )
-from epid import families, side_by_side
-from epid.config import load_config
-from epid.dataset import EpidData
-from epid.devices import resolve_device, resolve_precision
-from epid.distributed import available_cpus, tune_host_allocator
-from epid.families import DEFAULT_FAMILY, FAMILIES
+from epid.config.load import epid_data, load_config
+from epid.core.devices import resolve_device, resolve_precision
+from epid.models import families
+from epid.models.families import DEFAULT_FAMILY, FAMILIES
+from epid.training import side_by_side
+from epid.training.distributed import available_cpus, tune_host_allocator
 
 LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 TIMING = re.compile(r"^\[TIMING\]\[train\] epoch 2 steps \S+: data_wait (\S+) h2d (\S+) compute (\S+) iter (\S+)",
@@ -94,7 +94,7 @@ def model_only_rate(variables: dict[str, str], steps: int, warmup: int = 3) -> f
     device = resolve_device(config.device)  # as training's rank 0
     threads = config.threads or available_cpus()
     torch.set_num_threads(threads)
-    data = EpidData.from_config(config, config.dataset_ids[:1])
+    data = epid_data(config, config.dataset_ids[:1])
     batch = data.make_batch(data.windows("train", config.batch_size)[0], device)
     dtype = resolve_precision(config.precision, device)
     side = side_by_side.used_for(device, threads, families.family(config.model).inverse_model, distributed=False,

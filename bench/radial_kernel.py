@@ -1,4 +1,4 @@
-"""Writes the measured-looking, non-separable EPID kernel of ``epid.kernel.radial_kernel`` to a
+"""Writes the measured-looking, non-separable EPID kernel of ``epid.synthesis.kernel.radial_kernel`` to a
 MATLAB file (variable ``kernel``), for ``EPID_KERNEL`` and ``bench.bench_quality --kernel``, and
 prints its size, sum and how far from separable it is. Run from the repository root:
 
@@ -13,7 +13,7 @@ import sys
 import numpy as np
 import scipy.io
 
-from epid.kernel import DEFAULT_KERNEL_SIZE, radial_kernel
+from epid.synthesis.kernel import DEFAULT_KERNEL_SIZE, radial_kernel
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,6 +1,6 @@
 """Suite-wide set-up: tests never see the EPID_* variables of the shell that runs them, run
 torch on one intra-op thread, as their subprocesses do (``tests.support.clean_environment``), and
-keep the user's cache folder (the precision timings of ``epid.precision``) out of reach."""
+keep the user's cache folder (the precision timings of ``epid.training.precision``) out of reach."""
 
 import os
 

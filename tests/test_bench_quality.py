@@ -14,14 +14,15 @@ from matplotlib.image import imread
 
 from bench import bench_quality
 from bench import radial_kernel as radial_kernel_bench
-from epid import quality, reconstruct
-from epid.checkpoint import build_models_from_checkpoint, load_checkpoint
-from epid.config import load_config
-from epid.errors import InputError
-from epid.imaging import render_frames
-from epid.kernel import load_kernel
-from epid.physics import PRESETS
-from epid.sequences import PATTERNS, generate_control_points
+from epid.config.load import load_config
+from epid.core.errors import InputError
+from epid.evaluation import quality
+from epid.models.checkpoint import build_models_from_checkpoint, load_checkpoint
+from epid.reconstruction import estimate
+from epid.synthesis.frames import render_frames
+from epid.synthesis.kernel import load_kernel
+from epid.synthesis.physics import PRESETS
+from epid.synthesis.sequences import PATTERNS, generate_control_points
 from tests.support import ROOT, clean_environment
 
 pytestmark = pytest.mark.timeout(300)
@@ -74,7 +75,7 @@ def test_the_checkpoint_is_an_ordinary_one_trained_on_ids_0_mod_4(smoke_run):
     assert checkpoint["model_config"]["family"] == "aperture"
     assert checkpoint["dataset_ids"] and all(dataset_id % 4 == 0 for dataset_id in checkpoint["dataset_ids"])
     forward_model, inverse_model = build_models_from_checkpoint(checkpoint)
-    assert reconstruct.can_refine(forward_model, inverse_model)  # evaluation refines with the rendering
+    assert estimate.can_refine(forward_model, inverse_model)  # evaluation refines with the rendering
 
 
 def test_quality_png_shows_the_curve(smoke_run):

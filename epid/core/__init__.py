@@ -1,0 +1,6 @@
+"""The ground floor: what every other room uses and which knows nothing of EPIDs.
+
+``errors`` (``InputError``, the one-line errors users see), ``parsers`` (how an ``EPID_*`` value
+is read), ``devices`` (device and precision choice, CPU features), ``files`` (atomic writes),
+``tables`` (plain-text tables) and ``cli`` (the entry scripts' shared main and output folders).
+"""

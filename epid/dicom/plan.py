@@ -1,0 +1,605 @@
+"""DICOM RT Plans: the control points of a plan's beams, and synthetic arcs written as plans.
+
+Reading (``read_plan``), per treatment beam:
+
+- MU: frame f integrates the motion from control point f - 1 to f, so its MU is the beam's
+  ``BeamMeterset`` (fraction group) x (CMW_f - CMW_f-1) / final CMW, where CMW is the
+  ``CumulativeMetersetWeight`` of each control point; ``mu[0] = 0``.
+- Positions a control point omits carry over from the last control point that gave them.
+- MLC: an ``MLCX`` device, bank A the first N of its ``LeafJawPositions``, bank B the next N,
+  leaf pair i spanning y in [``LeafPositionBoundaries[i]``, ``LeafPositionBoundaries[i + 1]``).
+  Each of the project's 52 rows of 5 mm over y in [-130, 130) takes the leaf pair whose
+  boundaries contain it (Agility's 80 x 5 mm: its central 52 pairs; Millennium 120: its 5 mm
+  leaves one to one, its 10 mm leaves two rows each). An MLC with a boundary inside that span
+  off the 5 mm grid (HD120's 2.5 mm leaves), or that does not span it, is refused.
+- Jaws: ``ASYMY`` or ``Y`` give jaw_1, jaw_2 (clipped to [-130, 130] mm); ``ASYMX`` or ``X``
+  are folded into the leaves (no leaf opens past an X jaw).
+- Positions are rounded to 0.1 mm and MU to 0.1, as the synthetic arcs are.
+
+The frames of a plan are in the collimator's frame (IEC BEAM LIMITING DEVICE coordinates): x
+along the leaves' travel, y across the leaf pairs. Gantry and collimator angles, the beam and
+machine names are kept as metadata only.
+
+Writing (``write_plan``): one arc as a single-beam VMAT plan on an Agility-like MLC: 80 leaf
+pairs of 5 mm over y in [-200, 200] mm, the project's 52 rows as its central 52 pairs and the
+14 pairs on each side closed at the middle of the nearest row's opening (behind the Y jaws,
+which never leave [-130, 130] mm), and ``ASYMY`` jaws. Like Agility, the beam has no X jaws:
+``pymedphys.Delivery.from_dicom`` reads plans with exactly the devices {MLCX, ASYMY}.
+The cumulative meterset weight is the cumulative MU (CMW_0 = 0, final CMW = sum of
+``mu[1:]``), so the MU of every frame is exact in the file.
+
+Every problem with an input file is a ``PlanError``: one line naming the file, the beam and
+the problem.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pydicom
+from pydicom.charset import default_encoding
+from pydicom.datadict import keyword_for_tag
+from pydicom.dataelem import RawDataElement
+from pydicom.dataset import Dataset, FileMetaDataset
+from pydicom.errors import InvalidDicomError
+from pydicom.sequence import Sequence as DicomSequence
+from pydicom.tag import Tag
+from pydicom.uid import ExplicitVRLittleEndian, generate_uid
+
+from epid.core.errors import InputError
+from epid.core.files import fsync_directory, temporary_path
+from epid.synthesis.geometry import LEAF_WIDTH_MM, MLC_Y_MIN_MM, NUM_LEAF_PAIRS
+from epid.synthesis.sequences import ControlPoints, leaf_weights
+
+RT_PLAN_STORAGE = "1.2.840.10008.5.1.4.1.1.481.5"
+MLC_Y_MAX_MM = MLC_Y_MIN_MM + NUM_LEAF_PAIRS * LEAF_WIDTH_MM
+SAD_MM = 1000.0
+WRITTEN_LEAF_PAIRS = 80
+"""Leaf pairs of the MLC ``write_plan`` describes (Agility-like, 5 mm each over [-200, 200] mm)."""
+WRITTEN_OUTER_PAIRS = (WRITTEN_LEAF_PAIRS - NUM_LEAF_PAIRS) // 2
+BOUNDARY_TOLERANCE_MM = 1e-3
+JAW_TYPES = {"ASYMY": "y", "Y": "y", "ASYMX": "x", "X": "x"}
+MLC_TYPE = "MLCX"
+UNDEFINED_LENGTH = 0xFFFFFFFF
+LEAF_JAW_POSITIONS = Tag("LeafJawPositions")
+
+
+class PlanError(InputError):
+    """An RT Plan file that cannot be read into control points; one line naming the file, the
+    beam and the problem."""
+
+
+@dataclass(frozen=True)
+class PlanBeam:
+    """One treatment beam of an RT Plan as the project's control points.
+
+    gantry_deg: (N,) gantry angle of each control point, degrees (IEC 61217).
+    collimator_deg: the collimator angle of the first control point, degrees; frames are in the
+    collimator's frame whatever it is.
+    control_points: positions in mm rounded to 0.1, MU rounded to 0.1 (``mu[f]`` the MU of frame f,
+    ``mu[0] = 0``), ``pattern = "plan"``.
+    """
+
+    path: str
+    beam_number: int
+    beam_name: str
+    machine: str
+    mlc: str
+    """The MLC device read, e.g. "MLCX 80 leaf pairs: 80 x 5 mm"."""
+    beam_mu: float
+    gantry_deg: np.ndarray
+    collimator_deg: float
+    control_points: ControlPoints
+
+    def __len__(self) -> int:
+        return len(self.control_points)
+
+
+# --------------------------------------------------------------------------- files
+
+
+def read_dataset(path: str | Path, error: type[InputError], what: str) -> Dataset:
+    """The DICOM dataset in ``path`` (pixel data included); ``error`` naming the file when it is
+    missing, not DICOM or truncated. ``what`` names the expected content in messages."""
+    try:
+        dataset = pydicom.dcmread(path)
+    except FileNotFoundError:
+        raise error(f"{path}: no such file (expected {what})") from None
+    except IsADirectoryError:
+        raise error(f"{path}: a directory, not {what}") from None
+    except InvalidDicomError:
+        raise error(f"{path}: not a DICOM file (expected {what})") from None
+    except (EOFError, OSError, ValueError, KeyError, TypeError, AttributeError, NotImplementedError) as problem:
+        reason = (str(problem).strip().splitlines() or [type(problem).__name__])[0]
+        raise error(f"{path}: unreadable or truncated DICOM file ({reason})") from None
+    for tag in dataset.keys():
+        element = dataset.get_item(tag)
+        found = len(element.value or b"") if element.is_raw else 0
+        if element.is_raw and element.length != UNDEFINED_LENGTH and found < element.length:
+            name = keyword_for_tag(tag) or str(tag)
+            raise error(f"{path}: truncated DICOM file ({name}: {found} of {element.length} bytes)")
+    if "SOPClassUID" not in dataset and "MediaStorageSOPClassUID" in dataset.file_meta:
+        raise error(f"{path}: truncated DICOM file (the data set ends before its SOP Class UID)")
+    return dataset
+
+
+def check_sop_class(path: str, dataset: Dataset, sop_class_uid: str, modality: str, what: str,
+                    error: type[InputError]) -> None:
+    """``error`` unless ``dataset`` is of ``sop_class_uid`` (or, without a SOP class, of ``modality``)."""
+    found_class, found_modality = str(dataset.get("SOPClassUID", "")), str(dataset.get("Modality", ""))
+    if found_class != sop_class_uid and not (not found_class and found_modality == modality):
+        raise error(f"{path}: not {what} (SOP class {found_class or 'missing'}, "
+                    f"modality {found_modality or 'missing'})")
+
+
+def save_dataset(path: str | Path, dataset: Dataset) -> None:
+    """Write ``dataset`` as a DICOM file (Explicit VR Little Endian) atomically: a temporary file
+    beside ``path``, renamed over it."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    meta = FileMetaDataset()
+    meta.MediaStorageSOPClassUID = dataset.SOPClassUID
+    meta.MediaStorageSOPInstanceUID = dataset.SOPInstanceUID
+    meta.TransferSyntaxUID = ExplicitVRLittleEndian
+    dataset.file_meta = meta
+    temporary = temporary_path(path)
+    try:
+        dataset.save_as(temporary, enforce_file_format=True)
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
+    fsync_directory(path.parent)
+
+
+def new_dataset(sop_class_uid: str, modality: str, description: str, reference: Dataset | None = None) -> Dataset:
+    """A dataset with the patient, general study, series, general equipment and SOP common
+    modules filled in. Patient and study come from ``reference`` (e.g. the plan of an image) when
+    given, else a synthetic patient and a new study."""
+    now = datetime.datetime.now()
+    dataset = Dataset()
+    dataset.SOPClassUID = sop_class_uid
+    dataset.SOPInstanceUID = generate_uid()
+    dataset.InstanceCreationDate = now.strftime("%Y%m%d")
+    dataset.InstanceCreationTime = now.strftime("%H%M%S")
+    for keyword, default in (("PatientName", "Synthetic^Arc"), ("PatientID", "EPID"), ("PatientBirthDate", ""),
+                             ("PatientSex", ""), ("StudyInstanceUID", generate_uid()),
+                             ("StudyDate", now.strftime("%Y%m%d")), ("StudyTime", now.strftime("%H%M%S")),
+                             ("ReferringPhysicianName", ""), ("StudyID", "EPID"), ("AccessionNumber", "")):
+        setattr(dataset, keyword, reference.get(keyword, default) if reference is not None else default)
+    dataset.Modality = modality
+    dataset.SeriesInstanceUID = generate_uid()
+    dataset.SeriesNumber = 1
+    dataset.SeriesDescription = description[:64]
+    dataset.OperatorsName = ""
+    dataset.Manufacturer = "epid"
+    return dataset
+
+
+# --------------------------------------------------------------------------- reading
+
+
+def read_plan(path: str | Path, beam: int | None = None, dataset_id: int = 0) -> list[PlanBeam]:
+    """The treatment beams of the RT Plan in ``path`` with at least 2 control points, or only the
+    beam whose BeamNumber is ``beam``. ``dataset_id`` becomes the control points' ``dataset_id``.
+
+    PlanError (one line: file, beam, problem) for a file that is not a readable RT Plan, an
+    unknown beam, or a beam without control points, MLC, meterset or with inconsistent values.
+    """
+    path = str(path)
+    dataset = read_dataset(path, PlanError, "an RT Plan")
+    check_sop_class(path, dataset, RT_PLAN_STORAGE, "RTPLAN", "an RT Plan", PlanError)
+    try:
+        return _read_beams(path, dataset, beam, dataset_id)
+    except PlanError:
+        raise
+    except (ValueError, TypeError, KeyError, AttributeError, IndexError) as problem:
+        reason = (str(problem).strip().splitlines() or [type(problem).__name__])[0]
+        raise PlanError(f"{path}: malformed RT Plan ({reason})") from None
+
+
+def _read_beams(path: str, dataset: Dataset, beam: int | None, dataset_id: int) -> list[PlanBeam]:
+    beams = list(dataset.get("BeamSequence", []))
+    numbers = [_beam_number(item) for item in beams]
+    if beam is not None:
+        if beam not in numbers:
+            raise PlanError(f"{path}: no beam {beam}; beams here: {_beam_list(beams)}")
+        chosen = [beams[numbers.index(beam)]]
+    else:
+        chosen = [item for item in beams if _is_treatment_arc(item)]
+        if not chosen:
+            raise PlanError(f"{path}: no treatment beam with at least 2 control points; beams here: "
+                            f"{_beam_list(beams)}")
+    metersets = _beam_metersets(dataset)
+    return [_read_beam(path, item, metersets, dataset_id) for item in chosen]
+
+
+def _beam_number(beam: Dataset) -> int | None:
+    value = beam.get("BeamNumber")
+    return int(value) if value not in (None, "") else None
+
+
+def _beam_list(beams: Iterable[Dataset]) -> str:
+    described = [f"{_beam_number(item)} ({item.get('BeamName', '')!s}, {item.get('TreatmentDeliveryType', '')!s}, "
+                 f"{len(item.get('ControlPointSequence', []))} control points)" for item in beams]
+    return ", ".join(described) or "none"
+
+
+def _is_treatment_arc(beam: Dataset) -> bool:
+    return (beam.get("TreatmentDeliveryType", "TREATMENT") in ("TREATMENT", "")
+            and len(beam.get("ControlPointSequence", [])) >= 2)
+
+
+def _beam_metersets(dataset: Dataset) -> dict[int, float]:
+    """BeamMeterset of each referenced beam number, from the first fraction group that gives one."""
+    metersets: dict[int, float] = {}
+    for group in dataset.get("FractionGroupSequence", []):
+        for reference in group.get("ReferencedBeamSequence", []):
+            number, meterset = reference.get("ReferencedBeamNumber"), reference.get("BeamMeterset")
+            if number not in (None, "") and meterset not in (None, ""):
+                metersets.setdefault(int(number), float(meterset))
+    return metersets
+
+
+def _numbers(item: Dataset, keyword: str) -> np.ndarray | None:
+    """The values of a numeric string element as float64, parsed straight from the file's bytes
+    when still raw (much faster than one Python object per value); None when absent or empty."""
+    if keyword not in item:
+        return None
+    value = item.get_item(keyword).value
+    if isinstance(value, bytes):
+        return np.array(value.split(b"\\"), dtype=np.float64) if value.strip() else None
+    if value is None or value == "" or (isinstance(value, list) and not value):
+        return None
+    return np.atleast_1d(np.asarray(value, dtype=np.float64))
+
+
+@dataclass(frozen=True)
+class _Mlc:
+    """The MLCX device of a beam: its pairs and the pair each of the project's rows takes."""
+
+    pairs: int
+    row_leaf: np.ndarray
+    description: str
+
+
+def _widths_text(boundaries: np.ndarray) -> str:
+    """Leaf widths run-length encoded: "10 x 10 mm, 40 x 5 mm, 10 x 10 mm"."""
+    widths = np.round(np.diff(boundaries), 3)
+    runs: list[list[float]] = []
+    for width in widths:
+        if runs and runs[-1][1] == width:
+            runs[-1][0] += 1
+        else:
+            runs.append([1, width])
+    return ", ".join(f"{count:g} x {width:g} mm" for count, width in runs)
+
+
+def _mlc(where: str, devices: dict[str, Dataset]) -> _Mlc:
+    """The beam's MLCX geometry mapped onto the project's 52 rows; PlanError when there is none
+    or it does not fit the rows."""
+    if MLC_TYPE not in devices:
+        others = sorted(devices)
+        mlcs = [name for name in others if name.startswith("MLC")]
+        if mlcs:
+            raise PlanError(f"{where}: unsupported MLC {', '.join(mlcs)} (only MLCX, leaves moving along x, is read)")
+        raise PlanError(f"{where}: no MLC (beam limiting devices: {', '.join(others) or 'none'})")
+    device = devices[MLC_TYPE]
+    pairs = device.get("NumberOfLeafJawPairs")
+    boundaries = _numbers(device, "LeafPositionBoundaries")
+    if boundaries is None:
+        raise PlanError(f"{where}: MLCX has no LeafPositionBoundaries")
+    if pairs not in (None, "") and int(pairs) != len(boundaries) - 1:
+        raise PlanError(f"{where}: inconsistent leaf counts: MLCX has {int(pairs)} leaf pairs but "
+                        f"{len(boundaries)} LeafPositionBoundaries (expected {int(pairs) + 1})")
+    if len(boundaries) < 2 or np.any(np.diff(boundaries) <= 0):
+        raise PlanError(f"{where}: MLCX LeafPositionBoundaries are not increasing")
+    description = f"MLCX {len(boundaries) - 1} leaf pairs: {_widths_text(boundaries)}"
+    span = f"from {boundaries[0]:g} to {boundaries[-1]:g} mm: {_widths_text(boundaries)}"
+    rows = f"the project's 5 mm rows over y in [{MLC_Y_MIN_MM:g}, {MLC_Y_MAX_MM:g}) mm"
+    inside = boundaries[(boundaries > MLC_Y_MIN_MM + BOUNDARY_TOLERANCE_MM)
+                        & (boundaries < MLC_Y_MAX_MM - BOUNDARY_TOLERANCE_MM)]
+    steps = (inside - MLC_Y_MIN_MM) / LEAF_WIDTH_MM
+    off_grid = np.abs(steps - np.round(steps)) * LEAF_WIDTH_MM > BOUNDARY_TOLERANCE_MM
+    if np.any(off_grid):
+        raise PlanError(f"{where}: unsupported MLC: MLCX leaf boundaries {span} are not on {rows} "
+                        f"(boundary at {inside[np.argmax(off_grid)]:g} mm)")
+    if boundaries[0] > MLC_Y_MIN_MM + BOUNDARY_TOLERANCE_MM or boundaries[-1] < MLC_Y_MAX_MM - BOUNDARY_TOLERANCE_MM:
+        raise PlanError(f"{where}: unsupported MLC: MLCX leaf boundaries {span} do not cover {rows}")
+    lower = MLC_Y_MIN_MM + LEAF_WIDTH_MM * np.arange(NUM_LEAF_PAIRS)
+    row_leaf = np.searchsorted(boundaries, lower + BOUNDARY_TOLERANCE_MM, side="right") - 1
+    return _Mlc(len(boundaries) - 1, row_leaf, description)
+
+
+def _read_beam(path: str, beam: Dataset, metersets: dict[int, float], dataset_id: int) -> PlanBeam:
+    number = _beam_number(beam)
+    name = str(beam.get("BeamName", ""))
+    where = f"{path}: beam {number}" + (f" ({name})" if name else "")
+    control_points = list(beam.get("ControlPointSequence", []))
+    if not control_points:
+        raise PlanError(f"{where}: no control points")
+    if len(control_points) < 2:
+        raise PlanError(f"{where}: only 1 control point; an arc needs at least 2")
+    if number not in metersets:
+        raise PlanError(f"{where}: no BeamMeterset for this beam in the fraction group")
+    devices = {str(item.get("RTBeamLimitingDeviceType", "")): item
+               for item in beam.get("BeamLimitingDeviceSequence", [])}
+    mlc = _mlc(where, devices)
+    n = len(control_points)
+    leaves = np.empty((n, 2, mlc.pairs))
+    jaws = {"x": np.tile([-np.inf, np.inf], (n, 1)), "y": np.tile([MLC_Y_MIN_MM, MLC_Y_MAX_MM], (n, 1))}
+    cumulative = np.empty(n)
+    gantry = np.empty(n)
+    collimator = _numbers(control_points[0], "BeamLimitingDeviceAngle")
+    if collimator is None:
+        raise PlanError(f"{where}: control point 0 has no BeamLimitingDeviceAngle")
+    latest: dict[str, np.ndarray] = {}
+    for index, point in enumerate(control_points):
+        weight = _numbers(point, "CumulativeMetersetWeight")
+        if weight is None:
+            raise PlanError(f"{where}: control point {index} has no CumulativeMetersetWeight")
+        cumulative[index] = weight[0]
+        gantry[index] = _gantry_angle(where, index, point, gantry)
+        for item in point.get("BeamLimitingDevicePositionSequence", []):
+            device = str(item.get("RTBeamLimitingDeviceType", ""))
+            positions = _numbers(item, "LeafJawPositions")
+            if positions is not None:
+                latest[device] = positions
+        if MLC_TYPE not in latest:
+            raise PlanError(f"{where}: control point {index} gives no MLCX positions and no earlier one did")
+        positions = latest[MLC_TYPE]
+        if len(positions) != 2 * mlc.pairs:
+            raise PlanError(f"{where}: inconsistent leaf counts: control point {index} gives {len(positions)} MLCX "
+                            f"positions for {mlc.pairs} leaf pairs (expected {2 * mlc.pairs})")
+        leaves[index] = positions.reshape(2, mlc.pairs)
+        for device, axis in JAW_TYPES.items():
+            if device in latest and device in devices:
+                values = latest[device]
+                if len(values) != 2:
+                    raise PlanError(f"{where}: control point {index} gives {len(values)} {device} positions "
+                                    "(expected 2)")
+                jaws[axis][index] = [max(jaws[axis][index, 0], values[0]), min(jaws[axis][index, 1], values[1])]
+    mu = _frame_mu(where, cumulative, metersets[number], beam.get("FinalCumulativeMetersetWeight"))
+    leaf_a, leaf_b = leaves[:, 0, mlc.row_leaf], leaves[:, 1, mlc.row_leaf]
+    x_jaws = jaws["x"]
+    leaf_a = np.clip(leaf_a, x_jaws[:, :1], x_jaws[:, 1:])
+    leaf_b = np.maximum(np.clip(leaf_b, x_jaws[:, :1], x_jaws[:, 1:]), leaf_a)
+    jaw_1, jaw_2 = (_tenth(np.clip(jaws["y"][:, side], MLC_Y_MIN_MM, MLC_Y_MAX_MM)) for side in (0, 1))
+    control = ControlPoints(
+        leaf_a=_tenth(leaf_a), leaf_b=_tenth(leaf_b), jaw_1=jaw_1, jaw_2=jaw_2, mu=_tenth(mu),
+        leaf_weight=_read_only(leaf_weights(jaw_1, jaw_2)), dataset_id=int(dataset_id), pattern="plan",
+    )
+    return PlanBeam(
+        path=path, beam_number=int(number), beam_name=name,
+        machine=str(beam.get("TreatmentMachineName", "")), mlc=mlc.description, beam_mu=float(metersets[number]),
+        gantry_deg=_read_only(gantry.astype(np.float32)), collimator_deg=float(collimator[0]), control_points=control,
+    )
+
+
+def _gantry_angle(where: str, index: int, point: Dataset, earlier: np.ndarray) -> float:
+    """A control point's gantry angle, or the previous control point's when it omits it."""
+    value = _numbers(point, "GantryAngle")
+    if value is not None:
+        return float(value[0])
+    if index == 0:
+        raise PlanError(f"{where}: control point 0 has no GantryAngle")
+    return float(earlier[index - 1])
+
+
+def _frame_mu(where: str, cumulative: np.ndarray, beam_mu: float, final: object) -> np.ndarray:
+    """MU (N,) of each frame: beam MU x the rise of the cumulative meterset weight; 0 at CP 0."""
+    steps = np.diff(cumulative)
+    if np.any(steps < 0):
+        index = int(np.argmax(steps < 0)) + 1
+        raise PlanError(f"{where}: CumulativeMetersetWeight decreases at control point {index} "
+                        f"({cumulative[index - 1]:g} -> {cumulative[index]:g})")
+    final_weight = float(final) if final not in (None, "") else float(cumulative[-1])
+    if final_weight <= 0:
+        raise PlanError(f"{where}: final cumulative meterset weight is {final_weight:g}; the beam delivers no MU")
+    return np.concatenate([[0.0], beam_mu * steps / final_weight])
+
+
+def _read_only(values: np.ndarray) -> np.ndarray:
+    values.flags.writeable = False
+    return values
+
+
+def _tenth(values: np.ndarray) -> np.ndarray:
+    """Values rounded to 0.1 as read-only float32."""
+    return _read_only((np.round(np.asarray(values, dtype=np.float64) * 10.0) / 10.0).astype(np.float32))
+
+
+# --------------------------------------------------------------------------- writing
+
+
+def write_plan(
+    path: str | Path,
+    control_points: ControlPoints,
+    *,
+    beam_mu: float | None = None,
+    machine: str = "EPID",
+    gantry_start_deg: float = 181.0,
+    gantry_stop_deg: float = 179.0,
+    gantry_direction: str = "CW",
+    label: str = "EPID arc",
+) -> None:
+    """Write ``control_points`` as a single-arc VMAT RT Plan (RT Plan Storage) to ``path``.
+
+    One beam, number 1, "ARC": an Agility-like MLCX (80 pairs x 5 mm, the 52 rows in the middle)
+    and ASYMY jaws at every control point; the gantry turns ``gantry_direction`` ("CW" or "CC")
+    from ``gantry_start_deg`` to ``gantry_stop_deg`` in equal steps. The cumulative meterset
+    weight of control point k is the sum of ``mu[1..k]``; ``BeamMeterset`` is ``beam_mu``
+    (default that sum), so ``read_plan`` gives back ``mu[1:]`` scaled by beam_mu / sum.
+    Positions are written in mm to 0.1, ``label`` is the RT Plan Label (at most 16 characters).
+    """
+    if gantry_direction not in ("CW", "CC"):
+        raise ValueError(f"gantry_direction={gantry_direction!r}: expected 'CW' or 'CC'")
+    if len(label) > 16:
+        raise ValueError(f"label={label!r}: an RT Plan Label has at most 16 characters")
+    n = len(control_points)
+    if n < 2:
+        raise ValueError(f"an arc needs at least 2 control points, got {n}")
+    mu_tenths = np.rint(np.asarray(control_points.mu, dtype=np.float64) * 10).astype(np.int64)
+    cumulative = np.concatenate([[0], np.cumsum(mu_tenths[1:])])
+    if cumulative[-1] <= 0:
+        raise ValueError("the arc delivers no MU (mu[1:] sums to 0)")
+    meterset = cumulative[-1] / 10.0 if beam_mu is None else float(beam_mu)
+
+    dataset = new_dataset(RT_PLAN_STORAGE, "RTPLAN", f"{label}: dataset {control_points.dataset_id}")
+    now = datetime.datetime.now()
+    dataset.RTPlanLabel = label
+    dataset.RTPlanName = f"dataset {control_points.dataset_id} ({control_points.pattern})"[:64]
+    dataset.RTPlanDate = now.strftime("%Y%m%d")
+    dataset.RTPlanTime = now.strftime("%H%M%S")
+    dataset.RTPlanGeometry = "TREATMENT_DEVICE"
+    dataset.PlanIntent = "VERIFICATION"
+    setup = Dataset()
+    setup.PatientSetupNumber = 1
+    setup.PatientPosition = "HFS"
+    dataset.PatientSetupSequence = DicomSequence([setup])
+    dataset.FractionGroupSequence = DicomSequence([_fraction_group(meterset)])
+    dataset.BeamSequence = DicomSequence([_arc_beam(control_points, cumulative, machine,
+                                                    _gantry_angles(n, gantry_start_deg, gantry_stop_deg,
+                                                                   gantry_direction), gantry_direction)])
+    _as_explicit_little_endian(dataset)
+    save_dataset(path, dataset)
+
+
+def _fraction_group(meterset: float) -> Dataset:
+    reference = Dataset()
+    reference.ReferencedBeamNumber = 1
+    reference.BeamMeterset = _decimal(meterset)
+    group = Dataset()
+    group.FractionGroupNumber = 1
+    group.NumberOfFractionsPlanned = 1
+    group.NumberOfBeams = 1
+    group.NumberOfBrachyApplicationSetups = 0
+    group.ReferencedBeamSequence = DicomSequence([reference])
+    return group
+
+
+def _decimal(value: float) -> str:
+    """A decimal string of at most 16 characters (DS) for ``value``."""
+    text = f"{value:.6f}".rstrip("0").rstrip(".")
+    return text if len(text) <= 16 else f"{value:.10g}"
+
+
+def _gantry_angles(n: int, start: float, stop: float, direction: str) -> np.ndarray:
+    """(n,) angles in [0, 360) from ``start`` to ``stop`` turning CW (increasing) or CC."""
+    span = (stop - start) % 360.0 if direction == "CW" else -((start - stop) % 360.0)
+    return np.round((start + span * np.arange(n) / (n - 1)) % 360.0, 4) % 360.0
+
+
+def _tenths_text(tenths: np.ndarray) -> list[str]:
+    """Positions given in whole tenths of a mm as decimal strings "-12.3"."""
+    return [f"{'-' if value < 0 else ''}{abs(value) // 10}.{abs(value) % 10}" for value in tenths.tolist()]
+
+
+def _written_leaves(control_points: ControlPoints) -> tuple[np.ndarray, np.ndarray]:
+    """Banks A and B (N, 80) in tenths of a mm: the 52 rows in the middle, the outer pairs closed
+    at the middle of the nearest row's opening."""
+    leaf_a = np.rint(np.asarray(control_points.leaf_a, dtype=np.float64) * 10).astype(np.int64)
+    leaf_b = np.rint(np.asarray(control_points.leaf_b, dtype=np.float64) * 10).astype(np.int64)
+    low = (leaf_a[:, :1] + leaf_b[:, :1]) // 2
+    high = (leaf_a[:, -1:] + leaf_b[:, -1:]) // 2
+    outer = WRITTEN_OUTER_PAIRS
+    banks = [np.concatenate([np.repeat(low, outer, 1), bank, np.repeat(high, outer, 1)], axis=1)
+             for bank in (leaf_a, leaf_b)]
+    return banks[0], banks[1]
+
+
+def _device(device_type: str, pairs: int, boundaries: np.ndarray | None = None) -> Dataset:
+    device = Dataset()
+    device.RTBeamLimitingDeviceType = device_type
+    device.NumberOfLeafJawPairs = pairs
+    if boundaries is not None:
+        device.LeafPositionBoundaries = [f"{value:g}" for value in boundaries]
+    return device
+
+
+def _position(device_type: str, values: list[str]) -> Dataset:
+    """A BeamLimitingDevicePositionSequence item. Its LeafJawPositions go in as the bytes of the
+    file, a raw element (see ``_as_explicit_little_endian``): one Python object per value would
+    make writing a long arc several times slower."""
+    position = Dataset()
+    position.RTBeamLimitingDeviceType = device_type
+    text = "\\".join(values).encode("ascii")
+    text += b" " * (len(text) % 2)
+    position[LEAF_JAW_POSITIONS] = RawDataElement(LEAF_JAW_POSITIONS, "DS", len(text), text, 0, False, True)
+    return position
+
+
+def _as_explicit_little_endian(dataset: Dataset) -> None:
+    """Mark ``dataset`` and every item in it as encoded in explicit VR little endian with the
+    default character set, as ``save_dataset`` writes them, so that pydicom writes their raw
+    elements as they are instead of decoding them first. Only for datasets built here, whose raw
+    elements are in that encoding."""
+    dataset.set_original_encoding(False, True, default_encoding)
+    for element in dataset.elements():
+        if element.VR == "SQ" and not element.is_raw:
+            for item in element.value:
+                _as_explicit_little_endian(item)
+
+
+def _arc_beam(control_points: ControlPoints, cumulative: np.ndarray, machine: str, gantry: np.ndarray,
+              direction: str) -> Dataset:
+    n = len(control_points)
+    beam = Dataset()
+    beam.BeamNumber = 1
+    beam.BeamName = "ARC"
+    beam.BeamDescription = f"synthetic arc, dataset {control_points.dataset_id} ({control_points.pattern})"
+    beam.BeamType = "DYNAMIC"
+    beam.RadiationType = "PHOTON"
+    beam.TreatmentMachineName = machine
+    beam.PrimaryDosimeterUnit = "MU"
+    beam.SourceAxisDistance = f"{SAD_MM:g}"
+    half = WRITTEN_LEAF_PAIRS * LEAF_WIDTH_MM / 2
+    boundaries = np.linspace(-half, half, WRITTEN_LEAF_PAIRS + 1)
+    beam.BeamLimitingDeviceSequence = DicomSequence([_device("ASYMY", 1), _device(MLC_TYPE, WRITTEN_LEAF_PAIRS,
+                                                                                  boundaries)])
+    beam.ReferencedPatientSetupNumber = 1
+    beam.TreatmentDeliveryType = "TREATMENT"
+    beam.NumberOfWedges = 0
+    beam.NumberOfCompensators = 0
+    beam.NumberOfBoli = 0
+    beam.NumberOfBlocks = 0
+    beam.FinalCumulativeMetersetWeight = _tenths_text(cumulative[-1:])[0]
+    beam.NumberOfControlPoints = n
+    leaf_a, leaf_b = _written_leaves(control_points)
+    leaves = np.concatenate([leaf_a, leaf_b], axis=1)
+    jaws = np.rint(np.stack([control_points.jaw_1, control_points.jaw_2], axis=1).astype(np.float64) * 10)
+    jaws = jaws.astype(np.int64)
+    weights = _tenths_text(cumulative)
+    points = []
+    for index in range(n):
+        point = Dataset()
+        point.ControlPointIndex = index
+        point.CumulativeMetersetWeight = weights[index]
+        point.BeamLimitingDevicePositionSequence = DicomSequence([
+            _position("ASYMY", _tenths_text(jaws[index])), _position(MLC_TYPE, _tenths_text(leaves[index]))])
+        point.GantryAngle = _decimal(gantry[index])
+        point.GantryRotationDirection = direction if index < n - 1 else "NONE"
+        if index == 0:
+            _first_control_point(point)
+        points.append(point)
+    beam.ControlPointSequence = DicomSequence(points)
+    return beam
+
+
+def _first_control_point(point: Dataset) -> None:
+    """The settings a first control point states once: energy, collimator, couch, isocentre."""
+    point.NominalBeamEnergy = 6
+    point.BeamLimitingDeviceAngle = 0
+    point.BeamLimitingDeviceRotationDirection = "NONE"
+    point.PatientSupportAngle = 0
+    point.PatientSupportRotationDirection = "NONE"
+    point.TableTopEccentricAngle = 0
+    point.TableTopEccentricRotationDirection = "NONE"
+    point.TableTopVerticalPosition = ""
+    point.TableTopLongitudinalPosition = ""
+    point.TableTopLateralPosition = ""
+    point.IsocenterPosition = [0, 0, 0]

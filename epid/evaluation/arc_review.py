@@ -1,0 +1,193 @@
+"""Whole arcs reconstructed and scored: consecutive frames of one synthetic arc, the control
+points reconstructed from them by the inverse network alone, per frame pair or jointly over the
+arc (``epid.reconstruction.estimate``), and the errors a physicist checks (design section 10).
+
+Control points are numbered as in the arc: frame k integrates the motion from CP k - 1 to CP k,
+and an ``ArcSegment`` of frames first..last scores control points first..last.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from epid.data.windows import split_range
+from epid.evaluation import plots
+from epid.evaluation.inference import SynthesisSettings, jaw_band
+from epid.reconstruction import estimate as estimate_module
+from epid.synthesis.frames import render_frames
+from epid.synthesis.sequences import ControlPoints, generate_control_points
+
+ERROR_KEYS = ("leaf_mae_mm", "leaf_rms_mm", "within_0.5mm", "within_1mm", "jaw_mae_mm", "mu_error_percent")
+"""The figures of ``arc_errors``, in the order tables print them."""
+
+
+@dataclass(frozen=True)
+class ArcSegment:
+    """Frames first..first + N - 1 of one arc and the control points they end on.
+
+    frames: (N + 1, 256, 256) float32, the recorded frame before the first (zeros at the start
+    of the arc) then the N frames. leaf_a, leaf_b: (N, 52) mm; jaw_1, jaw_2, mu: (N,) of control
+    points first..first + N - 1 (mu of the frame that ends on each).
+    """
+
+    dataset_id: int
+    pattern: str
+    first: int
+    frames: Tensor
+    leaf_a: np.ndarray
+    leaf_b: np.ndarray
+    jaw_1: np.ndarray
+    jaw_2: np.ndarray
+    mu: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.mu)
+
+
+@dataclass(frozen=True)
+class ArcEstimate:
+    """Reconstructed control points of an ``ArcSegment``: leaf_a, leaf_b (N, 52), jaws (N, 2)
+    [jaw_1, jaw_2] mm and mu (N,), CPU float32; ``method`` names how (``estimate_module.METHODS``)."""
+
+    leaf_a: Tensor
+    leaf_b: Tensor
+    jaws: Tensor
+    mu: Tensor
+    method: str
+
+
+def synthesise_segment(dataset_id: int, first: int, count: int, settings: SynthesisSettings,
+                       kernel: np.ndarray, device: torch.device | str = "cpu") -> ArcSegment:
+    """``count`` frames of dataset ``dataset_id`` from frame ``first`` (>= 1), synthesised with
+    ``settings`` (kernel, noise, physics) as the models were trained; raises ValueError when the
+    segment does not fit in the arc's ``settings.control_points``."""
+    last = first + count - 1
+    if first < 1 or count < 2 or last >= settings.control_points:
+        raise ValueError(f"frames {first}..{last}: expected at least 2 frames inside 1..{settings.control_points - 1}")
+    control_points = generate_control_points(dataset_id, settings.control_points)
+    indices = range(max(first - 1, 1), last + 1)
+    frames = render_frames(control_points, indices, kernel, dataset_id=dataset_id, noise_std=settings.noise_std,
+                           noise_seed=settings.noise_seed, device=device, physics=settings.physics).float().cpu()
+    if first == 1:
+        frames = torch.cat([torch.zeros_like(frames[:1]), frames])
+    return _segment(control_points, first, frames)
+
+
+def _segment(control_points: ControlPoints, first: int, frames: Tensor) -> ArcSegment:
+    points = slice(first, first + len(frames) - 1)
+    return ArcSegment(
+        dataset_id=control_points.dataset_id, pattern=control_points.pattern, first=first, frames=frames,
+        **{name: np.array(getattr(control_points, name)[points])
+           for name in ("leaf_a", "leaf_b", "jaw_1", "jaw_2", "mu")},
+    )
+
+
+def reconstruct_segment(method: str, models: tuple[nn.Module, nn.Module], segment: ArcSegment,
+                        device: torch.device | str = "cpu", batch: int = 16,
+                        stages: estimate_module.Stages | None = None,
+                        progress: Callable[[int], None] | None = None) -> ArcEstimate:
+    """The control points of ``segment`` by ``method`` ("network", "pair" or "arc"; a model pair
+    that cannot refine gives the network's estimate, named in ``ArcEstimate.method``), under
+    ``torch.inference_mode``; ``stages`` (default: the inverse model's) as
+    ``estimate_module.reconstruct_arc``. ``progress`` is called with the number of frames each step
+    finished."""
+    forward_model, inverse_model = models
+    used = estimate_module.method_used(forward_model, inverse_model, method)
+    frames = segment.frames.to(device)
+    with torch.inference_mode():
+        if used == "arc":
+            arc = estimate_module.reconstruct_arc(forward_model, inverse_model, frames[1:], frame_before=frames[0],
+                                                  stages=stages, progress=progress)
+            values = (arc.leaf_a[1:], arc.leaf_b[1:], arc.jaws[1:], arc.mu)
+        else:
+            pairs = [(begin, min(begin + batch, len(segment))) for begin in range(0, len(segment), batch)]
+            parts = []
+            for begin, end in pairs:
+                parts.append(estimate_module.pair_estimate(forward_model, inverse_model, frames[begin:end, None],
+                                                           frames[begin + 1:end + 1, None], refine=used == "pair",
+                                                           stages=stages))
+                if progress is not None:
+                    progress(end - begin)
+            leaf_a, leaf_b, scalars = (torch.cat(part) for part in zip(*parts, strict=True))
+            values = (leaf_a[:, 52:], leaf_b[:, 52:], scalars[:, [2, 4]], scalars[:, 0])
+    return ArcEstimate(*(value.float().cpu() for value in values), method=used)
+
+
+def leaf_errors(estimate: ArcEstimate, segment: ArcSegment) -> tuple[Tensor, Tensor, Tensor]:
+    """Signed leaf errors of banks A and B, reconstructed minus true, (N, 52) mm each, and the
+    (N, 52) mask of the leaves inside the jaw band (the ones scored)."""
+    jaw_1, jaw_2 = torch.from_numpy(segment.jaw_1), torch.from_numpy(segment.jaw_2)
+    return (estimate.leaf_a - torch.from_numpy(segment.leaf_a), estimate.leaf_b - torch.from_numpy(segment.leaf_b),
+            jaw_band(jaw_1, jaw_2))
+
+
+def arc_errors(estimate: ArcEstimate, segment: ArcSegment) -> dict[str, float]:
+    """Leaf MAE, RMS and share within 0.5 mm and 1 mm (%) over the in-band leaves of both banks,
+    jaw MAE (mm), MU relative error (%, mean over frames) and ``leaves`` (how many scored)."""
+    error_a, error_b, band = leaf_errors(estimate, segment)
+    leaf = torch.cat([error_a[band], error_b[band]]).abs()
+    jaws = torch.from_numpy(np.stack([segment.jaw_1, segment.jaw_2], 1))
+    mu = torch.from_numpy(segment.mu)
+    return {
+        "leaf_mae_mm": float(leaf.mean()), "leaf_rms_mm": float(leaf.square().mean().sqrt()),
+        "within_0.5mm": float(100 * (leaf <= 0.5).float().mean()),
+        "within_1mm": float(100 * (leaf <= 1).float().mean()),
+        "jaw_mae_mm": float((estimate.jaws - jaws).abs().mean()),
+        "mu_error_percent": float(100 * ((estimate.mu - mu).abs() / mu.clamp_min(1e-6)).mean()),
+        "leaves": int(leaf.numel()),
+    }
+
+
+def pooled_errors(per_arc: Sequence[Mapping[str, float]]) -> dict[str, float]:
+    """``arc_errors`` of several arcs pooled: leaf figures weighted by the leaves scored, jaw and
+    MU figures the mean over arcs."""
+    leaves = sum(errors["leaves"] for errors in per_arc)
+    pooled = {key: sum(errors[key] * errors["leaves"] for errors in per_arc) / leaves
+              for key in ("leaf_mae_mm", "within_0.5mm", "within_1mm")}
+    pooled["leaf_rms_mm"] = math.sqrt(sum(errors["leaf_rms_mm"] ** 2 * errors["leaves"] for errors in per_arc) / leaves)
+    for key in ("jaw_mae_mm", "mu_error_percent"):
+        pooled[key] = float(np.mean([errors[key] for errors in per_arc]))
+    pooled["leaves"] = leaves
+    return pooled
+
+
+def first_frame(split: str, n_control_points: int) -> int:
+    """The first frame of a segment inside ``split``: frame 1 for "train" and "all"; for "val"
+    the first curr frame of the validation samples (sample s pairs frames s + 1 and s + 2), so
+    that no frame of the segment was a training sample's curr frame."""
+    return split_range(n_control_points, "val").start + 2 if split == "val" else 1
+
+
+def write_review(segment: ArcSegment, estimate: ArcEstimate, errors: Mapping[str, float], path: str | Path,
+                 run_label: str) -> None:
+    """``plots.arc_figure`` of one reconstructed segment, as a PNG at ``path``."""
+
+    error_a, error_b, band = leaf_errors(estimate, segment)
+    true = {"leaf_a": segment.leaf_a, "leaf_b": segment.leaf_b, "jaw_1": segment.jaw_1, "jaw_2": segment.jaw_2,
+            "mu": segment.mu}
+    reconstructed = {"leaf_a": estimate.leaf_a.numpy(), "leaf_b": estimate.leaf_b.numpy(),
+                     "jaw_1": estimate.jaws[:, 0].numpy(), "jaw_2": estimate.jaws[:, 1].numpy(),
+                     "mu": estimate.mu.numpy()}
+    control_points = np.arange(segment.first, segment.first + len(segment))
+    title = (f"Dataset {segment.dataset_id} ({segment.pattern}), control points {control_points[0]}-"
+             f"{control_points[-1]} reconstructed from their {len(segment)} frames ({estimate.method}); "
+             f"jaw MAE {errors['jaw_mae_mm']:.2f} mm, MU error {errors['mu_error_percent']:.2f} %; {run_label}")
+    plots.save_figure(plots.arc_figure(control_points, true, reconstructed, band.numpy(), title), path)
+
+
+def write_errors_csv(path: str | Path, rows: Sequence[Mapping[str, object]]) -> None:
+    """One row per reconstructed segment: dataset, pattern, frames, method, seconds, ``ERROR_KEYS``."""
+    columns = ("dataset_id", "pattern", "first_frame", "frames", "method", "seconds", *ERROR_KEYS)
+    with open(path, "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=columns, extrasaction="ignore")
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({key: f"{value:.6g}" if isinstance(value, float) else value for key, value in row.items()})

@@ -1,0 +1,475 @@
+"""Delivery QA of one RT Plan beam with a trained model pair: the plan's EPID frames predicted
+by the forward model and, with measured frames (RT Images), gamma per frame, the control
+points reconstructed from the measured frames and compared with the plan, and pass/fail
+against AAPM TG-218 (gamma) and TG-142 (MLC leaf position).
+
+Frames are numbered as in the plan: frame k (1 <= k <= N - 1) integrates the motion from
+control point k - 1 to control point k and is tied to k (``epid.dicom.image``). They lie on the
+project's 1 mm grid at the isocentre in the collimator's frame (x along the leaves' travel).
+
+Prediction (``predict_plan_frames``) comes from the plan alone: the forward model renders
+every frame from its two control points; a model that learned the detector's lag carries its
+own previous predicted frame into each frame (nothing before frame 1).
+
+QA (``match_frames``, ``frame_gamma``, ``reconstruct``, ``summarise``): measured frames are
+matched to the plan by their control point and must be consecutive frames of the beam. Gamma
+is global with a 10 % lower cutoff of the measured frame's maximum, the measured frame the
+reference, at 3 %/2 mm (TG-218: 95 % tolerance, 90 % action) and 2 %/2 mm, per frame and on
+the arc-integrated image (the sum of the compared frames). The control points the measured
+frames end on are reconstructed from them (``epid.evaluation.arc_review``: "arc", the default, fits the
+consecutive frames jointly; "pair" frame pair by frame pair; "network" the inverse network
+alone); when the first measured frame is not frame 1, it serves as the recorded frame before
+the others and its own control point is not reconstructed. Leaves are scored inside the jaw
+band (leaf pairs whose rows the plan's jaws leave open at that control point).
+
+Measured frames are compared in their own units: they must be calibrated like the frames the
+models were trained on (signal of the synthesis, proportional to MU).
+
+``write_report`` writes to a folder:
+
+- ``qa_summary.json``: the keys of ``SUMMARY_KEYS`` (see ``summarise``);
+- ``qa_frames.csv``: one row per measured frame, columns ``FRAME_COLUMNS``;
+- ``qa_leaves.csv``: one row per leaf, bank and reconstructed control point (long form),
+  columns ``LEAF_COLUMNS``;
+- ``qa_gamma.png`` (pass rates over the arc), ``qa_leaves.png`` (leaf error per leaf and
+  control point, the worst leaves' trajectories, jaws, MU) and ``qa_worst_frame.png`` (the
+  frame of lowest 3 %/2 mm pass rate: measured, predicted, gamma, difference).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from epid.core.errors import InputError
+from epid.core.tables import format_table
+from epid.dicom.image import MeasuredFrames
+from epid.dicom.plan import PlanBeam
+from epid.evaluation import arc_review, plots
+from epid.evaluation.gamma import GammaCriteria, gamma_maps, gamma_pass_rate
+from epid.models.families import predict_frames
+from epid.reconstruction.estimate import Stages
+from epid.synthesis.geometry import FRAME_SHAPE, LEAF_WIDTH_MM, MLC_Y_MIN_MM, NUM_LEAF_PAIRS
+from epid.synthesis.sequences import ControlPoints
+
+Progress = Callable[[int], None]
+"""Called with the number of items (frames) a step finished."""
+
+GAMMA_CRITERIA = {
+    "3_2mm": GammaCriteria(dose_percent=3.0, distance_mm=2.0),
+    "2_2mm": GammaCriteria(dose_percent=2.0, distance_mm=2.0),
+}
+"""Gamma criteria of the report (global, 10 % cutoff), by the key suffix they give."""
+TG218_CRITERION = "3_2mm"
+TG218_TOLERANCE_PERCENT = 95.0
+TG218_ACTION_PERCENT = 90.0
+TG142_LEAF_TOLERANCE_MM = 1.0
+LEAF_PASS_PERCENT = 95.0
+"""Share of the in-band leaf positions that must lie within the TG-142 tolerance: the
+reconstruction has an error of its own, so single positions beyond 1 mm are expected."""
+
+SUMMARY_KEYS = (
+    "plan", "beam", "beam_name", "machine", "mlc", "control_points", "beam_mu", "gantry_start_deg",
+    "gantry_stop_deg", "collimator_deg", "measured_frames", "frames", "first_control_point",
+    "last_control_point", "gamma_cutoff_percent",
+    "gamma_3_2mm_mean", "gamma_3_2mm_min", "gamma_3_2mm_integrated", "frames_passing_3_2mm",
+    "gamma_2_2mm_mean", "gamma_2_2mm_min", "gamma_2_2mm_integrated", "frames_passing_2_2mm",
+    "worst_frame_control_point", "reconstruction", "reconstructed_control_points", "leaves_scored",
+    "leaf_mae_mm", "leaf_rms_mm", "leaf_bias_mm", "leaf_max_mm", "leaf_within_1mm_percent", "worst_leaf",
+    "jaw_mae_mm", "jaw_max_mm", "mu_error_percent", "mu_planned", "mu_reconstructed", "mu_total_error_percent",
+    "criteria", "pass",
+)
+FRAME_COLUMNS = (
+    "control_point", "gantry_deg", "mu_planned", "mu_reconstructed", "gamma_3_2mm_percent", "gamma_2_2mm_percent",
+    "passes_3_2mm", "leaves_scored", "leaf_mae_mm", "leaf_max_mm", "jaw_1_planned_mm", "jaw_1_reconstructed_mm",
+    "jaw_2_planned_mm", "jaw_2_reconstructed_mm",
+)
+LEAF_COLUMNS = (
+    "control_point", "gantry_deg", "bank", "leaf", "leaf_y_mm", "in_band", "planned_mm", "reconstructed_mm",
+    "error_mm",
+)
+LEAF_CENTRES_MM = MLC_Y_MIN_MM + LEAF_WIDTH_MM * (np.arange(NUM_LEAF_PAIRS) + 0.5)
+
+
+# --------------------------------------------------------------------------- prediction
+
+
+def frame_inputs(control_points: ControlPoints) -> tuple[Tensor, Tensor, Tensor]:
+    """Forward-model inputs of frames 1..N-1 (frame k: prev control point k - 1, curr k), CPU
+    float32: leaf_a, leaf_b (N - 1, 104) mm [prev 52, curr 52] and scalars (N - 1, 5) [MU of the
+    frame, jaw_1 prev, jaw_1 curr, jaw_2 prev, jaw_2 curr]."""
+    cp = control_points
+
+    def pair(values: np.ndarray) -> Tensor:
+        return torch.from_numpy(np.concatenate([values[:-1], values[1:]], axis=1).astype(np.float32))
+
+    scalars = np.stack([cp.mu[1:], cp.jaw_1[:-1], cp.jaw_1[1:], cp.jaw_2[:-1], cp.jaw_2[1:]], axis=1)
+    return pair(cp.leaf_a), pair(cp.leaf_b), torch.from_numpy(scalars.astype(np.float32))
+
+
+def predict_plan_frames(forward_model: nn.Module, control_points: ControlPoints, device: torch.device | str = "cpu",
+                        batch_size: int = 64, progress: Progress | None = None) -> Tensor:
+    """Frames 1..N-1 of the plan (N - 1, 256, 256) float32 on the CPU, predicted by
+    ``forward_model`` (on ``device``, switched to eval mode) ``batch_size`` frames at a time.
+
+    A model that learned the detector's lag (``takes_prev_frame``) is linear in the recorded
+    frame before: each frame is its prediction after no frame plus the lag times the frame
+    before as predicted (frame 0 dark)."""
+    leaf_a, leaf_b, scalars = frame_inputs(control_points)
+    count = len(scalars)
+    forward_model.eval()
+    frames = torch.empty((count, *FRAME_SHAPE))
+    with torch.inference_mode():
+        for start in range(0, count, batch_size):
+            stop = min(start + batch_size, count)
+            dark = torch.zeros((stop - start, 1, *FRAME_SHAPE), device=device)
+            epid, _ = predict_frames(forward_model, leaf_a[start:stop].to(device), leaf_b[start:stop].to(device),
+                                     scalars[start:stop].to(device), dark)
+            frames[start:stop] = epid[:, 0].float().cpu()
+            if progress is not None:
+                progress(stop - start)
+        if getattr(forward_model, "takes_prev_frame", False):
+            lag = float(forward_model.lag_fraction)
+            for k in range(1, count):
+                frames[k].add_(frames[k - 1], alpha=lag)
+    return frames
+
+
+# --------------------------------------------------------------------------- matching
+
+
+def match_frames(beam: PlanBeam, measured: MeasuredFrames) -> np.ndarray:
+    """The control point (K,) each measured frame ends on, checked against the beam: every frame
+    inside 1..N-1, consecutive, finite, and enough of them to reconstruct control points from
+    (2 after the frame before, which is the dark frame 0 when the first is frame 1). InputError
+    (one line naming the image files and the plan) otherwise."""
+    points = np.asarray(measured.control_point_index, dtype=np.int64)
+    last = len(beam) - 1
+    where = f"{measured.path}: measured frames of control points {points[0]}..{points[-1]}"
+    plan = f"beam {beam.beam_number} of {beam.path}"
+    if len(points) > last:
+        raise InputError(f"{where}: {len(points)} frames for the {last} control-point intervals of {plan}")
+    if points[0] < 1 or points[-1] > last:
+        raise InputError(f"{where}: outside the frames 1..{last} of {plan} (frame k ends on control point k)")
+    gaps = np.flatnonzero(np.diff(points) != 1)
+    if gaps.size:
+        raise InputError(f"{where}: not consecutive (no frame of control point {points[gaps[0]] + 1}); "
+                         f"the reconstruction needs consecutive frames of {plan}")
+    needed = 2 if points[0] == 1 else 3
+    if len(points) < needed:
+        raise InputError(f"{where}: {len(points)} frame(s); at least {needed} are needed to reconstruct control "
+                         f"points of {plan} (2, after the frame before them)")
+    bad = np.flatnonzero(~np.isfinite(measured.frames).reshape(len(points), -1).all(axis=1))
+    if bad.size:
+        raise InputError(f"{measured.path}: the frame of control point {points[bad[0]]} holds values that are not "
+                         "finite")
+    return points
+
+
+# --------------------------------------------------------------------------- gamma
+
+
+@dataclass(frozen=True)
+class FrameGamma:
+    """Gamma of predicted against measured frames (K frames).
+
+    pass_rates: per criterion key of ``GAMMA_CRITERIA``, (K,) percent, NaN for a frame with no
+    point above the cutoff. integrated: per key, the pass rate of the summed frames.
+    worst: index of the frame of lowest 3 %/2 mm pass rate; worst_map: its gamma map (256, 256),
+    NaN below the cutoff.
+    """
+
+    pass_rates: Mapping[str, np.ndarray]
+    integrated: Mapping[str, float]
+    worst: int
+    worst_map: np.ndarray
+
+
+def frame_gamma(measured: Tensor, predicted: Tensor, device: torch.device | str = "cpu", batch_size: int = 16,
+                progress: Progress | None = None) -> FrameGamma:
+    """``FrameGamma`` of ``predicted`` against ``measured`` (K, 256, 256) under ``GAMMA_CRITERIA``,
+    computed on ``device`` ``batch_size`` frames at a time; only pass rates are kept per frame."""
+    rates: dict[str, list[Tensor]] = {key: [] for key in GAMMA_CRITERIA}
+    for start in range(0, len(measured), batch_size):
+        stop = min(start + batch_size, len(measured))
+        for key, criteria in GAMMA_CRITERIA.items():
+            maps = gamma_maps(measured[start:stop], predicted[start:stop], criteria, device, batch_size=batch_size)
+            rates[key].append(gamma_pass_rate(maps))
+        if progress is not None:
+            progress(stop - start)
+    pass_rates = {key: torch.cat(values).numpy().astype(np.float64) for key, values in rates.items()}
+    tg218 = pass_rates[TG218_CRITERION]
+    worst = int(np.nanargmin(tg218)) if np.isfinite(tg218).any() else 0
+    worst_map = gamma_maps(measured[worst:worst + 1], predicted[worst:worst + 1], GAMMA_CRITERIA[TG218_CRITERION],
+                           device)[0].numpy()
+    integrated = {key: float(gamma_pass_rate(gamma_maps(measured.sum(0, keepdim=True), predicted.sum(0, keepdim=True),
+                                                        criteria, device))[0])
+                  for key, criteria in GAMMA_CRITERIA.items()}
+    return FrameGamma(pass_rates, integrated, worst, worst_map)
+
+
+# --------------------------------------------------------------------------- reconstruction
+
+
+def plan_segment(beam: PlanBeam, points: np.ndarray, frames: Tensor) -> arc_review.ArcSegment:
+    """The ``ArcSegment`` of measured ``frames`` (K, 256, 256) ending on the control points
+    ``points`` (from ``match_frames``) with the plan's control points: from frame 1 all K frames
+    after a dark frame 0, else the last K - 1 after the first."""
+    cp = beam.control_points
+    if points[0] == 1:
+        frames, scored = torch.cat([torch.zeros_like(frames[:1]), frames]), points
+    else:
+        scored = points[1:]
+    return arc_review.ArcSegment(
+        dataset_id=beam.beam_number, pattern=cp.pattern, first=int(scored[0]), frames=frames.float(),
+        **{name: np.array(getattr(cp, name)[scored]) for name in ("leaf_a", "leaf_b", "jaw_1", "jaw_2", "mu")},
+    )
+
+
+def reconstruct(models: tuple[nn.Module, nn.Module], segment: arc_review.ArcSegment, method: str = "arc",
+                device: torch.device | str = "cpu", progress: Progress | None = None,
+                stages: Stages | None = None) -> arc_review.ArcEstimate:
+    """The control points of ``segment`` reconstructed by ``method`` with the tracking ``stages``
+    (default: the inverse model's), ``arc_review.reconstruct_segment``; models switched to eval mode."""
+    for model in models:
+        model.eval()
+    return arc_review.reconstruct_segment(method, models, segment, device, stages=stages, progress=progress)
+
+
+# --------------------------------------------------------------------------- summary
+
+
+@dataclass(frozen=True)
+class PlanQA:
+    """Everything the report shows: the beam, the measured frames (K) and the control points
+    they end on, the predictions of those frames (K, 256, 256), their gamma, and the
+    reconstruction of the segment's control points."""
+
+    beam: PlanBeam
+    measured: MeasuredFrames
+    points: np.ndarray
+    predicted: Tensor
+    gamma: FrameGamma
+    segment: arc_review.ArcSegment
+    estimate: arc_review.ArcEstimate
+
+    def scored_points(self) -> np.ndarray:
+        """Control points reconstructed and scored (S,)."""
+        return np.arange(self.segment.first, self.segment.first + len(self.segment))
+
+
+def _finite(value: float) -> float | None:
+    return float(value) if math.isfinite(value) else None
+
+
+def _statistic(values: np.ndarray, reduce: Callable[[np.ndarray], float]) -> float:
+    finite = values[np.isfinite(values)]
+    return float(reduce(finite)) if finite.size else math.nan
+
+
+def summarise(qa: PlanQA) -> dict[str, Any]:
+    """The report's figures, keys ``SUMMARY_KEYS`` (NaN becomes None):
+
+    plan, beam (number), beam_name, machine, mlc, control_points (N), beam_mu, gantry_start_deg,
+    gantry_stop_deg, collimator_deg: the beam. measured_frames (the image files), frames (K
+    compared), first_control_point, last_control_point. gamma_cutoff_percent (10);
+    gamma_3_2mm_mean / _min over the frames, gamma_3_2mm_integrated (the summed frames),
+    frames_passing_3_2mm (frames at or above the 95 % tolerance), the same for 2_2mm;
+    worst_frame_control_point. reconstruction (the method used), reconstructed_control_points,
+    leaves_scored (in-band leaf positions, both banks), leaf_mae_mm, leaf_rms_mm, leaf_bias_mm
+    (reconstructed - planned), leaf_max_mm, leaf_within_1mm_percent, worst_leaf {bank, leaf,
+    control_point, error_mm}; jaw_mae_mm, jaw_max_mm (jaw_1 and jaw_2); mu_error_percent (mean
+    relative error of the frames' MU, frames with planned MU), mu_planned and mu_reconstructed
+    (sums over the reconstructed frames), mu_total_error_percent. criteria: per criterion
+    {rule, value, limit, pass}; pass: every criterion passes.
+    """
+    beam, gamma, estimate, segment = qa.beam, qa.gamma, qa.estimate, qa.segment
+    error_a, error_b, band = (t.numpy() for t in arc_review.leaf_errors(estimate, segment))
+    scored = np.concatenate([error_a[band], error_b[band]])
+    absolute = np.abs(scored)
+    worst_leaf = None
+    if scored.size:
+        errors = np.stack([np.where(band, np.abs(error_a), -1.0), np.where(band, np.abs(error_b), -1.0)])
+        bank, row, leaf = np.unravel_index(int(np.argmax(errors)), errors.shape)
+        signed = (error_a, error_b)[bank][row, leaf]
+        worst_leaf = {"bank": "AB"[bank], "leaf": int(leaf), "control_point": int(qa.scored_points()[row]),
+                      "error_mm": float(signed)}
+    jaws = np.abs(estimate.jaws.numpy() - np.stack([segment.jaw_1, segment.jaw_2], axis=1))
+    mu_planned, mu_reconstructed = segment.mu.astype(np.float64), estimate.mu.numpy().astype(np.float64)
+    delivering = mu_planned > 0
+    mu_relative = np.abs(mu_reconstructed - mu_planned)[delivering] / mu_planned[delivering]
+    summary: dict[str, Any] = {
+        "plan": beam.path, "beam": beam.beam_number, "beam_name": beam.beam_name, "machine": beam.machine,
+        "mlc": beam.mlc, "control_points": len(beam), "beam_mu": beam.beam_mu,
+        "gantry_start_deg": float(beam.gantry_deg[0]), "gantry_stop_deg": float(beam.gantry_deg[-1]),
+        "collimator_deg": beam.collimator_deg, "measured_frames": qa.measured.path, "frames": len(qa.points),
+        "first_control_point": int(qa.points[0]), "last_control_point": int(qa.points[-1]),
+        "gamma_cutoff_percent": GAMMA_CRITERIA[TG218_CRITERION].cutoff_percent,
+    }
+    for key, rates in gamma.pass_rates.items():
+        summary[f"gamma_{key}_mean"] = _statistic(rates, np.mean)
+        summary[f"gamma_{key}_min"] = _statistic(rates, np.min)
+        summary[f"gamma_{key}_integrated"] = gamma.integrated[key]
+        summary[f"frames_passing_{key}"] = int((rates >= TG218_TOLERANCE_PERCENT).sum())
+    summary.update({
+        "worst_frame_control_point": int(qa.points[gamma.worst]), "reconstruction": estimate.method,
+        "reconstructed_control_points": len(segment), "leaves_scored": int(scored.size),
+        "leaf_mae_mm": _statistic(absolute, np.mean),
+        "leaf_rms_mm": _statistic(scored, lambda errors: np.sqrt(np.mean(errors * errors))),
+        "leaf_bias_mm": _statistic(scored, np.mean), "leaf_max_mm": _statistic(absolute, np.max),
+        "leaf_within_1mm_percent": _statistic(absolute,
+                                              lambda errors: 100 * np.mean(errors <= TG142_LEAF_TOLERANCE_MM)),
+        "worst_leaf": worst_leaf, "jaw_mae_mm": float(jaws.mean()), "jaw_max_mm": float(jaws.max()),
+        "mu_error_percent": _statistic(100 * mu_relative, np.mean), "mu_planned": round(float(mu_planned.sum()), 4),
+        "mu_reconstructed": float(mu_reconstructed.sum()),
+        "mu_total_error_percent": 100 * (mu_reconstructed.sum() - mu_planned.sum()) / mu_planned.sum()
+        if mu_planned.sum() > 0 else math.nan,
+    })
+    summary["criteria"] = _criteria(summary)
+    summary["pass"] = all(item["pass"] for item in summary["criteria"].values())
+    return {key: _finite(value) if isinstance(value, float) else value for key, value in summary.items()}
+
+
+def _criteria(summary: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """Pass/fail of TG-218 gamma (frames and integrated image) and TG-142 leaf position."""
+    tolerance = TG218_TOLERANCE_PERCENT
+    items = {
+        "gamma_3_2mm_frames": (f"TG-218: mean 3 %/2 mm pass rate of the frames >= {tolerance:g} %",
+                               summary["gamma_3_2mm_mean"], tolerance),
+        "gamma_3_2mm_integrated": (f"TG-218: 3 %/2 mm pass rate of the arc-integrated image >= {tolerance:g} %",
+                                   summary["gamma_3_2mm_integrated"], tolerance),
+        "leaf_1mm": (f"TG-142: >= {LEAF_PASS_PERCENT:g} % of the in-band leaf positions within "
+                     f"{TG142_LEAF_TOLERANCE_MM:g} mm of the plan", summary["leaf_within_1mm_percent"],
+                     LEAF_PASS_PERCENT),
+    }
+    return {name: {"rule": rule, "value": _finite(value), "limit": limit,
+                   "pass": bool(math.isfinite(value) and value >= limit)}
+            for name, (rule, value, limit) in items.items()}
+
+
+# --------------------------------------------------------------------------- files
+
+
+def frame_rows(qa: PlanQA) -> list[dict[str, Any]]:
+    """One row per measured frame (``FRAME_COLUMNS``); the reconstruction's columns are empty for
+    a frame whose control point was not reconstructed."""
+    cp, estimate = qa.beam.control_points, qa.estimate
+    error_a, error_b, band = (t.numpy() for t in arc_review.leaf_errors(estimate, qa.segment))
+    scored_row = {int(point): row for row, point in enumerate(qa.scored_points())}
+    rows = []
+    for index, point in enumerate(qa.points.tolist()):
+        row: dict[str, Any] = {
+            "control_point": point, "gantry_deg": float(qa.beam.gantry_deg[point]), "mu_planned": float(cp.mu[point]),
+            "gamma_3_2mm_percent": qa.gamma.pass_rates["3_2mm"][index],
+            "gamma_2_2mm_percent": qa.gamma.pass_rates["2_2mm"][index],
+            "passes_3_2mm": int(qa.gamma.pass_rates["3_2mm"][index] >= TG218_TOLERANCE_PERCENT),
+            "jaw_1_planned_mm": float(cp.jaw_1[point]), "jaw_2_planned_mm": float(cp.jaw_2[point]),
+        }
+        if point in scored_row:
+            r = scored_row[point]
+            errors = np.abs(np.concatenate([error_a[r][band[r]], error_b[r][band[r]]]))
+            row.update({
+                "mu_reconstructed": float(estimate.mu[r]), "leaves_scored": int(errors.size),
+                "leaf_mae_mm": float(errors.mean()) if errors.size else math.nan,
+                "leaf_max_mm": float(errors.max()) if errors.size else math.nan,
+                "jaw_1_reconstructed_mm": float(estimate.jaws[r, 0]),
+                "jaw_2_reconstructed_mm": float(estimate.jaws[r, 1]),
+            })
+        rows.append(row)
+    return rows
+
+
+def write_csv(path: Path, columns: tuple[str, ...], rows: list[Mapping[str, Any]]) -> None:
+    """Rows as CSV (floats with 6 significant digits, missing values empty)."""
+    with open(path, "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=columns, restval="")
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({key: f"{value:.6g}" if isinstance(value, float) else value for key, value in row.items()})
+
+
+def write_leaves_csv(path: Path, qa: PlanQA) -> None:
+    """``qa_leaves.csv``: every leaf of both banks at every reconstructed control point."""
+    segment, estimate = qa.segment, qa.estimate
+    band = arc_review.leaf_errors(estimate, segment)[2].numpy()
+    with open(path, "w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(LEAF_COLUMNS)
+        for row, point in enumerate(qa.scored_points().tolist()):
+            gantry = f"{float(qa.beam.gantry_deg[point]):.6g}"
+            for bank, planned, reconstructed in (("A", segment.leaf_a, estimate.leaf_a), ("B", segment.leaf_b,
+                                                                                          estimate.leaf_b)):
+                values = reconstructed[row].numpy()
+                for leaf in range(NUM_LEAF_PAIRS):
+                    plan_mm, rec_mm = float(planned[row, leaf]), float(values[leaf])
+                    writer.writerow([point, gantry, bank, leaf, f"{LEAF_CENTRES_MM[leaf]:g}", int(band[row, leaf]),
+                                     f"{plan_mm:.6g}", f"{rec_mm:.6g}", f"{rec_mm - plan_mm:.6g}"])
+
+
+def write_report(qa: PlanQA, output_dir: str | Path, run_label: str, **context: Any) -> dict[str, Any]:
+    """Write the report files (module docstring) to ``output_dir``; ``context`` (e.g. the
+    checkpoint and its epoch) goes into the summary first. Returns the summary."""
+    output = Path(output_dir)
+    summary = {**context, **summarise(qa)}
+    (output / "qa_summary.json").write_text(json.dumps(summary, indent=2, allow_nan=False) + "\n")
+    write_csv(output / "qa_frames.csv", FRAME_COLUMNS, frame_rows(qa))
+    write_leaves_csv(output / "qa_leaves.csv", qa)
+    label = f"beam {qa.beam.beam_number} ({qa.beam.beam_name}) of {Path(qa.beam.path).name}; {run_label}"
+    plots.save_figure(plots.qa_gamma_figure(qa.points, qa.gamma.pass_rates, qa.gamma.integrated,
+                                            (TG218_TOLERANCE_PERCENT, TG218_ACTION_PERCENT),
+                                            f"Gamma per frame over the arc, {label}"), output / "qa_gamma.png")
+    _write_leaf_figure(qa, summary, output / "qa_leaves.png", label)
+    worst = qa.gamma.worst
+    plots.save_figure(plots.qa_frame_figure(
+        qa.measured.frames[worst], qa.predicted[worst].numpy(), qa.gamma.worst_map, GAMMA_CRITERIA[TG218_CRITERION],
+        f"Frame of lowest 3 %/2 mm pass rate: control point {int(qa.points[worst])} "
+        f"({qa.gamma.pass_rates[TG218_CRITERION][worst]:.1f} % pass), {label}"), output / "qa_worst_frame.png")
+    return summary
+
+
+def write_plan_frames(predicted: Tensor, beam: PlanBeam, path: str | Path, run_label: str) -> None:
+    """``plots.plan_frames_figure`` of a beam's predicted frames (N - 1, 256, 256) as a PNG at ``path``."""
+    frames = len(predicted)
+    shown = np.unique(np.linspace(0, frames - 1, plots.PLAN_FRAMES_SHOWN).round().astype(int))
+    title = f"Predicted frames of beam {beam.beam_number} ({beam.beam_name}) of {Path(beam.path).name}; {run_label}"
+    plots.save_figure(plots.plan_frames_figure(predicted[shown].numpy(), shown + 1, beam.gantry_deg[shown + 1],
+                                               predicted.sum(0).numpy(), frames, title), path)
+
+
+def verdict_table(summary: Mapping[str, Any]) -> str:
+    """The QA verdict as text: one row per criterion, the leaf, jaw and MU figures, the overall result."""
+    def shown(value: float | None, form: str = "{:.2f}") -> str:
+        return "n/a" if value is None else form.format(value)
+
+    rows = [[name, item["rule"], shown(item["value"]), "PASS" if item["pass"] else "FAIL"]
+            for name, item in summary["criteria"].items()]
+    return (f"Delivery QA of beam {summary['beam']} ({summary['frames']} frames, reconstruction "
+            f"{summary['reconstruction']}):\n{format_table(['criterion', 'rule', 'value', 'result'], rows)}\n"
+            f"  leaf MAE {shown(summary['leaf_mae_mm'])} mm, max {shown(summary['leaf_max_mm'])} mm; jaw MAE "
+            f"{shown(summary['jaw_mae_mm'])} mm; total MU {shown(summary['mu_total_error_percent'], '{:+.2f} %')}\n"
+            f"  overall: {'PASS' if summary['pass'] else 'FAIL'}")
+
+
+def _write_leaf_figure(qa: PlanQA, summary: Mapping[str, Any], path: Path, label: str) -> None:
+    segment, estimate = qa.segment, qa.estimate
+    planned = {name: getattr(segment, name) for name in ("leaf_a", "leaf_b", "jaw_1", "jaw_2", "mu")}
+    reconstructed = {"leaf_a": estimate.leaf_a.numpy(), "leaf_b": estimate.leaf_b.numpy(),
+                     "jaw_1": estimate.jaws[:, 0].numpy(), "jaw_2": estimate.jaws[:, 1].numpy(),
+                     "mu": estimate.mu.numpy()}
+    band = arc_review.leaf_errors(estimate, segment)[2].numpy()
+    verdict = "passes" if summary["criteria"]["leaf_1mm"]["pass"] else "fails"
+    mu_error = summary["mu_total_error_percent"]
+    mu_text = "no MU planned" if mu_error is None else f"total MU {mu_error:+.2f} %"
+    title = (f"Control points reconstructed from the measured frames ({estimate.method}) against the plan: "
+             f"TG-142 leaf check {verdict}; jaw MAE {summary['jaw_mae_mm']:.2f} mm, {mu_text}\n{label}")
+    plots.save_figure(plots.arc_figure(qa.scored_points(), planned, reconstructed, band, title,
+                                       labels=("plan", "reconstructed")), path)

@@ -1,0 +1,538 @@
+"""The aperture family: models shaped by the physics of an MLC aperture seen by an EPID.
+
+Forward model (``ApertureForwardModel``): the leaves and jaws of the frame's motion, from the
+prev to the curr control point, are interpolated at the 7 sub-apertures the delivery integrates
+(t = 0, 1/6, ..., 1); each covers a 1 mm cell of the leaf grid by the length of its opening
+inside the cell, with a real MLC's physics learned (``ApertureFluence``: edge shift, leaf-end
+offset per bank, leaf, jaw and interleaf transmission, tongue-and-groove strip; the rendering
+``epid.synthesis.fluence.aperture_fluence`` that the synthesis uses too). The mean over the sub-apertures
+is the frame's fluence per MU; a learned detector response (``DetectorResponse``: a separable
+mixture of Gaussians starting as a 1 mm Gaussian, isotropic 2-D Gaussians that make it
+non-separable, a broad term weighted along y, one FFT convolution) turns it into the frame per
+MU, scaled by ``mu_curr``; given the recorded previous frame, a learned share of it (the
+detector's lag) is mixed in. Nothing of the frame synthesis is read: every physical parameter
+starts generic and is fitted by training, so the same model can be trained on measured frames.
+Latent: the fluence pooled to 4 mm (B, 1, 64, 64).
+
+Inverse model (``LeafEdgeInverseModel``): each frame is normalised by its maximum. Per leaf
+row, a learned combination of the pixel rows around the leaf (the row deblur) gives a profile
+along x; its rising steps are bank A's edges, its falling steps bank B's. A small CNN on the
+(leaf row, x) grid of both frames, with a coarse branch for context, places a soft window on
+each edge of each frame; the window's centroid, spread and mass of the step density
+(``edge_moments``) of the prev and the curr frame, and how long the row was open between the
+jaws during the frame, feed a per-row MLP that returns the prev and curr positions (a staircase
+of 7 sub-aperture edges spans prev to curr, so centroid and spread carry the motion). Jaws: the
+same along y on each frame's row maxima. MU: the curr frame's sum over the expected frame sum of
+the predicted aperture (learned in-field weights per row and column account for the response
+reaching past the imager). The curr frame's lag (a learned share of the prev frame) is taken out
+first. Latent: the predicted aperture's fluence pooled to 4 mm.
+
+The inverse model returns the network's estimate; ``epid.reconstruction.estimate`` refines it by tracking the
+leaf edges through the measured frames with the forward model's physics (``epid.reconstruction.leaves``:
+a frame pair, or a whole arc).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import scipy.fft
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from epid.models.legacy import LATENT_SIZE, NUM_LEAVES, NUM_SCALARS, _check_vector, as_frame_batch
+from epid.synthesis.fluence import aperture_fluence
+from epid.synthesis.geometry import (
+    GRID_SIZE,
+    IMAGER_MARGIN,
+    LEAF_GRID_ROWS,
+    LEAF_WIDTH_MM,
+    MLC_Y_MIN_MM,
+    NUM_LEAF_PAIRS,
+    ROWS_PER_LEAF,
+    SUB_APERTURES,
+)
+
+LATENT_POOL = GRID_SIZE // LATENT_SIZE
+PHYSICS_LR_FACTOR = 10.0
+"""Learning-rate factor of the few physical parameters (response, edge shift, in-field weights)."""
+MIN_EXPECTED_SUM = 1.0
+"""Added to the expected frame sum per MU (pixels), so that MU stays finite for a closed aperture."""
+MAX_MU = 200.0
+BROAD_START_WIDTH_MM = 32.0
+"""Starting width of the forward model's broad (backscatter) term."""
+
+
+def column_centres(device: torch.device | None = None) -> Tensor:
+    """x of the 256 imager columns' centres, mm."""
+    return torch.arange(GRID_SIZE, device=device) - GRID_SIZE / 2 + 0.5
+
+
+def leaf_grid_centres(device: torch.device | None = None) -> Tensor:
+    """y of the 260 leaf-grid rows' centres, ascending from -129.5 mm."""
+    return torch.arange(LEAF_GRID_ROWS, device=device) + MLC_Y_MIN_MM + 0.5
+
+
+def sub_aperture_positions(prev: Tensor, curr: Tensor) -> Tensor:
+    """Positions (...) at prev and curr -> (..., 7) at the sub-apertures t = 0, 1/6, ..., 1."""
+    t = torch.linspace(0.0, 1.0, SUB_APERTURES, device=prev.device, dtype=prev.dtype)
+    return prev.unsqueeze(-1) + (curr - prev).unsqueeze(-1) * t
+
+
+def frame_sub_apertures(points: Tensor) -> Tensor:
+    """Positions (..., F + 1, K) at consecutive control points -> (..., F, 7, K) at the sub-apertures
+    of the F frames between them."""
+    return sub_aperture_positions(points[..., :-1, :], points[..., 1:, :]).transpose(-2, -1)
+
+
+def to_imager(leaf_grid: Tensor) -> Tensor:
+    """(..., 260, W) leaf-grid rows (y ascending) -> (..., 256, W) imager rows (row 0 = most positive y)."""
+    return leaf_grid[..., IMAGER_MARGIN:IMAGER_MARGIN + GRID_SIZE, :].flip(-2)
+
+
+def to_leaf_grid(images: Tensor) -> Tensor:
+    """(..., 256, W) imager rows -> (..., 260, W) leaf-grid rows, the rows beyond the imager zero."""
+    return F.pad(images.flip(-2), (0, 0, IMAGER_MARGIN, IMAGER_MARGIN))
+
+
+# --------------------------------------------------------------------------- forward model
+
+
+class ApertureFluence(nn.Module):
+    """Leaves and jaws of a frame's motion -> mean fluence of each 1 mm cell per MU, with the
+    physics of a real MLC learned (``epid.synthesis.fluence.aperture_fluence``, the synthesis's own
+    rendering): a shift of every edge (mm, widening), a leaf-end offset per bank (mm), leaf, jaw
+    and interleaf transmission (%), and the tongue-and-groove strip's width (mm); all start at 0,
+    an opaque aperture with its nominal edges. Returns the fluence (B, 260, 256), y ascending."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.edge_shift = nn.Parameter(torch.zeros(()))
+        self.leaf_end_offset = nn.Parameter(torch.zeros(2))
+        self.leaf_transmission_percent = nn.Parameter(torch.zeros(()))
+        self.jaw_transmission_percent = nn.Parameter(torch.zeros(()))
+        self.interleaf_leakage_percent = nn.Parameter(torch.zeros(()))
+        self.tongue_groove_mm = nn.Parameter(torch.zeros(()))
+
+    def forward(self, leaf_a: Tensor, leaf_b: Tensor, scalars: Tensor) -> Tensor:
+        batch = leaf_a.shape[0]
+        jaw_1 = sub_aperture_positions(scalars[:, 1], scalars[:, 2])  # (B, 7)
+        jaw_2 = sub_aperture_positions(scalars[:, 3], scalars[:, 4])
+        a = sub_aperture_positions(leaf_a[:, :NUM_LEAF_PAIRS], leaf_a[:, NUM_LEAF_PAIRS:]).transpose(1, 2)
+        b = sub_aperture_positions(leaf_b[:, :NUM_LEAF_PAIRS], leaf_b[:, NUM_LEAF_PAIRS:]).transpose(1, 2)
+        weights = leaf_a.new_full((batch, SUB_APERTURES), 1.0 / SUB_APERTURES)
+        return aperture_fluence(
+            a, b, jaw_1, jaw_2, weights,
+            leaf_end_offset_a=self.edge_shift + self.leaf_end_offset[0],
+            leaf_end_offset_b=self.edge_shift + self.leaf_end_offset[1],
+            jaw_edge_offset=self.edge_shift, tongue_groove_mm=self.tongue_groove_mm,
+            leaf_transmission=self.leaf_transmission_percent / 100.0,
+            interleaf_leakage=self.interleaf_leakage_percent / 100.0,
+            jaw_transmission=self.jaw_transmission_percent / 100.0,
+        )
+
+
+def gaussian_taps(log_width: Tensor, offsets: Tensor) -> Tensor:
+    """Gaussians of widths exp(log_width) (K,) mm on ``offsets`` (n,) mm, each summing to 1: (K, n)."""
+    gaussians = torch.exp(-0.5 * (offsets[None, :] / log_width.exp()[:, None]).square())
+    return gaussians / gaussians.sum(-1, keepdim=True)
+
+
+class ResponseProfile(nn.Module):
+    """A learned 1-D response profile on the 1 mm grid, ``2 reach + 1`` taps: a mixture of
+    Gaussians of learned widths (starting at ``widths_mm``) and weights, each normalised on the
+    grid; at the start nearly all weight is on the Gaussian of width ``start_width_mm``."""
+
+    def __init__(self, reach: int, widths_mm: tuple[float, ...], start_width_mm: float) -> None:
+        super().__init__()
+        self.log_width = nn.Parameter(torch.tensor([math.log(w) for w in widths_mm]))
+        self.logits = nn.Parameter(torch.tensor([0.0 if w == start_width_mm else -6.0 for w in widths_mm]))
+        self.register_buffer("offsets", torch.arange(-reach, reach + 1, dtype=torch.float32), persistent=False)
+
+    def forward(self) -> Tensor:
+        return (torch.softmax(self.logits, 0)[:, None] * gaussian_taps(self.log_width, self.offsets)).sum(0)
+
+
+class DetectorResponse(nn.Module):
+    """Learned response: (B, 260, 256) leaf-grid fluence -> (B, 256, 256) imager frame per MU
+    (row 0 = most positive y), one FFT convolution with a 2-D kernel and a position-dependent
+    broad term.
+
+    The kernel is gain x (Ky Kx^T + sum_k c_k G_k G_k^T): a separable mixture (``ResponseProfile``
+    per axis) plus isotropic 2-D Gaussians of learned widths and signed weights c_k (starting
+    at 0), so it can be radially symmetric and not separable. The broad term is a wide
+    isotropic Gaussian blur of the fluence (learned width, starting at 32 mm) weighted per row
+    by b0 + b1 (row position, 0 at the top to 1 at the bottom), both starting at 0: backscatter
+    from a support arm on one side of the panel.
+    """
+
+    def __init__(self, reach: int, widths_mm: tuple[float, ...], start_width_mm: float) -> None:
+        super().__init__()
+        self.profile_y = ResponseProfile(reach, widths_mm, start_width_mm)
+        self.profile_x = ResponseProfile(reach, widths_mm, start_width_mm)
+        self.log_gain = nn.Parameter(torch.zeros(()))
+        self.radial_log_width = nn.Parameter(torch.tensor([math.log(w) for w in widths_mm]))
+        self.radial_weight = nn.Parameter(torch.zeros(len(widths_mm)))
+        self.broad_log_width = nn.Parameter(torch.tensor([math.log(BROAD_START_WIDTH_MM)]))
+        self.broad_gain = nn.Parameter(torch.zeros(2))
+        self.reach = reach
+        self.fft_shape = (scipy.fft.next_fast_len(LEAF_GRID_ROWS + reach, real=True),
+                          scipy.fft.next_fast_len(GRID_SIZE + reach, real=True))
+
+    def kernel(self) -> Tensor:
+        """The 2-D kernel without the gain, (2 reach + 1, 2 reach + 1), rows along y."""
+        offsets = self.profile_y.offsets
+        radial = gaussian_taps(self.radial_log_width, offsets)
+        isotropic = torch.einsum("k,ki,kj->ij", self.radial_weight, radial, radial)
+        return torch.outer(self.profile_y(), self.profile_x()) + isotropic
+
+    def _spectrum(self, kernel: Tensor) -> Tensor:
+        """rfft2 of a centred kernel, wrapped so that its centre is at index (0, 0)."""
+        padded = F.pad(kernel, (0, self.fft_shape[1] - kernel.shape[1], 0, self.fft_shape[0] - kernel.shape[0]))
+        return torch.fft.rfft2(torch.roll(padded, (-self.reach, -self.reach), (0, 1)))
+
+    def forward(self, fluence: Tensor) -> Tensor:
+        fluence = fluence.float()
+        with torch.autocast(fluence.device.type, enabled=False):
+            spectrum = torch.fft.rfft2(fluence, s=self.fft_shape)
+            kernel = self.kernel() * self.log_gain.exp()
+            broad_taps = gaussian_taps(self.broad_log_width, self.profile_y.offsets)[0]
+            spectra = torch.stack([self._spectrum(kernel), self._spectrum(torch.outer(broad_taps, broad_taps))])
+            images = torch.fft.irfft2(spectrum[:, None] * spectra, s=self.fft_shape)
+        images = to_imager(images[..., :LEAF_GRID_ROWS, :GRID_SIZE])  # (B, 2, 256, 256)
+        rows = (torch.arange(GRID_SIZE, device=fluence.device, dtype=torch.float32) + 0.5) / GRID_SIZE
+        broad_weight = self.broad_gain[0] + self.broad_gain[1] * rows
+        return images[:, 0] + broad_weight[:, None] * images[:, 1]
+
+
+@dataclass(frozen=True)
+class ApertureForwardConfig:
+    """The forward model's response: reach (mm each side), the Gaussians' starting widths (mm) and
+    the width that holds the weight at the start."""
+
+    response_reach: int = 128
+    response_widths_mm: tuple[float, ...] = (0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0)
+    start_width_mm: float = 1.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "response_widths_mm", tuple(float(w) for w in self.response_widths_mm))
+        if self.start_width_mm not in self.response_widths_mm:
+            raise ValueError(f"start_width_mm {self.start_width_mm} must be one of {self.response_widths_mm}")
+
+
+class ApertureForwardModel(nn.Module):
+    """Control point -> EPID frame through the aperture's fluence and a learned detector response."""
+
+    takes_prev_frame = True
+    ADDED_PARAMETERS = ("aperture.leaf_end_offset", "aperture.leaf_transmission_percent",
+                        "aperture.jaw_transmission_percent", "aperture.interleaf_leakage_percent",
+                        "aperture.tongue_groove_mm", "lag_percent", "response.radial_log_width",
+                        "response.radial_weight", "response.broad_log_width", "response.broad_gain")
+    """Parameters that checkpoints written before the realistic physics lack; their initial values
+    leave the model as it was."""
+
+    def __init__(self, config: ApertureForwardConfig | None = None) -> None:
+        super().__init__()
+        self.config = config or ApertureForwardConfig()
+        self.aperture = ApertureFluence()
+        self.response = DetectorResponse(
+            self.config.response_reach, self.config.response_widths_mm, self.config.start_width_mm
+        )
+        self.lag_percent = nn.Parameter(torch.zeros(()))
+
+    def parameter_groups(self) -> list[tuple[list[nn.Parameter], float]]:
+        """Every parameter is physical: one group at ``PHYSICS_LR_FACTOR``."""
+        return [(list(self.parameters()), PHYSICS_LR_FACTOR)]
+
+    @property
+    def lag_fraction(self) -> Tensor:
+        """The learned share of a recorded frame carried into the next one (0-d)."""
+        return self.lag_percent / 100.0
+
+    def render(self, leaf_a: Tensor, leaf_b: Tensor, scalars: Tensor) -> tuple[Tensor, Tensor]:
+        """(signal per MU without lag (B, 256, 256), leaf-grid fluence (B, 260, 256))."""
+        fluence = self.aperture(leaf_a.float(), leaf_b.float(), scalars.float())
+        return self.response(fluence), fluence
+
+    def forward(self, leaf_a: Tensor, leaf_b: Tensor, scalars: Tensor,
+                epid_prev: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """Predict ``(epid (B,1,256,256), latent (B,1,64,64))`` from leaves (B,104) mm and scalars (B,5).
+
+        With the recorded previous frame ``epid_prev`` (B,1,256,256), the prediction is the
+        recorded frame (1 - lag) x signal + lag x ``epid_prev`` (learned lag, starting at 0);
+        without it, the signal alone."""
+        _check_vector("leaf_a", leaf_a, NUM_LEAVES)
+        _check_vector("leaf_b", leaf_b, NUM_LEAVES)
+        _check_vector("scalars", scalars, NUM_SCALARS)
+        per_mu, fluence = self.render(leaf_a, leaf_b, scalars)
+        epid = (per_mu * scalars[:, :1, None].float()).unsqueeze(1)
+        if epid_prev is not None:
+            lag = self.lag_fraction
+            epid = (1.0 - lag) * epid + lag * as_frame_batch("epid_prev", epid_prev).float()
+        return epid, fluence_latent(fluence)
+
+
+def fluence_latent(fluence: Tensor) -> Tensor:
+    """A leaf-grid fluence (B, 260, 256) -> (B, 1, 64, 64): the imager's fluence pooled to 4 mm."""
+    return F.avg_pool2d(to_imager(fluence).unsqueeze(1), LATENT_POOL)
+
+
+# --------------------------------------------------------------------------- inverse model
+
+
+class RowBlock(nn.Module):
+    """Residual block on the (leaf row, x) grid: a conv along x, ReLU, a conv over neighbouring leaf
+    rows and x, the shortcut, ReLU. (B, C, 52, W) -> same."""
+
+    def __init__(self, channels: int, width: int) -> None:
+        super().__init__()
+        self.along = nn.Conv2d(channels, channels, (1, width), padding=(0, width // 2))
+        self.across = nn.Conv2d(channels, channels, (3, width), padding=(1, width // 2))
+
+    def forward(self, h: Tensor) -> Tensor:
+        return F.relu(h + self.across(F.relu(self.along(h))))
+
+
+class LineBlock(nn.Module):
+    """Residual block of two dilated convolutions along one axis. (B, C, L) -> same."""
+
+    def __init__(self, channels: int, dilation: int) -> None:
+        super().__init__()
+        self.first = nn.Conv1d(channels, channels, 5, padding=2 * dilation, dilation=dilation)
+        self.second = nn.Conv1d(channels, channels, 5, padding=2 * dilation, dilation=dilation)
+
+    def forward(self, h: Tensor) -> Tensor:
+        return F.relu(h + self.second(F.relu(self.first(h))))
+
+
+def boundary_softmax(logits: Tensor) -> Tensor:
+    """Logits on n cells (..., n) -> soft windows on their n - 1 inner boundaries (..., n - 1)."""
+    return torch.softmax(0.5 * (logits[..., 1:] + logits[..., :-1]), -1)
+
+
+def edge_moments(density: Tensor, window: Tensor, positions: Tensor, floor: float = 1e-4
+                 ) -> tuple[Tensor, Tensor, Tensor]:
+    """Centroid (mm), spread (mm) and mean of a step ``density`` seen through a soft ``window``.
+
+    density, window: (..., n) >= 0 on the cell boundaries at ``positions`` (n,) mm; the window
+    sums to 1. ``floor`` keeps the centroid at the window's own where there is no step.
+    """
+    weights = (density + floor) * window
+    total = weights.sum(-1)
+    centre = (weights * positions).sum(-1) / total
+    spread = ((weights * (positions - centre.unsqueeze(-1)).square()).sum(-1) / total).clamp_min(1e-6).sqrt()
+    return centre, spread, (density * window).sum(-1)
+
+
+def row_visibility(jaw_1: tuple[Tensor, Tensor], jaw_2: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+    """How each of the 52 leaf rows is open between moving jaws during a frame.
+
+    jaw_1, jaw_2: (start, end) positions (B,) mm. Returns (open fraction of the row averaged
+    over the 7 sub-apertures, mean time t of its opening), each (B, 52).
+    """
+    device = jaw_1[0].device
+    leaf_lower_mm = torch.arange(NUM_LEAF_PAIRS, device=device) * LEAF_WIDTH_MM + MLC_Y_MIN_MM
+    t = torch.linspace(0.0, 1.0, SUB_APERTURES, device=device)
+    low = torch.maximum(sub_aperture_positions(*jaw_1)[:, :, None], leaf_lower_mm)
+    high = torch.minimum(sub_aperture_positions(*jaw_2)[:, :, None], leaf_lower_mm + LEAF_WIDTH_MM)
+    open_fraction = ((high - low) / LEAF_WIDTH_MM).clamp(0.0, 1.0)  # (B, 7, 52)
+    mean_time = (open_fraction * t[None, :, None]).sum(1) / (open_fraction.sum(1) + 1e-3)
+    return open_fraction.mean(1), mean_time
+
+
+class MotionReadout(nn.Module):
+    """One edge's (prev, curr) positions from the moments of its two frames.
+
+    Features: curr minus prev centroid, both spreads, both log step masses, the mass change and
+    ``extra`` per-row features; an MLP returns offsets (mm) from the prev and curr centroids,
+    starting at zero.
+    """
+
+    def __init__(self, hidden: int, extra: int = 0) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(6 + extra, hidden), nn.GELU(), nn.Linear(hidden, hidden), nn.GELU(),
+                                 nn.Linear(hidden, 2))
+        nn.init.zeros_(self.net[-1].weight)
+        nn.init.zeros_(self.net[-1].bias)
+
+    def forward(self, prev: tuple[Tensor, Tensor, Tensor], curr: tuple[Tensor, Tensor, Tensor],
+                extra: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        features = torch.stack([curr[0] - prev[0], prev[1], curr[1], torch.log(prev[2] + 1e-3),
+                                torch.log(curr[2] + 1e-3), curr[2] - prev[2]], -1)
+        if extra is not None:
+            features = torch.cat([features, extra], -1)
+        offsets = self.net(features)
+        return prev[0] + offsets[..., 0], curr[0] + offsets[..., 1]
+
+
+@dataclass(frozen=True)
+class LeafEdgeInverseConfig:
+    """Sizes of the inverse model: the window CNN (``channels`` on the (leaf row, x) grid in
+    ``depth`` blocks, a coarse branch of ``coarse_channels`` pooled ``coarse_pool`` x), the jaw
+    CNN, the readout MLPs' width, the pixel rows the row deblur reaches beyond its leaf, and the
+    stages of the leaf tracking that refines the estimate with the forward model's physics
+    (``epid.reconstruction.leaves``: (range, grid step) mm each; none = the network's estimate)."""
+
+    channels: int = 8
+    depth: int = 3
+    coarse_channels: int = 16
+    coarse_depth: int = 2
+    coarse_pool: int = 8
+    jaw_channels: int = 16
+    jaw_depth: int = 3
+    readout_hidden: int = 32
+    deblur_reach_rows: int = 10
+    track_stages: tuple[tuple[float, float], ...] = ((16.0, 1.0), (2.0, 0.2), (16.0, 1.0), (1.0, 0.1))
+
+    RETIRED_FIELDS = ("fit_steps", "split_rounds", "refine_steps")
+    """Fields of configs stored before leaf tracking: the eval-mode fit's descent steps (0 = no fit),
+    split rounds and refine steps."""
+
+    @classmethod
+    def from_stored(cls, values: dict) -> LeafEdgeInverseConfig:
+        """A stored config; one of the retired fit refines with the default stages where its fit
+        ran (fit_steps > 0), else not at all."""
+        values = dict(values)
+        retired = {name: values.pop(name) for name in cls.RETIRED_FIELDS if name in values}
+        if retired and "track_stages" not in values and retired.get("fit_steps", 0) <= 0:
+            values["track_stages"] = ()
+        return cls(**values)
+
+    def __post_init__(self) -> None:
+        if GRID_SIZE % self.coarse_pool:
+            raise ValueError(f"coarse_pool {self.coarse_pool} must divide {GRID_SIZE}")
+        if min(self.channels, self.coarse_channels, self.jaw_channels, self.readout_hidden) < 1:
+            raise ValueError("channel counts must be positive")
+        object.__setattr__(self, "track_stages", tuple((float(r), float(s)) for r, s in self.track_stages))
+        if any(step <= 0 or reach < 0 for reach, step in self.track_stages):
+            raise ValueError(f"track_stages {self.track_stages}: expected (range >= 0, grid step > 0) mm pairs")
+
+
+class LeafEdgeInverseModel(nn.Module):
+    """EPID frame pair -> control points through leaf-edge moments (see the module docstring)."""
+
+    ADDED_PARAMETERS = ApertureForwardModel.ADDED_PARAMETERS[:6]
+    """As ``ApertureForwardModel.ADDED_PARAMETERS``: the aperture's physics and the lag."""
+
+    def __init__(self, config: LeafEdgeInverseConfig | None = None) -> None:
+        super().__init__()
+        self.config = config = config or LeafEdgeInverseConfig()
+        c = config.channels
+        self.stem = nn.Conv2d(2, c, (9, 7), stride=(ROWS_PER_LEAF, 1), padding=(2, 3))
+        self.blocks = nn.Sequential(*(RowBlock(c, 7) for _ in range(config.depth)))
+        self.to_coarse = nn.Conv2d(c, config.coarse_channels, 1)
+        self.coarse = nn.Sequential(*(RowBlock(config.coarse_channels, 5) for _ in range(config.coarse_depth)))
+        self.from_coarse = nn.Conv2d(config.coarse_channels, c, 1)
+        self.refine = RowBlock(c, 7)
+        self.window_head = nn.Conv2d(c, 4, (1, 7), padding=(0, 3))  # bank A prev, curr; bank B prev, curr
+        reach = config.deblur_reach_rows
+        self.row_deblur = nn.Conv2d(1, 1, (ROWS_PER_LEAF + 2 * reach, 1), stride=(ROWS_PER_LEAF, 1),
+                                    padding=(reach, 0), bias=False)
+        with torch.no_grad():
+            self.row_deblur.weight.zero_()
+            self.row_deblur.weight[0, 0, reach:reach + ROWS_PER_LEAF, 0] = 1.0 / ROWS_PER_LEAF
+        self.leaf_readout = nn.ModuleList(MotionReadout(config.readout_hidden, extra=4) for _ in range(2))
+        self.jaw_stem = nn.Conv1d(4, config.jaw_channels, 5, padding=2)
+        self.jaw_blocks = nn.Sequential(*(LineBlock(config.jaw_channels, 2**i) for i in range(config.jaw_depth)))
+        self.jaw_head = nn.Conv1d(config.jaw_channels, 4, 3, padding=1)  # jaw_1 prev, curr; jaw_2 prev, curr
+        self.jaw_readout = nn.ModuleList(MotionReadout(config.readout_hidden) for _ in range(2))
+        self.aperture = ApertureFluence()
+        self.in_field_y = nn.Parameter(torch.zeros(LEAF_GRID_ROWS))
+        self.in_field_x = nn.Parameter(torch.zeros(GRID_SIZE))
+        self.lag_percent = nn.Parameter(torch.zeros(()))
+
+    def parameter_groups(self) -> list[tuple[list[nn.Parameter], float]]:
+        """The network at factor 1, the physical parameters (edge shift, in-field weights) at
+        ``PHYSICS_LR_FACTOR``."""
+        physical = [*self.aperture.parameters(), self.in_field_y, self.in_field_x, self.lag_percent]
+        ids = {id(p) for p in physical}
+        return [([p for p in self.parameters() if id(p) not in ids], 1.0), (physical, PHYSICS_LR_FACTOR)]
+
+    def forward(self, epid_prev: Tensor, epid_curr: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """The network's estimate ``(leaf_a (B,104) mm, leaf_b (B,104) mm, scalars (B,5), latent
+        (B,1,64,64))``; ``epid.reconstruction.estimate.pair_estimate`` refines it with the forward model."""
+        frames = torch.cat([as_frame_batch("epid_prev", epid_prev), as_frame_batch("epid_curr", epid_curr)], 1)
+        frames = remove_lag(frames.float(), self.lag_percent / 100.0)
+        leaf_a, leaf_b, jaws = self.estimate(frames)
+        mu = self.mu_estimate(frames[:, 1], leaf_a.detach(), leaf_b.detach(), jaws.detach())
+        scalars = torch.cat([mu[:, None], jaws], 1)
+        return leaf_a, leaf_b, scalars, fluence_latent(self.aperture(leaf_a, leaf_b, scalars))
+
+    def estimate(self, frames: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The network's estimate from frames (B, 2, 256, 256) [prev, curr]: leaf_a, leaf_b (B, 104)
+        and jaws (B, 4) [jaw_1 prev, jaw_1 curr, jaw_2 prev, jaw_2 curr], mm."""
+        batch = frames.shape[0]
+        peak = frames.amax(dim=(-2, -1), keepdim=True).clamp_min(1e-6)
+        leaf_grid = to_leaf_grid(frames / peak)  # (B, 2, 260, 256)
+        if leaf_grid.device.type == "cpu":
+            leaf_grid = leaf_grid.contiguous(memory_format=torch.channels_last)
+        jaws = self.jaws(leaf_grid)
+        jaw_now = jaws.detach()
+        curr_open = row_visibility((jaw_now[:, 0], jaw_now[:, 1]), (jaw_now[:, 2], jaw_now[:, 3]))
+        prev_open = row_visibility((2 * jaw_now[:, 0] - jaw_now[:, 1], jaw_now[:, 0]),
+                                   (2 * jaw_now[:, 2] - jaw_now[:, 3], jaw_now[:, 2]))
+        visibility = torch.stack([*prev_open, *curr_open], -1)  # (B, 52, 4)
+        windows = boundary_softmax(self.window_logits(leaf_grid))  # (B, 4, 52, 255)
+        profiles = self.row_deblur(leaf_grid.reshape(batch * 2, 1, LEAF_GRID_ROWS, GRID_SIZE))
+        step = torch.diff(profiles.reshape(batch, 2, NUM_LEAF_PAIRS, GRID_SIZE), dim=-1)
+        boundaries = column_centres(frames.device)[1:] - 0.5
+        banks = []
+        for bank, density in enumerate((F.relu(step), F.relu(-step))):
+            prev = edge_moments(density[:, 0], windows[:, 2 * bank], boundaries)
+            curr = edge_moments(density[:, 1], windows[:, 2 * bank + 1], boundaries)
+            banks.append(torch.cat(self.leaf_readout[bank](prev, curr, visibility), 1))
+        return banks[0], banks[1], jaws
+
+    def window_logits(self, leaf_grid: Tensor) -> Tensor:
+        """The CNN on both frames' leaf grids -> window logits (B, 4, 52, 256)."""
+        pool = self.config.coarse_pool
+        h = self.blocks(F.relu(self.stem(leaf_grid)))
+        coarse = self.coarse(F.avg_pool2d(self.to_coarse(h), (1, pool)))
+        h = self.refine(h + self.from_coarse(coarse).repeat_interleave(pool, dim=-1))
+        return self.window_head(h)
+
+    def jaws(self, leaf_grid: Tensor) -> Tensor:
+        """Jaws (B, 4) [jaw_1 prev, jaw_1 curr, jaw_2 prev, jaw_2 curr] from the row maxima."""
+        row_max = leaf_grid.amax(-1)  # (B, 2, 260)
+        h = F.relu(self.jaw_stem(torch.cat([leaf_grid.mean(-1), row_max], 1)))
+        windows = boundary_softmax(self.jaw_head(self.jaw_blocks(h)))  # (B, 4, 259)
+        step = torch.diff(row_max, dim=-1)
+        boundaries = leaf_grid_centres(leaf_grid.device)[1:] - 0.5
+        jaws = []
+        for side, density in enumerate((F.relu(step), F.relu(-step))):
+            prev = edge_moments(density[:, 0], windows[:, 2 * side], boundaries)
+            curr = edge_moments(density[:, 1], windows[:, 2 * side + 1], boundaries)
+            jaws.extend(self.jaw_readout[side](prev, curr))
+        return torch.stack(jaws, 1)
+
+    def mu_estimate(self, frame: Tensor, leaf_a: Tensor, leaf_b: Tensor, jaws: Tensor) -> Tensor:
+        """MU (B,) of the curr frame (B, 256, 256): its sum over the expected sum per MU of the
+        aperture the leaves and jaws describe (in-field weights learned per row and column)."""
+        fluence = self.aperture(leaf_a, leaf_b, torch.cat([jaws.new_zeros(len(jaws), 1), jaws], 1))
+        weight = (1 + self.in_field_y)[:, None] * (1 + self.in_field_x)[None, :]
+        expected = (fluence * weight).sum((-2, -1)) + MIN_EXPECTED_SUM
+        log_mu = torch.log(frame.sum((-2, -1)).clamp_min(1e-6)) - torch.log(expected)
+        return torch.exp(log_mu.clamp(max=math.log(MAX_MU)))
+
+
+def remove_lag(frames: Tensor, lag: Tensor | float) -> Tensor:
+    """Frame pairs (B, 2, 256, 256) [prev, curr] with the curr frame's lag removed: the curr
+    frame recorded (1 - lag) S + lag x prev becomes the signal S (the prev frame keeps the lag of
+    the frame before it, which the pair does not show)."""
+    curr = (frames[:, 1] - lag * frames[:, 0]) / (1.0 - lag)
+    return torch.stack([frames[:, 0], curr], 1)
+
+
+SIZES: dict[str, tuple[ApertureForwardConfig, LeafEdgeInverseConfig]] = {
+    "full": (ApertureForwardConfig(), LeafEdgeInverseConfig()),
+    "small": (ApertureForwardConfig(), LeafEdgeInverseConfig(depth=2, coarse_depth=1,
+                                                              track_stages=((6.0, 0.5), (0.8, 0.1)))),
+    "tiny": (
+        ApertureForwardConfig(response_reach=32, response_widths_mm=(1.0, 4.0, 16.0)),
+        LeafEdgeInverseConfig(channels=4, depth=1, coarse_channels=4, coarse_depth=1, jaw_channels=4, jaw_depth=1,
+                              readout_hidden=8, deblur_reach_rows=2, track_stages=((2.0, 1.0),)),
+    ),
+}
+"""Named sizes: full, small (a shallower window CNN, a shorter fit) and tiny (smoke tests)."""

@@ -1,0 +1,192 @@
+"""Reconstructing control points from consecutive EPID frames with the forward model's physics.
+
+N consecutive frames span N + 1 control points: frame k integrates the motion from control point
+k - 1 to control point k, so every control point inside the run is shared by two frames. The
+inverse network estimates every consecutive pair; each control point starts at the mean of the
+(up to two) pair estimates that contain it. ``epid.reconstruction.leaves`` then moves the leaves of all
+N + 1 control points to the positions of least misfit between the measured frames and the
+forward model's aperture seen through its detector response, exactly per leaf edge over the
+whole run (dynamic programming along the chain of control points); each frame's MU is the least
+squares fit of the forward model's rendering. The signal of a frame is the recorded frame with
+the detector's lag taken out: S_k = (F_k - lag F_(k-1)) / (1 - lag), exact where the frame
+before is known.
+
+On a frame pair (the control point before prev extrapolated at constant speed, prev and curr), a
+leaf that comes back to where it was gives the same two frames as one that made the opposite
+excursion: the pair cannot tell them apart. Over a whole arc the neighbouring frames decide it,
+except at the arc's ends.
+
+The jaws start from the network's estimate and are refined with the leaves
+(``epid.reconstruction.jaws``); the forward model's parameters are read, never trained.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from epid.reconstruction.leaves import track_leaves
+from epid.reconstruction.rows import RowDomain
+from epid.synthesis.geometry import NUM_LEAF_PAIRS
+
+METHODS = ("network", "pair", "arc")
+"""Reconstructions: the inverse network's estimate, refined per frame pair (``pair_estimate``),
+refined jointly over consecutive frames (``reconstruct_arc``)."""
+BATCH_FRAMES = 64
+"""Frames the network estimates, and the forward model renders, at once."""
+Stages = tuple[tuple[float, float], ...]
+"""A tracking schedule: (range, grid step) mm of each stage (``epid.reconstruction.leaves``)."""
+
+
+@dataclass(frozen=True)
+class ArcReconstruction:
+    """Control points reconstructed from N consecutive frames: leaf_a, leaf_b (N + 1, 52) and jaws
+    (N + 1, 2) [jaw_1, jaw_2] mm at control points 0..N (frame k integrates k - 1 -> k), mu (N,)
+    of each frame, and ``method`` ("network" or "arc tracking")."""
+
+    leaf_a: Tensor
+    leaf_b: Tensor
+    jaws: Tensor
+    mu: Tensor
+    method: str
+
+
+def stages_of(inverse_model: nn.Module) -> Stages:
+    """The tracking stages of an aperture inverse model's config (empty: no refinement)."""
+    config = getattr(inverse_model, "config", None)
+    return tuple(tuple(stage) for stage in getattr(config, "track_stages", ()))
+
+
+def can_refine(forward_model: nn.Module, inverse_model: nn.Module) -> bool:
+    """Whether the pair can refine the network's estimate: a forward model that renders
+    (``render``, ``response``, ``aperture``) and an inverse model with tracking stages."""
+    return hasattr(forward_model, "render") and bool(stages_of(inverse_model))
+
+
+def method_used(forward_model: nn.Module, inverse_model: nn.Module, method: str) -> str:
+    """The reconstruction that ``method`` (one of ``METHODS``) gives for this pair: "network"
+    when it cannot refine."""
+    if method not in METHODS:
+        raise ValueError(f"unknown reconstruction {method!r}; expected one of {', '.join(METHODS)}")
+    return method if can_refine(forward_model, inverse_model) else "network"
+
+
+def pair_estimate(forward_model: nn.Module, inverse_model: nn.Module, epid_prev: Tensor, epid_curr: Tensor,
+                  refine: bool = True, stages: Stages | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """The inverse network's estimate of frame pairs (B, 1, 256, 256) [prev, curr], refined (when
+    ``refine`` and ``can_refine``) by tracking the leaves over the pair with the forward model's
+    lag taken out of the curr frame: (leaf_a, leaf_b (B, 104) [prev, curr] mm, scalars (B, 5) [MU
+    curr, jaw_1 prev, curr, jaw_2 prev, curr]). ``stages`` default to the inverse model's own."""
+    leaf_a, leaf_b, scalars, _ = inverse_model(epid_prev, epid_curr)
+    stages = stages_of(inverse_model) if stages is None else stages
+    if not (refine and stages and can_refine(forward_model, inverse_model)):
+        return leaf_a, leaf_b, scalars
+    frames = torch.cat([epid_prev, epid_curr], 1).float()
+    lag = forward_model.lag_fraction.detach()
+    signals = torch.stack([frames[:, 0], (frames[:, 1] - lag * frames[:, 0]) / (1.0 - lag)], 1)
+    half = NUM_LEAF_PAIRS
+    jaws = scalars[:, 1:].view(-1, 2, 2).transpose(1, 2)  # (B, 2 [prev, curr], 2 [jaw_1, jaw_2])
+
+    def with_start(prev: Tensor, curr: Tensor) -> Tensor:
+        return torch.stack([2 * prev - curr, prev, curr], 1).float()
+
+    jaw_points = with_start(jaws[:, 0], jaws[:, 1])
+    tracked = track_leaves(RowDomain.of(forward_model, frames.device), signals,
+                           with_start(leaf_a[:, :half], leaf_a[:, half:]),
+                           with_start(leaf_b[:, :half], leaf_b[:, half:]), jaw_points, stages)
+    jaws = tracked.jaws[:, 1:]  # (B, 2 [prev, curr], 2 [jaw_1, jaw_2])
+    mu = _rendered_mu(forward_model, signals[:, 1], tracked.leaf_a[:, 1:], tracked.leaf_b[:, 1:], jaws)
+    return (tracked.leaf_a[:, 1:].flatten(1), tracked.leaf_b[:, 1:].flatten(1),
+            torch.cat([mu[:, None], jaws[..., 0], jaws[..., 1]], 1))
+
+
+def reconstruct_arc(forward_model: nn.Module, inverse_model: nn.Module, frames: Tensor, *,
+                    frame_before: Tensor | None = None, stages: Stages | None = None,
+                    batch_frames: int = BATCH_FRAMES,
+                    progress: Callable[[int], None] | None = None) -> ArcReconstruction:
+    """Control points 0..N of N >= 2 consecutive recorded frames (N, 256, 256) of one arc.
+
+    ``frame_before`` (256, 256) is the recorded frame before the first (zeros at the start of an
+    arc); without it the first frame's lag stays in and control point 0 comes from the first
+    pair's estimate extrapolated. The inverse network estimates every consecutive pair; each
+    control point starts at the mean of the (up to two) pair estimates that contain it; the
+    leaves are then tracked over the whole run (``stages`` default to the inverse model's own)
+    and each frame's MU fitted with the forward model's rendering. No stages, or a pair that
+    cannot refine: the network's estimate (the first frame's MU NaN without ``frame_before``).
+    ``progress`` is called with the number of frames each step finished."""
+    frames = frames.float()
+    count = len(frames)
+    if count < 2:
+        raise ValueError(f"an arc reconstruction needs at least 2 frames, got {count}")
+    stages = stages_of(inverse_model) if stages is None else stages
+    if not can_refine(forward_model, inverse_model):
+        stages = ()
+    lag = forward_model.lag_fraction.detach() if stages else _network_lag(inverse_model)
+    before = frames[:1] if frame_before is None else frame_before.float().reshape(1, *frames.shape[1:])
+    recorded = torch.cat([before, frames])  # (N + 1, 256, 256): the pairs (k - 1, k) for k = 1..N
+    signals = (frames - lag * recorded[:-1]) / (1.0 - lag)
+    if frame_before is None:
+        signals[0] = frames[0]
+    leaf_a, leaf_b, jaws, network_mu = _pair_estimates(inverse_model, recorded, batch_frames,
+                                                       first_pair=frame_before is not None)
+    if not stages:
+        if progress is not None:
+            progress(count)
+        return ArcReconstruction(leaf_a, leaf_b, jaws, network_mu, method="network")
+    tracked = track_leaves(RowDomain.of(forward_model, frames.device), signals[None], leaf_a[None], leaf_b[None],
+                           jaws[None], stages, chunk_frames=batch_frames)
+    mu = signals.new_zeros(count)
+    for begin in range(0, count, batch_frames):
+        end = min(begin + batch_frames, count)
+        mu[begin:end] = _rendered_mu(forward_model, signals[begin:end], tracked.leaf_a[0, begin:end + 1],
+                                     tracked.leaf_b[0, begin:end + 1], tracked.jaws[0, begin:end + 1])
+        if progress is not None:
+            progress(end - begin)
+    return ArcReconstruction(tracked.leaf_a[0], tracked.leaf_b[0], tracked.jaws[0], mu, method="arc tracking")
+
+
+def _rendered_mu(forward_model: nn.Module, signals: Tensor, leaf_a: Tensor, leaf_b: Tensor, jaws: Tensor) -> Tensor:
+    """Least-squares MU (F,) of F lag-free frames (F, 256, 256) against the forward model's
+    rendering of the motions between consecutive control points (leaf_a, leaf_b (F + 1, 52) or
+    (F, 2, 52), jaws (F + 1, 2) or (F, 2, 2): a batch of pairs [prev, curr] when 3-D)."""
+    if leaf_a.dim() == 2:
+        leaf_a, leaf_b, jaws = (torch.stack([t[:-1], t[1:]], 1) for t in (leaf_a, leaf_b, jaws))
+    scalars = torch.cat([jaws.new_ones(len(jaws), 1), jaws[:, :, 0], jaws[:, :, 1]], 1)
+    rendered = forward_model.render(leaf_a.flatten(1), leaf_b.flatten(1), scalars)[0]
+    return (rendered * signals).sum((-2, -1)) / (rendered * rendered).sum((-2, -1)).clamp_min(1e-12)
+
+
+def _network_lag(inverse_model: nn.Module) -> Tensor | float:
+    """The lag fraction the inverse network takes out of a curr frame (0 for a model without one)."""
+    lag = getattr(inverse_model, "lag_percent", None)
+    return 0.0 if lag is None else lag.detach() / 100.0
+
+
+def _pair_estimates(inverse_model: nn.Module, recorded: Tensor, batch_frames: int,
+                    first_pair: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Control points 0..N (leaf_a, leaf_b (N + 1, 52), jaws (N + 1, 2)) and each frame's MU (N,)
+    from the network's estimates of the pairs of ``recorded`` (N + 1 frames, the first the frame
+    before the arc's first): each point the mean of the estimates that contain it. Without the
+    ``first_pair``, control point 0 is extrapolated and the first frame's MU is NaN."""
+    count = len(recorded) - 1
+    half = NUM_LEAF_PAIRS
+    sums = recorded.new_zeros(count + 1, 2 * half + 2)
+    weights = recorded.new_zeros(count + 1, 1)
+    mu = recorded.new_full((count,), math.nan)
+    first = 0 if first_pair else 1
+    for begin in range(first, count, batch_frames):
+        end = min(begin + batch_frames, count)
+        leaf_a, leaf_b, scalars, _ = inverse_model(recorded[begin:end, None], recorded[begin + 1:end + 1, None])
+        for point, columns in ((0, slice(None, half)), (1, slice(half, None))):
+            jaws = scalars[:, [1 + point, 3 + point]]
+            sums[begin + point:end + point] += torch.cat([leaf_a[:, columns], leaf_b[:, columns], jaws], 1).float()
+            weights[begin + point:end + point] += 1
+        mu[begin:end] = scalars[:, 0].float()
+    points = sums / weights.clamp_min(1)
+    if not first_pair:
+        points[0] = 2 * points[1] - points[2]
+    return points[:, :half], points[:, half:2 * half], points[:, 2 * half:], mu

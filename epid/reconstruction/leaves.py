@@ -1,0 +1,330 @@
+"""Leaf edges tracked through consecutive frames, one leaf row at a time.
+
+The frame a forward model renders is its detector response K applied to the aperture's fluence
+on 1 mm cells. A Wiener filter turns each lag-free frame S into D = T * (mu F): the fluence seen
+through a small sampled Gaussian T (``TARGET_SIGMA_MM``, taps t) instead of K, wide enough that
+the filter amplifies no noise (T's spectrum falls faster than K's). In D, a leaf row's profile
+along x (its pixel rows averaged, the central ones and those the jaws leave open weighing most,
+``ROW_WEIGHTS``) depends on that leaf's edges, a little on its neighbours' (through T along y)
+and on the jaws' open share of each pixel row at each sub-aperture.
+Differenced along x, a profile is a sum of blurred steps: each of the 7 sub-aperture positions p
+of a bank A edge adds a lin_t(boundary - p), bank B's subtract, a = MU x (1 - leaf transmission)
+x the row's open share / 7. In the 1 mm rows beside a boundary between two leaves, the share the
+tongue-and-groove strip covers is open only where both leaves are: its steps sit at the more
+closed of the two edges (and closed leaves leak a little more there). lin_t, the taps linearly
+interpolated, is exact for a cell covered in part: a step at p is t applied to the "splat" of p
+onto the 1 mm lattice (weight 1 - f at floor(p), f at floor(p) + 1, f = p - floor(p)).
+
+For one edge, with every other edge held, the misfit of frame k moving the edge from u to v is,
+up to a constant,
+
+    cost(u, v) = -2 sum_t a_t Y(p_t) + sum_(t,t') a_t a_t' A(p_t, p_t'),  p_t = u + (t / 6)(v - u),
+
+where Y, the correlation of the row's differenced residual (the edge's own steps added back)
+with t on the integer lattice, linearly interpolated, is exact, and A(p, p') the inner product of
+two steps. A depends on p - p' and, by a few %, on where p falls in its cell (a step on a cell
+boundary is sharper than one inside a cell): ``step_products`` tabulates the second part for
+equal weights a_t, so costs are exact where the jaws leave the row's open share constant during
+the frame and nearly so elsewhere. An edge's own weight includes the strips beside its leaf
+where, at its current position, it is the more closed of the two; the stages settle that.
+
+An edge's control points form a chain (frame k joins points k - 1 and k), so the positions of
+least total misfit over the whole run of frames, each within a range of its start on a grid,
+follow exactly by dynamic programming (the Viterbi recursion): a leaf that goes out and comes
+back is settled by the frames on either side, as far along the arc as they reach. Each stage
+(range, grid step) updates bank A, then bank B, each frame's MU refitted (least
+squares on the differenced profiles) as the residual is recomputed.
+
+A frame fixes the mean of its edge's sub-aperture positions sharply but their spread, the motion
+within the frame, only weakly: a chain that zig-zags about the true positions (each point in
+turn too far out and too far in) changes each frame's misfit little, and noise, a partly open
+row or a synthesis that rounds edges to the 1 mm grid can favour it. Each mm an edge travels in
+a frame therefore costs ``TRAVEL_COST`` of one open-row step's energy: among motions the frames
+cannot tell apart, the one of least travel.
+
+The jaws decide how much of a leaf row each frame shows, and in a row the jaws have only begun
+to uncover, a few tenths of a mm of jaw error change that several times over: after the first
+stage, with the leaves roughly in place, the jaws are refined from the frames' row sums
+(``epid.reconstruction.jaws``) and the rows re-weighed for the stages after it. Leaves that no jaw
+opens keep their start (a small pull to it breaks ties). Everything runs batched over
+independent runs of frames (a batch of frame pairs, or one arc), on the CPU or a GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from epid.models.aperture import frame_sub_apertures
+from epid.reconstruction.jaws import JAW_STAGES, track_jaws
+from epid.reconstruction.rows import FIRST_BOUNDARY_MM, MAX_MOTION_MM, PHASES, TABLE_STEP_MM, RowDomain, gram_at
+from epid.synthesis.geometry import (
+    GRID_SIZE,
+    NUM_LEAF_PAIRS,
+    SUB_APERTURES,
+)
+
+PULL_PER_MM2 = 1e-6
+"""Pull of each control point to its start (misfit per mm squared), for leaves no frame shows."""
+TRAVEL_COST = 5e-4
+"""Cost of each mm an edge travels within a frame, relative to the energy of one edge's step in a
+fully open row: among motions the frames can hardly tell apart, the one of least travel."""
+PAIR_ELEMENTS = 2**23
+"""Pair costs evaluated at once (frames x runs x leaves x states^2)."""
+
+
+@dataclass(frozen=True)
+class Tracked:
+    """Leaf edges tracked through B runs of N frames: leaf_a, leaf_b (B, N + 1, 52) and jaws (B, N +
+    1, 2) mm at the control points and mu (B, N) of each frame (least squares on the differenced
+    profiles)."""
+
+    leaf_a: Tensor
+    leaf_b: Tensor
+    jaws: Tensor
+    mu: Tensor
+
+
+def track_leaves(domain: RowDomain, signals: Tensor, leaf_a: Tensor, leaf_b: Tensor, jaws: Tensor,
+                 stages: tuple[tuple[float, float], ...], chunk_frames: int = 64,
+                 jaw_stages: tuple[tuple[float, float], ...] = JAW_STAGES) -> Tracked:
+    """Track the leaf edges of B runs of N lag-free frames ``signals`` (B, N, 256, 256) from their
+    start (leaf_a, leaf_b (B, N + 1, 52), jaws (B, N + 1, 2) mm) through ``stages`` ((range, grid
+    step) mm each); see the module docstring. After the first stage the jaws are refined with the
+    leaves found (``epid.reconstruction.jaws``, ``jaw_stages``; none: the jaws as given). ``chunk_frames``
+    bounds the frames filtered at once."""
+    jaws = jaws.float()
+    observed = _Observed.of(domain, signals, jaws, chunk_frames, row_sums=bool(jaw_stages))
+    banks = [leaf_a.float().clone(), leaf_b.float().clone()]
+    for number, (range_mm, step_mm) in enumerate(stages):
+        states = round(2 * range_mm / step_mm) + 1
+        offsets = torch.linspace(-range_mm, range_mm, states, device=signals.device)
+        for bank in (0, 1):
+            banks[bank] = _track_bank(domain, observed.profiles, observed.coupling, observed.seen, banks, bank, offsets)
+        if number == 0 and jaw_stages:
+            mu = _best_mu(observed.profiles, _model(domain, observed.coupling, banks))
+            jaws = track_jaws(domain, observed.row_sums, banks[0], banks[1], jaws, mu, jaw_stages)
+            # the frames are filtered again rather than kept: a whole arc's would hold (N, 260, 256) floats
+            observed = _Observed.of(domain, signals, jaws, chunk_frames, row_sums=False)
+    mu = _best_mu(observed.profiles, _model(domain, observed.coupling, banks))
+    return Tracked(banks[0], banks[1], jaws, mu)
+
+
+@dataclass(frozen=True)
+class _Observed:
+    """What tracking reads of B runs of N frames under given jaws: the differenced leaf-row profiles
+    (B, N, 52, 255), the ``RowDomain.coupling`` pair, ``seen`` (B, N, 52) (the leaf's rows open in
+    the frame) and, when asked for, the filtered frames' row sums (B, N, 260)."""
+
+    profiles: Tensor
+    coupling: tuple[Tensor, Tensor]
+    seen: Tensor
+    row_sums: Tensor | None
+
+    @classmethod
+    def of(cls, domain: RowDomain, signals: Tensor, jaws: Tensor, chunk_frames: int, row_sums: bool) -> _Observed:
+        openings = domain.jaw_openings(jaws)  # (B, N, 7, 52, 5)
+        row_weights = domain.row_weights(openings)
+        profiles, sums = [], []
+        for k in range(0, signals.shape[1], chunk_frames):
+            rows = domain.filtered_rows(signals[:, k:k + chunk_frames])
+            profiles.append(domain.leaf_profiles(rows, row_weights[:, k:k + chunk_frames]))
+            if row_sums:
+                sums.append(rows.sum(-1))
+        return cls(torch.cat(profiles, 1), domain.coupling(openings, row_weights), row_weights.sum(-1) > 0,
+                   torch.cat(sums, 1) if row_sums else None)
+
+
+def _edges(domain: RowDomain, positions: Tensor, bank: int) -> Tensor:
+    """Edge positions of a bank's leaves at ``positions``, after the bank's leaf-end offset."""
+    return positions - domain.offset_a if bank == 0 else positions + domain.offset_b
+
+
+def _model(domain: RowDomain, coupling: tuple[Tensor, Tensor], banks: list[Tensor]) -> Tensor:
+    """Differenced profiles per MU (B, F, 52, 255) of both banks' control points (B, F + 1, 52),
+    ``coupling`` as ``RowDomain.coupling``: every leaf's edges and, where both leaves beside a
+    boundary are open, the tongue-and-groove strip's (bank A's at the larger of the two, bank
+    B's at the smaller)."""
+    own, groove = coupling
+    edges = [_edges(domain, frame_sub_apertures(banks[bank]), bank) for bank in (0, 1)]  # (B, F, 7, 52)
+    strip_a = torch.maximum(edges[0][..., :-1], edges[0][..., 1:])  # (B, F, 7, 51): boundaries 0..50
+    strip_b = torch.maximum(strip_a, torch.minimum(edges[1][..., :-1], edges[1][..., 1:]))
+    parts = [(edges[0], own, 1.0), (edges[1], own, -1.0)]
+    if domain.groove_share > 0:
+        parts += [(strip_a, groove, 1.0), (strip_b, groove, -1.0)]
+    positions, weights = [], []
+    for edge, coupling_of, sign in parts:
+        sources = coupling_of.shape[-1]
+        first = (sources - 1 - (edge.shape[-1] - NUM_LEAF_PAIRS)) // 2  # sources before leaf / boundary 0
+        padded = F.pad(edge, (first, sources - 1 - first + NUM_LEAF_PAIRS - edge.shape[-1]))
+        # (B, F, 52, 7 x sources): the edges of leaf (or boundary) j + source seen in leaf j's profile
+        positions.append(padded.unfold(-1, NUM_LEAF_PAIRS, 1).permute(0, 1, 4, 2, 3).flatten(-2))
+        weights.append(sign * coupling_of.permute(0, 1, 3, 2, 4).flatten(-2))
+    return domain.blur(domain.splat(torch.cat(positions, -1), torch.cat(weights, -1))) / SUB_APERTURES
+
+
+def _best_mu(profiles: Tensor, model: Tensor) -> Tensor:
+    """Least-squares MU (B, F) of profiles ~ mu x model."""
+    return (profiles * model).sum((-2, -1)) / model.square().sum((-2, -1)).clamp_min(1e-12)
+
+
+def _track_bank(domain: RowDomain, profiles: Tensor, coupling: tuple[Tensor, Tensor], seen: Tensor,
+                banks: list[Tensor], bank: int, offsets: Tensor) -> Tensor:
+    """One bank's control points (B, N + 1, 52) of least misfit plus travel (in the frames where
+    ``seen`` (B, N, 52), the leaf's rows open) within ``offsets`` (S,) of their current positions,
+    the other bank held and each frame's MU refitted (the Viterbi recursion)."""
+    batch, frames = profiles.shape[:2]
+    start = banks[bank]
+    states = len(offsets)
+    pull = PULL_PER_MM2 * offsets.square()
+    best = pull.expand(batch, NUM_LEAF_PAIRS, states).clone()
+    choices = torch.empty(frames, batch, NUM_LEAF_PAIRS, states, dtype=torch.long, device=profiles.device)
+    per_chunk = max(1, PAIR_ELEMENTS // (batch * NUM_LEAF_PAIRS * states * states))
+    sign = 1.0 if bank == 0 else -1.0
+    for k in range(0, frames, per_chunk):
+        part = slice(k, min(k + per_chunk, frames))
+        points = [b[:, part.start:part.stop + 1] for b in banks]
+        chunk_coupling = tuple(c[:, part] for c in coupling)
+        model = _model(domain, chunk_coupling, points)
+        frame_mu = _best_mu(profiles[:, part], model)
+        weights = _own_weights(domain, chunk_coupling, points[bank], bank) * frame_mu[..., None, None] / SUB_APERTURES
+        edges = _edges(domain, frame_sub_apertures(points[bank]), bank).transpose(-2, -1)
+        own = domain.blur(domain.splat(edges, weights.transpose(-2, -1)))
+        residual = profiles[:, part] - frame_mu[..., None, None] * model
+        correlation = domain.correlate(sign * residual + own)  # (B, F, 52, lattice)
+        costs = _pair_costs(domain, correlation, weights.transpose(-2, -1), points[bank], offsets, bank)
+        motion = (points[bank][:, 1:] - points[bank][:, :-1])[..., None, None] + offsets - offsets[:, None]
+        step_energy = (frame_mu * (1 - domain.leaf_transmission)).square() * domain.gram[2 * domain.reach]
+        travel = TRAVEL_COST * step_energy[..., None] * seen[:, part]  # (B, F, 52) per mm
+        costs = costs + travel[..., None, None] * motion.abs()  # motion [i, i']: v - u
+        for frame in range(costs.shape[1]):
+            total = best[..., :, None] + costs[:, frame]
+            best, choices[k + frame] = total.min(-2)
+            best = best + pull
+            best = best - best.amin(-1, keepdim=True)
+    index = best.argmin(-1)  # (B, 52) at the last control point
+    chosen = [index]
+    for frame in range(frames - 1, -1, -1):
+        index = choices[frame].gather(-1, index[..., None])[..., 0]
+        chosen.append(index)
+    return start + offsets[torch.stack(chosen[::-1], 1)]
+
+
+def _own_weights(domain: RowDomain, coupling: tuple[Tensor, Tensor], points: Tensor, bank: int) -> Tensor:
+    """Per MU, the weight (B, F, 7, 52) of each edge of ``bank`` (control points (B, F + 1, 52)) in
+    its own leaf's profile at each sub-aperture: its own coupling, plus the tongue-and-groove
+    strip's on each side where the edge is the strip's (bank A's the larger of the two leaves',
+    bank B's the smaller) at its current position."""
+    own, groove = coupling
+    reach = (own.shape[-1] - 1) // 2
+    weights = own[..., reach]
+    if domain.groove_share > 0:
+        positions = frame_sub_apertures(points)
+        previous = torch.cat([positions[..., :1], positions[..., :-1]], -1)  # leaf j - 1 (no strip before leaf 0)
+        following = torch.cat([positions[..., 1:], positions[..., -1:]], -1)  # leaf j + 1
+        leads = torch.ge if bank == 0 else torch.le
+        weights = (weights + groove[..., reach] * leads(positions, previous)
+                   + groove[..., reach + 1] * leads(positions, following))
+    return weights
+
+
+def _pair_costs(domain: RowDomain, correlation: Tensor, weights: Tensor, points: Tensor, offsets: Tensor,
+                bank: int) -> Tensor:
+    """cost(u, v) (B, F, 52, S, S) of each frame moving each edge from points[k] + offsets[i] to
+    points[k + 1] + offsets[i'] (module docstring). correlation: (B, F, 52, lattice) Y; weights:
+    (B, F, 52, 7) the a_t; points (B, F + 1, 52); offsets (S,) evenly spaced."""
+    states = len(offsets)
+    step = float(offsets[1] - offsets[0]) if states > 1 else 1.0
+    last = SUB_APERTURES - 1
+    prev = _edges(domain, points[:, :-1] + offsets[0], bank)  # (B, F, 52): state 0
+    curr = _edges(domain, points[:, 1:] + offsets[0], bank)
+    t = torch.arange(SUB_APERTURES, device=points.device) / last
+    # the positions of sub-aperture t over all (i, i') lie on base_t + (step / 6) m, m = (6 - t) i + t i'
+    steps = last * (states - 1) + 1
+    base = prev[..., None] + (curr - prev)[..., None] * t  # (B, F, 52, 7)
+    positions = base[..., None] + step / last * torch.arange(steps, device=points.device)
+    values = _interpolate(correlation, positions.flatten(-2)).view(positions.shape)  # (B, F, 52, 7, steps)
+    linear = 0.0
+    for sub in range(SUB_APERTURES):
+        column = values[..., sub, :].contiguous()
+        lattice = column.as_strided((*column.shape[:-1], states, states),
+                                    (*column.stride()[:-1], last - sub, sub))
+        linear = linear + weights[..., sub, None, None] * lattice
+    # the motion d = curr - prev + step (i' - i): 2 S - 1 values
+    motion = (curr - prev)[..., None] + step * torch.arange(1 - states, states, device=points.device)
+    quadratic = _motion_products(domain, weights, motion)  # (B, F, 52, 2 S - 1)
+    quadratic = quadratic.unfold(-1, states, 1).flip(-2)  # [i, i'] -> motion index S - 1 - i + i'
+    mean_weight = weights.mean(-1)
+    if step == round(step):  # every state in the same cell phase: one lookup per motion
+        phase = (prev % 1.0)[..., None].expand(motion.shape)
+        correction = _phase_lookup(domain, phase, motion).unfold(-1, states, 1).flip(-2)
+    else:
+        phase = (prev[..., None] + step * torch.arange(states, device=points.device)) % 1.0  # (B, F, 52, S)
+        correction = _phase_lookup(domain, phase[..., :, None].expand(*phase.shape, states),
+                                   motion.unfold(-1, states, 1).flip(-2))
+    return quadratic + mean_weight[..., None, None].square() * correction - 2 * linear
+
+
+def _interpolate(values: Tensor, positions: Tensor) -> Tensor:
+    """``values`` (..., lattice) on the lattice of ``RowDomain.splat``, linearly interpolated at
+    ``positions`` (..., M) mm (0 off the lattice)."""
+    lattice = values.shape[-1]
+    reach = (lattice - GRID_SIZE + 1) // 2
+    grid = positions - FIRST_BOUNDARY_MM + reach
+    index = grid.floor()
+    fraction = grid - index
+    index = index.long()
+    padded = F.pad(values, (1, 2))
+    low = padded.gather(-1, (index + 1).clamp(0, lattice + 2))
+    high = padded.gather(-1, (index + 2).clamp(0, lattice + 2))
+    return low + (high - low) * fraction
+
+
+def _motion_products(domain: RowDomain, weights: Tensor, motion: Tensor) -> Tensor:
+    """sum over t != t' of a_t a_t' A(p_t, p_t') for edges moving by ``motion`` (..., D) mm within a
+    frame, A averaged over the cell phase: (..., D). weights: (..., 7) the a_t."""
+    last = SUB_APERTURES - 1
+    total = 0.0
+    for lag in range(1, SUB_APERTURES):
+        pairs = (weights[..., lag:] * weights[..., :-lag]).sum(-1, keepdim=True)
+        separation = (motion * (lag / last)).abs()
+        total = total + 2 * pairs * _mean_product(domain, separation)
+    return total
+
+
+def _mean_product(domain: RowDomain, separation: Tensor) -> Tensor:
+    """A(p, p + s) averaged over the cell phase of p, at separations ``s`` >= 0 mm: the splat of s
+    against the gram, each lag weighted by the overlap of two unit cells."""
+    reach = domain.reach
+    lag = separation.floor()
+    f = separation - lag
+    lag = lag.long()
+
+    def g_at(k: Tensor) -> Tensor:
+        return gram_at(domain.gram, reach, k)
+
+    # lag k of the gram weighs B(k - s), B the overlap of two unit triangles (the cubic B-spline)
+    return ((2 / 3 - f * f + f * f * f / 2) * g_at(lag) + (1 / 6 + f / 2 + f * f / 2 - f * f * f / 2) * g_at(lag + 1)
+            + ((1 - f) ** 3 / 6) * g_at(lag - 1) + (f * f * f / 6) * g_at(lag + 2))
+
+
+def _phase_lookup(domain: RowDomain, phase: Tensor, motion: Tensor) -> Tensor:
+    """The cell-phase part of the step products of equally weighted sub-aperture steps from a
+    position of cell phase ``phase`` moving by ``motion`` mm (same shape), bilinear in the table."""
+    table = domain.phase_error
+    columns = table.shape[1]
+    row = phase * PHASES
+    column = ((motion + MAX_MOTION_MM) / TABLE_STEP_MM).clamp(0.0, columns - 1.001)
+    r0, c0 = row.floor().clamp(0, PHASES - 1), column.floor()
+    fr, fc = row - r0, column - c0
+    flat = table.flatten()
+    base = (r0.long() * columns + c0.long())
+
+    def at(index: Tensor) -> Tensor:
+        return flat[index]
+
+    return ((1 - fr) * ((1 - fc) * at(base) + fc * at(base + 1))
+            + fr * ((1 - fc) * at(base + columns) + fc * at(base + columns + 1)))

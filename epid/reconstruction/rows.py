@@ -1,0 +1,282 @@
+"""The row domain the leaf and jaw tracking share: frames seen as leaf-row profiles and row sums.
+
+The frame a forward model renders is its detector response K applied to the aperture's fluence
+on 1 mm cells. A Wiener filter turns each lag-free frame S into D = T * (mu F): the fluence seen
+through a small sampled Gaussian T (``TARGET_SIGMA_MM``, taps t) instead of K, wide enough that
+the filter amplifies no noise (T's spectrum falls faster than K's). ``RowDomain`` holds the
+forward model's physics in the form the tracking needs: the filter, each leaf row's profile
+along x (its pixel rows averaged, weighted by ``ROW_WEIGHTS`` and the jaws' open share), the
+coupling of neighbouring rows through T, and the products of blurred steps (``step_products``)
+that the tracking's costs are made of.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from epid.models.aperture import frame_sub_apertures, leaf_grid_centres
+from epid.synthesis.fluence import cell_coverage
+from epid.synthesis.geometry import (
+    GRID_SIZE,
+    IMAGER_MARGIN,
+    LEAF_GRID_ROWS,
+    NUM_LEAF_PAIRS,
+    ROWS_PER_LEAF,
+    SUB_APERTURES,
+)
+
+TARGET_SIGMA_MM = 2.0
+"""Width of the Gaussian the frames are seen through after the Wiener filter, mm."""
+
+
+EDGE_PAD = 32
+"""Rows and columns each frame is extended by (its edges repeated) before the Wiener filter."""
+
+
+WIENER_FLOOR = 1e-4
+"""Regularisation of the Wiener filter, relative to the response spectrum's peak power."""
+
+
+ROW_WEIGHTS = (0.1, 1.0, 1.0, 1.0, 0.1)
+"""Weights of a leaf's 5 pixel rows in its profile where the jaws leave them open (the rows beside
+the neighbours count little, unless the jaws close the others)."""
+
+
+PHASES = 20
+"""Cell phases of the ``step_products`` table."""
+
+
+TABLE_STEP_MM = 0.05
+"""Motion grid of the ``step_products`` table, mm."""
+
+
+MAX_MOTION_MM = 64.0
+"""Largest motion of an edge within a frame that the ``step_products`` table covers, mm."""
+
+
+FIRST_BOUNDARY_MM = 1 - GRID_SIZE / 2
+"""x of the first of the 255 boundaries between imager columns, where differenced profiles sit."""
+
+
+@dataclass(frozen=True)
+class RowDomain:
+    """What tracking needs of a forward model, on one device.
+
+    wiener: (H, W // 2 + 1) complex spectrum mapping a leaf-grid frame to D (padded FFT shape
+    ``fft_shape``); taps: t on offsets -reach..reach (sum 1); gram: G(k) = sum_n t(n) t(n + k)
+    for k = -2 reach..2 reach; row_taps: (2 R + 1, 5, 5) the taps between pixel row r of leaf j and
+    pixel row r' of leaf j + o, M_o[r, r'] (o = -R..R); edge offsets of banks A and B and of the jaws (mm,
+    positive widens); leaf, jaw and interleaf transmission (fractions); groove_share: the share
+    of each 1 mm row beside a boundary between leaves that the tongue-and-groove strip covers;
+    phase_error: (PHASES + 1, 2 M + 1) the cell-phase part of the step products
+    (``step_products``).
+    """
+
+    wiener: Tensor
+    fft_shape: tuple[int, int]
+    taps: Tensor
+    gram: Tensor
+    row_taps: Tensor
+    phase_error: Tensor
+    offset_a: float
+    offset_b: float
+    jaw_offset: float
+    leaf_transmission: float
+    jaw_transmission: float
+    interleaf_leakage: float
+    groove_share: float
+
+    @property
+    def reach(self) -> int:
+        return (len(self.taps) - 1) // 2
+
+    @property
+    def lattice(self) -> int:
+        """Integer positions a splat may touch: boundaries extended by the reach on each side."""
+        return GRID_SIZE - 1 + 2 * self.reach
+
+    @classmethod
+    def of(cls, forward_model: nn.Module, device: torch.device | str | None = None) -> RowDomain:
+        """The domain of an aperture forward model (``response``, ``aperture``)."""
+        response, aperture = forward_model.response, forward_model.aperture
+        device = torch.device(device) if device is not None else next(forward_model.parameters()).device
+        with torch.no_grad():
+            kernel = (response.kernel() * response.log_gain.exp()).double()
+            spectrum = response._spectrum(kernel)
+            taps, gram = _target_taps(TARGET_SIGMA_MM)
+            reach = (len(taps) - 1) // 2
+            target = torch.zeros(response.fft_shape, dtype=torch.float64)
+            target[:2 * reach + 1, :2 * reach + 1] = torch.outer(taps, taps)
+            target_spectrum = torch.fft.rfft2(torch.roll(target, (-reach, -reach), (0, 1)))
+            power = spectrum.abs().square()
+            wiener = target_spectrum * spectrum.conj() / (power + WIENER_FLOOR * power.max())
+            shift = float(aperture.edge_shift)
+            offset_a, offset_b = (shift + float(v) for v in aperture.leaf_end_offset)
+            return cls(
+                wiener=wiener.to(device, torch.complex64), fft_shape=tuple(response.fft_shape),
+                taps=taps.float().to(device), gram=gram.float().to(device),
+                row_taps=_row_taps(taps).float().to(device),
+                phase_error=_phase_error(TARGET_SIGMA_MM).to(device),
+                offset_a=offset_a, offset_b=offset_b, jaw_offset=shift,
+                leaf_transmission=float(aperture.leaf_transmission_percent) / 100.0,
+                jaw_transmission=float(aperture.jaw_transmission_percent) / 100.0,
+                interleaf_leakage=float(aperture.interleaf_leakage_percent) / 100.0,
+                groove_share=min(max(float(aperture.tongue_groove_mm) / 2.0, 0.0), 1.0),
+            )
+
+    def filtered_rows(self, signals: Tensor) -> Tensor:
+        """Lag-free frames (..., 256, 256) -> D on the leaf grid's rows (..., 260, 256), y ascending.
+        The frames are extended by ``EDGE_PAD`` rows and columns repeating their edges, so that the
+        filter sees no step where the imager ends."""
+        frames = signals.float().flip(-2)  # rows y ascending, as the leaf grid
+        shape = frames.shape
+        padded = F.pad(frames.reshape(-1, 1, *shape[-2:]), (EDGE_PAD,) * 4, mode="replicate").view(
+            *shape[:-2], *(size + 2 * EDGE_PAD for size in shape[-2:]))
+        seen = torch.fft.irfft2(torch.fft.rfft2(padded, s=self.fft_shape) * self.wiener, s=self.fft_shape)
+        first = EDGE_PAD - IMAGER_MARGIN
+        return seen[..., first:first + LEAF_GRID_ROWS, EDGE_PAD:EDGE_PAD + GRID_SIZE]
+
+    @staticmethod
+    def leaf_profiles(rows: Tensor, row_weights: Tensor) -> Tensor:
+        """``filtered_rows`` (..., 260, 256) -> differenced leaf-row profiles (..., 52, 255), each
+        leaf's pixel rows weighted by ``row_weights`` (..., 52, 5): entry c is profile(c + 1) -
+        profile(c), at the boundary x = c - 127 mm."""
+        rows = rows.unflatten(-2, (NUM_LEAF_PAIRS, ROWS_PER_LEAF))
+        return torch.diff((rows * row_weights[..., None]).sum(-2), dim=-1)
+
+    def profiles(self, signals: Tensor, row_weights: Tensor) -> Tensor:
+        """Lag-free frames (..., 256, 256) -> differenced leaf-row profiles (..., 52, 255) of D
+        (``filtered_rows``, ``leaf_profiles``)."""
+        return self.leaf_profiles(self.filtered_rows(signals), row_weights)
+
+    def jaw_openings(self, jaws: Tensor) -> Tensor:
+        """Jaws (..., P, 2) at P control points -> (..., P - 1, 7, 52, 5): the open share of each
+        pixel row of each leaf at each sub-aperture of each frame (learned jaw offset applied)."""
+        moving = frame_sub_apertures(jaws)
+        rows = leaf_grid_centres(jaws.device)
+        opening = cell_coverage(moving[..., 0] - self.jaw_offset, moving[..., 1] + self.jaw_offset, rows)
+        return opening.unflatten(-1, (NUM_LEAF_PAIRS, ROWS_PER_LEAF))
+
+    @staticmethod
+    def row_weights(openings: Tensor) -> Tensor:
+        """``jaw_openings`` (..., F, 7, 52, 5) -> the weights (..., F, 52, 5) of each leaf's pixel
+        rows in its profile in each frame: ``ROW_WEIGHTS`` x the row's mean open share, summing to
+        1 (all 0 where the jaws close the leaf)."""
+        weights = openings.mean(-3) * torch.tensor(ROW_WEIGHTS, device=openings.device)
+        return weights / weights.sum(-1, keepdim=True).clamp_min(1e-6)
+
+    def coupling(self, openings: Tensor, row_weights: Tensor) -> tuple[Tensor, Tensor]:
+        """``jaw_openings`` (..., F, 7, 52, 5) and ``row_weights`` (..., F, 52, 5) -> the weights
+        in leaf j's profile at each sub-aperture of each frame of the edges of leaf j + o, (...,
+        F, 7, 52, 2 R + 1) for o = -R..R, and of the tongue-and-groove edges of the boundary
+        between leaves j + q and j + q + 1, (..., F, 7, 52, 2 R + 2) for q = -R - 1..R: the jaws'
+        and the leaves' transmission of each source row seen through t along y, the rows beside
+        a boundary shared between the leaf's own edge and the strip's."""
+        passed = self.jaw_transmission + (1 - self.jaw_transmission) * openings
+        strip = torch.zeros(NUM_LEAF_PAIRS, ROWS_PER_LEAF, device=openings.device)
+        strip[:-1, -1] = 1.0  # the last row of every leaf but the last, the first of every leaf but the first
+        strip[1:, 0] = 1.0
+        source = passed * (1 - self.leaf_transmission - self.interleaf_leakage * strip)
+        reach = (self.row_taps.shape[0] - 1) // 2
+        padded = F.pad(source, (0, 0, reach, reach))  # leaves -R..51+R
+        strips = F.pad(strip, (0, 0, reach, reach))
+        own, groove = [], [0.0] * (2 * reach + 2)
+        for o in range(2 * reach + 1):
+            through = torch.einsum("...jr,rs->...js", row_weights, self.row_taps[o])
+            seen = through[..., None, :, :] * padded[..., o:o + NUM_LEAF_PAIRS, :]  # (..., F, 7, 52, 5)
+            rows = strips[o:o + NUM_LEAF_PAIRS]
+            own.append((seen * (1 - self.groove_share * rows)).sum(-1))
+            groove[o + 1] = groove[o + 1] + self.groove_share * seen[..., -1] * rows[:, -1]  # boundary below j + o
+            groove[o] = groove[o] + self.groove_share * seen[..., 0] * rows[:, 0]  # boundary above j + o
+        return torch.stack(own, -1), torch.stack(groove, -1)
+
+    def splat(self, positions: Tensor, weights: Tensor) -> Tensor:
+        """Edges at ``positions`` (..., K) mm with ``weights`` (..., K) -> their splat on the
+        lattice (..., ``lattice``): entry i is the integer position i + FIRST_BOUNDARY_MM - reach mm."""
+        lattice = positions - FIRST_BOUNDARY_MM + self.reach
+        index = lattice.floor()
+        fraction = lattice - index
+        index = index.long()
+        out = positions.new_zeros(*positions.shape[:-1], self.lattice + 2)
+        for offset, share in ((0, 1 - fraction), (1, fraction)):
+            where = (index + offset + 1).clamp(0, self.lattice + 1)  # slots 0 and lattice + 1 collect the outside
+            out.scatter_add_(-1, where, weights * share)
+        return out[..., 1:-1]
+
+    def blur(self, splats: Tensor) -> Tensor:
+        """Splats (..., lattice) -> differenced profiles (..., 255): the taps applied."""
+        flat = splats.reshape(-1, 1, splats.shape[-1])
+        return F.conv1d(flat, self.taps[None, None]).view(*splats.shape[:-1], GRID_SIZE - 1)
+
+    def correlate(self, rows: Tensor) -> Tensor:
+        """Differenced rows (..., 255) -> their correlation Y with the taps on the lattice (..., lattice)."""
+        reach = self.reach
+        flat = F.pad(rows.reshape(-1, 1, rows.shape[-1]), (2 * reach, 2 * reach))
+        return F.conv1d(flat, self.taps[None, None]).view(*rows.shape[:-1], self.lattice)
+
+
+def _row_taps(taps: Tensor) -> Tensor:
+    """M_o[r, r'] (2 R + 1, 5, 5): the vertical taps between pixel row r of a leaf and pixel row
+    r' of the leaf o rows on (offsets -reach..reach; R leaves the taps reach)."""
+    reach = (len(taps) - 1) // 2
+    leaves = math.ceil((reach + ROWS_PER_LEAF - 1) / ROWS_PER_LEAF)
+    rows = torch.arange(ROWS_PER_LEAF)
+    matrices = []
+    for o in range(-leaves, leaves + 1):
+        offset = rows[:, None] - rows[None, :] - ROWS_PER_LEAF * o
+        matrices.append(torch.where(offset.abs() <= reach, taps[(offset + reach).clamp(0, 2 * reach)], 0.0))
+    return torch.stack(matrices)
+
+
+def step_products(gram: Tensor, reach: int, first: Tensor, second: Tensor) -> Tensor:
+    """Inner products of the unit steps at ``first`` and ``second`` (same shape) mm, exact on an
+    unbounded row: the splat weights of both against G."""
+    def split(p: Tensor) -> tuple[Tensor, Tensor]:
+        index = p.floor()
+        return index, p - index
+
+    i, f = split(first)
+    j, g = split(second)
+    lag = (j - i).long()
+
+    def g_at(k: Tensor) -> Tensor:
+        return gram_at(gram, reach, k)
+
+    return ((1 - f) * (1 - g) + f * g) * g_at(lag) + (1 - f) * g * g_at(lag + 1) + f * (1 - g) * g_at(lag - 1)
+
+
+def gram_at(gram: Tensor, reach: int, lag: Tensor) -> Tensor:
+    """G at integer lags (any shape), 0 beyond +-2 reach."""
+    return torch.where(lag.abs() <= 2 * reach, gram[(lag + 2 * reach).clamp(0, 4 * reach)], 0.0)
+
+
+@functools.cache
+def _phase_error(sigma_mm: float) -> Tensor:
+    """(PHASES + 1, 2 M + 1): for 7 equally weighted sub-aperture steps from u (its cell phase on
+    the rows, the last row repeating the first) moving by d (columns, -M..M of ``TABLE_STEP_MM``),
+    sum_(t,t') A(p_t, p_t') less its mean over the phase; T of width ``sigma_mm``."""
+    taps, gram = _target_taps(sigma_mm)
+    reach = (len(taps) - 1) // 2
+    phase = torch.arange(PHASES + 1, dtype=torch.float64) / PHASES
+    motion = torch.arange(-MAX_MOTION_MM, MAX_MOTION_MM + TABLE_STEP_MM / 2, TABLE_STEP_MM, dtype=torch.float64)
+    t = torch.linspace(0.0, 1.0, SUB_APERTURES, dtype=torch.float64)
+    positions = phase[:, None, None] + motion[None, :, None] * t  # (phases, motions, 7)
+    products = step_products(gram, reach, positions[..., :, None], positions[..., None, :]).sum((-2, -1))
+    return (products - products[:-1].mean(0, keepdim=True)).float()
+
+
+def _target_taps(sigma_mm: float) -> tuple[Tensor, Tensor]:
+    """T's taps (float64, offsets -reach..reach, sum 1, reach = ceil(4 sigma)) and their gram G(k),
+    k = -2 reach..2 reach."""
+    reach = math.ceil(4 * sigma_mm)
+    offsets = torch.arange(-reach, reach + 1, dtype=torch.float64)
+    taps = torch.exp(-0.5 * (offsets / sigma_mm) ** 2)
+    taps = taps / taps.sum()
+    gram = torch.nn.functional.conv1d(F.pad(taps, (2 * reach, 2 * reach))[None, None], taps[None, None])[0, 0]
+    return taps, gram

@@ -1,0 +1,225 @@
+"""Apertures and their fluence on the 1 mm grid: opaque masks (the ideal synthesis) and the
+fluence of leaves and jaws with transmission, rounded leaf ends, tongue-and-groove and interleaf leakage.
+
+An aperture is open where jaw_1 <= y < jaw_2 and leaf_a[j(y)] <= x < leaf_b[j(y)], with lower
+edges rounded down and upper edges rounded up to whole millimetres (openings never shrink).
+Positions within ``EDGE_TOLERANCE_MM`` of a whole millimetre count as that millimetre, so that
+float round-off in interpolated positions cannot flip a pixel. Every pixel row lies in one leaf,
+so a row of an aperture is a box [column start, column stop): ``LeafGridBags`` sums the boxes of
+a frame's sub-apertures as weighted bags of rows of a cumulative table (``embedding_bag``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from epid.core.devices import Device, device_of, resolve_device
+from epid.synthesis.geometry import (
+    GRID_ORIGIN_MM,
+    GRID_SIZE,
+    IMAGER_MARGIN,
+    LEAF_GRID_ROWS,
+    MLC_Y_MIN_MM,
+    NUM_LEAF_PAIRS,
+    ROWS_PER_LEAF,
+    SUB_APERTURES,
+)
+from epid.synthesis.physics import Physics
+from epid.synthesis.sequences import ControlPoints
+
+Setting = float | torch.Tensor
+"""A physics setting: one value, or one per sample (a tensor that broadcasts)."""
+EDGE_TOLERANCE_MM = 1e-4
+"""Float32 positions are within 1e-5 mm of their 0.1 mm values; this absorbs that and round-off."""
+
+
+def rasterize(
+    leaf_a: np.ndarray | torch.Tensor,
+    leaf_b: np.ndarray | torch.Tensor,
+    jaw_1: np.ndarray | torch.Tensor,
+    jaw_2: np.ndarray | torch.Tensor,
+    *,
+    device: Device = None,
+) -> torch.Tensor:
+    """Aperture masks (..., 256, 256) float32 in {0, 1} for positions in mm.
+
+    leaf_a, leaf_b: (..., 52); jaw_1, jaw_2: (...). Accepts numpy arrays or tensors; the
+    result is on ``device``, else on the device of a tensor input, else on the CPU.
+    """
+    device = device_of(leaf_a, leaf_b, jaw_1, jaw_2) if device is None else resolve_device(device)
+    leaf_a, leaf_b, jaw_1, jaw_2 = (_as_float64(v) for v in (leaf_a, leaf_b, jaw_1, jaw_2))
+    batch_shape = np.broadcast_shapes(leaf_a.shape[:-1], leaf_b.shape[:-1], jaw_1.shape, jaw_2.shape)
+    edges = _aperture_edges(
+        np.broadcast_to(leaf_a, (*batch_shape, NUM_LEAF_PAIRS)).reshape(-1, 1, NUM_LEAF_PAIRS),
+        np.broadcast_to(leaf_b, (*batch_shape, NUM_LEAF_PAIRS)).reshape(-1, 1, NUM_LEAF_PAIRS),
+        np.broadcast_to(jaw_1, batch_shape).reshape(-1, 1),
+        np.broadcast_to(jaw_2, batch_shape).reshape(-1, 1),
+    )
+    weights = np.ones(edges.row_start.shape, dtype=np.float32)
+    masks = mask_images(edges.to(device), torch.from_numpy(weights).to(device))
+    return masks.reshape(*batch_shape, GRID_SIZE, GRID_SIZE)
+
+
+@dataclass(frozen=True)
+class ApertureEdges:
+    """Integer aperture edges of B apertures with S sub-apertures each (numpy or torch int64).
+
+    col_start, col_stop: (B, S, 52) columns [start, stop) open in each leaf's rows, 0..256.
+    row_start, row_stop: (B, S) rows [start, stop) of the leaf grid open between the jaws, 0..260.
+    open_rows: (first, stop) rows of the leaf grid open in any sub-aperture.
+    """
+
+    col_start: np.ndarray | torch.Tensor
+    col_stop: np.ndarray | torch.Tensor
+    row_start: np.ndarray | torch.Tensor
+    row_stop: np.ndarray | torch.Tensor
+    open_rows: tuple[int, int]
+
+    def to(self, device: torch.device) -> ApertureEdges:
+        """The edges as tensors on ``device``."""
+        values = (self.col_start, self.col_stop, self.row_start, self.row_stop)
+        return ApertureEdges(*(torch.as_tensor(v).to(device) for v in values), self.open_rows)
+
+
+class LeafGridBags:
+    """Rows [first_row, stop_row) of the leaf grid as weighted bags of cumulative-table rows.
+
+    Row q lies in leaf q // 5; in sub-aperture s it is the box [start, stop) of that leaf,
+    weighted by the sub-aperture's weight when the row is between its jaws. Through a
+    cumulative table T (257, W) the box becomes T[stop] - T[start], so one row is a bag of
+    2 S table rows with weights +w and -w, summed by ``embedding_bag`` without building the
+    per-sub-aperture images.
+    """
+
+    def __init__(self, edges: ApertureEdges, weights: torch.Tensor, first_row: int, stop_row: int) -> None:
+        rows = torch.arange(first_row, stop_row, device=weights.device)
+        leaf = rows // ROWS_PER_LEAF
+        inside = (rows[:, None] >= edges.row_start[:, None, :]) & (rows[:, None] < edges.row_stop[:, None, :])
+        row_weight = inside.to(weights.dtype) * weights[:, None, :]
+        col_stop = edges.col_stop.transpose(1, 2)[:, leaf]
+        col_start = edges.col_start.transpose(1, 2)[:, leaf]
+        self.batch, self.row_count = weights.shape[0], len(rows)
+        self.indices = torch.stack([col_stop, col_start], dim=-1).view(self.batch * self.row_count, -1)
+        self.weights = torch.stack([row_weight, -row_weight], dim=-1).view(self.batch * self.row_count, -1)
+
+    def rows(self, cumulative: torch.Tensor) -> torch.Tensor:
+        """(B, rows, W) weighted sums of boxes through the cumulative table (257, W)."""
+        summed = torch.nn.functional.embedding_bag(
+            self.indices, cumulative, per_sample_weights=self.weights, mode="sum"
+        )
+        return summed.view(self.batch, self.row_count, cumulative.shape[-1])
+
+
+def _aperture_edges(leaf_a: np.ndarray, leaf_b: np.ndarray, jaw_1: np.ndarray, jaw_2: np.ndarray) -> ApertureEdges:
+    """Edges of apertures given in mm: leaves (B, S, 52), jaws (B, S), float64."""
+    col_start = np.floor(leaf_a + EDGE_TOLERANCE_MM) - GRID_ORIGIN_MM
+    col_stop = np.ceil(leaf_b - EDGE_TOLERANCE_MM) - GRID_ORIGIN_MM
+    row_start = np.floor(jaw_1 + EDGE_TOLERANCE_MM) - MLC_Y_MIN_MM
+    row_stop = np.ceil(jaw_2 - EDGE_TOLERANCE_MM) - MLC_Y_MIN_MM
+    col_start = np.clip(col_start, 0, GRID_SIZE).astype(np.int64)
+    col_stop = np.clip(col_stop, col_start, GRID_SIZE).astype(np.int64)
+    row_start = np.clip(row_start, 0, LEAF_GRID_ROWS).astype(np.int64)
+    row_stop = np.clip(row_stop, row_start, LEAF_GRID_ROWS).astype(np.int64)
+    open_rows = (int(row_start.min(initial=LEAF_GRID_ROWS)), int(row_stop.max(initial=0)))
+    return ApertureEdges(col_start, col_stop, row_start, row_stop, open_rows)
+
+
+def interpolated_positions(control_points: ControlPoints, frames: np.ndarray) -> tuple[np.ndarray, ...]:
+    """leaf_a, leaf_b (F, 7, 52) and jaw_1, jaw_2 (F, 7) of the 7 sub-apertures of each frame,
+    float64 mm: linear interpolation from CP f - 1 to CP f."""
+    t = (np.arange(SUB_APERTURES, dtype=np.float64) / (SUB_APERTURES - 1))[None, :, None]
+
+    def interpolate(values: np.ndarray) -> np.ndarray:
+        before = values[frames - 1].astype(np.float64)
+        after = values[frames].astype(np.float64)
+        if before.ndim == 1:
+            return before[:, None] + t[..., 0] * (after - before)[:, None]
+        return before[:, None, :] + t * (after - before)[:, None, :]
+
+    return tuple(interpolate(getattr(control_points, name)) for name in ("leaf_a", "leaf_b", "jaw_1", "jaw_2"))
+
+
+def frame_edges(control_points: ControlPoints, frames: np.ndarray) -> ApertureEdges:
+    """Edges of the 7 sub-apertures of each frame."""
+    return _aperture_edges(*interpolated_positions(control_points, frames))
+
+
+def cell_coverage(lower: torch.Tensor, upper: torch.Tensor, centres: torch.Tensor) -> torch.Tensor:
+    """Length (mm) of the opening [lower, upper] inside each 1 mm cell: (..., n) in [0, 1]."""
+    low = torch.maximum(lower.unsqueeze(-1), centres - 0.5)
+    high = torch.minimum(upper.unsqueeze(-1), centres + 0.5)
+    return (high - low).clamp(0.0, 1.0)
+
+
+def aperture_fluence(leaf_a: torch.Tensor, leaf_b: torch.Tensor, jaw_1: torch.Tensor, jaw_2: torch.Tensor,
+                     weights: torch.Tensor, *, leaf_end_offset_a: Setting = 0.0, leaf_end_offset_b: Setting = 0.0,
+                     jaw_edge_offset: Setting = 0.0, tongue_groove_mm: Setting = 0.0,
+                     leaf_transmission: Setting = 0.0, interleaf_leakage: Setting = 0.0,
+                     jaw_transmission: Setting = 0.0) -> torch.Tensor:
+    """The fluence of B apertures on the leaf grid, (B, 260, 256), y ascending: the sum of the S
+    sub-apertures of each (leaves (B, S, 52), jaws (B, S), mm) weighted by ``weights`` (B, S).
+
+    A cell's fluence is the product of the jaws' and the leaves' transmission of it, each
+    t + (1 - t) x its open fraction (exact, not rounded to the grid). Bank A's edges move by
+    -``leaf_end_offset_a``, bank B's by +``leaf_end_offset_b`` and the jaws' by
+    -/+``jaw_edge_offset`` (mm; positive widens). In the 1 mm rows on either side of a boundary
+    between leaves, the part of the row inside the tongue-and-groove strip (``tongue_groove_mm``
+    wide, centred on the boundary) is open only where both leaves are, and closed leaves transmit
+    ``interleaf_leakage`` on top of ``leaf_transmission``. Transmissions are fractions. Serves the
+    synthesis (``epid.synthesis.physics`` settings as numbers) and the aperture models (learned tensors).
+    """
+    device, batch, sub_apertures = leaf_a.device, leaf_a.shape[0], leaf_a.shape[1]
+    columns = torch.arange(GRID_SIZE, device=device, dtype=torch.float32) + (GRID_ORIGIN_MM + 0.5)
+    rows = torch.arange(LEAF_GRID_ROWS, device=device, dtype=torch.float32) + (MLC_Y_MIN_MM + 0.5)
+    leaf_open = cell_coverage(leaf_a - leaf_end_offset_a, leaf_b + leaf_end_offset_b, columns).transpose(1, 2)
+    jaw_open = cell_coverage(jaw_1 - jaw_edge_offset, jaw_2 + jaw_edge_offset, rows)  # (B, S, 260)
+    jaw_fluence = (jaw_transmission + (1.0 - jaw_transmission) * jaw_open) * weights[:, :, None]
+    jaw_fluence = jaw_fluence.view(batch, sub_apertures, NUM_LEAF_PAIRS, ROWS_PER_LEAF).permute(0, 2, 3, 1)
+    first_open, last_open = leaf_open, leaf_open  # (B, 52, S, 256): of a leaf's first and last rows
+    if isinstance(tongue_groove_mm, torch.Tensor) or tongue_groove_mm > 0:
+        strip = (torch.as_tensor(tongue_groove_mm, device=device) / 2.0).clamp(0.0, 1.0)  # share of a row
+        both = torch.minimum(leaf_open[:, :-1], leaf_open[:, 1:])
+        first_open = torch.cat([leaf_open[:, :1], leaf_open[:, 1:] + strip * (both - leaf_open[:, 1:])], 1)
+        last_open = torch.cat([leaf_open[:, :-1] + strip * (both - leaf_open[:, :-1]), leaf_open[:, -1:]], 1)
+    open_fluence = torch.cat([  # (B, 52, 5, 256): sum over the sub-apertures of jaws x open fraction
+        torch.matmul(jaw_fluence[:, :, :1], first_open),
+        torch.matmul(jaw_fluence[:, :, 1:-1], leaf_open),
+        torch.matmul(jaw_fluence[:, :, -1:], last_open),
+    ], 2).view(batch, LEAF_GRID_ROWS, GRID_SIZE)
+    boundary = torch.zeros((LEAF_GRID_ROWS, 1), device=device)
+    boundary[ROWS_PER_LEAF - 1 : LEAF_GRID_ROWS - 1 : ROWS_PER_LEAF] = 1.0
+    boundary[ROWS_PER_LEAF :: ROWS_PER_LEAF] = 1.0
+    closed = leaf_transmission + interleaf_leakage * boundary  # (260, 1)
+    return open_fluence * (1.0 - closed) + jaw_fluence.sum(-1).reshape(batch, LEAF_GRID_ROWS, 1) * closed
+
+
+def physics_fluence(leaf_a: torch.Tensor, leaf_b: torch.Tensor, jaw_1: torch.Tensor, jaw_2: torch.Tensor,
+                    mu: torch.Tensor, physics: Physics) -> torch.Tensor:
+    """The fluence (B, 260, 256) of B frames with ``physics``: the 7 sub-apertures (leaves
+    (B, 7, 52), jaws (B, 7), mm) of each frame averaged and scaled by its MU (B,)."""
+    weights = (mu / SUB_APERTURES)[:, None].expand(-1, SUB_APERTURES)
+    return aperture_fluence(
+        leaf_a, leaf_b, jaw_1, jaw_2, weights,
+        leaf_end_offset_a=physics.leaf_end_offset_mm, leaf_end_offset_b=physics.leaf_end_offset_mm,
+        tongue_groove_mm=physics.tongue_groove_mm, leaf_transmission=physics.leaf_transmission_percent / 100.0,
+        interleaf_leakage=physics.interleaf_leakage_percent / 100.0,
+        jaw_transmission=physics.jaw_transmission_percent / 100.0,
+    )
+
+
+def mask_images(edges: ApertureEdges, weights: torch.Tensor) -> torch.Tensor:
+    """(B, 256, 256) weighted sums of the masks of each aperture's sub-apertures, final orientation."""
+    device = weights.device
+    columns = torch.arange(GRID_SIZE, device=device)
+    cumulative = (columns[None, :] < torch.arange(GRID_SIZE + 1, device=device)[:, None]).to(torch.float32)
+    rows = LeafGridBags(edges, weights, IMAGER_MARGIN, IMAGER_MARGIN + GRID_SIZE).rows(cumulative)
+    return rows.flip(-2)
+
+
+def _as_float64(values: np.ndarray | torch.Tensor) -> np.ndarray:
+    if isinstance(values, torch.Tensor):
+        values = values.detach().cpu().numpy()
+    return np.asarray(values, dtype=np.float64)

@@ -1,0 +1,344 @@
+"""Synthetic VMAT deliveries: the control points of each dataset ID.
+
+Each dataset ID is one synthetic arc of N control points (CPs): positions of 52 MLC leaf
+pairs (bank A ``leaf_a`` <= bank B ``leaf_b``, mm along x), two jaws (``jaw_1`` lower,
+``jaw_2`` upper, mm along y) and the MU of each CP. The pattern and the random seed follow
+from the ID alone, so the same ID gives the same arc on any machine.
+
+Everything is generated in whole tenths of a millimetre (and of an MU) as integers, so
+every limit holds exactly and the 0.1 rounding of the specification cannot break one.
+Motion comes in segments that start at random CPs: the jaws and leaves head for new goals
+at a segment speed. The whole arc is built with array operations, with no loop over CPs:
+
+- jaws: a bounded step per CP toward their goals, goals inside the jaw ranges, the upper
+  jaw pushed up where the lower one comes within the minimum gap;
+- leaves: each bank is a field V (CP x leaf) fitted to its targets under difference
+  constraints: at most 40 mm between consecutive CPs, at most the pattern's neighbour
+  limit between neighbouring leaves (0 for regular fields: one shared pair), at least the
+  minimum opening between the banks, inside the leaf travel. A band leaf shows V, the two
+  leaves on each side just outside the band show V of the edge leaf, the others are parked.
+  Wherever a leaf changes what it shows between two CPs (the band moved), the values it
+  shows before and after are held within 20 mm of its parked position, so that the change
+  stays within 40 mm. The parked positions themselves satisfy every constraint, so a fit
+  always exists; it is found exactly with min-plus envelopes (cumulative minima).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from epid.synthesis.geometry import LEAF_WIDTH_MM, MLC_Y_MIN_MM, NUM_LEAF_PAIRS
+
+NUM_DATASETS = 640
+DEFAULT_CONTROL_POINTS = 2050
+MIN_CONTROL_POINTS = 4
+"""The fewest control points an arc may have: two samples, one per split."""
+
+PATTERNS = ("regular", "semiregular", "irregular")
+MAX_JAW_STEP_MM = 20.0
+MAX_LEAF_STEP_MM = 40.0
+JAW_1_MIN_MM = -130.0
+JAW_2_MAX_MM = 130.0
+PARKED_LEAF_A_MM = -20.0
+PARKED_LEAF_B_MM = 20.0
+EDGE_COPY_LEAVES = 2
+"""Leaves on each side just outside the band that copy the nearest band leaf."""
+LEAF_RANGE_MM = (-120.0, 120.0)
+"""Travel allowed to band leaves, so that both field edges stay inside the imager."""
+MU_RANGE = (1.0, 40.0)
+
+_TENTHS = 10
+
+
+@dataclass(frozen=True)
+class PatternLimits:
+    """The limits of section 3 that differ between patterns (mm)."""
+
+    jaw_1_max_mm: float
+    min_jaw_gap_mm: float
+    min_leaf_gap_mm: float
+    max_neighbour_step_mm: float
+    """Largest difference between neighbouring band leaves; 0 means one shared pair."""
+
+
+PATTERN_LIMITS = {
+    "regular": PatternLimits(jaw_1_max_mm=110.0, min_jaw_gap_mm=20.0, min_leaf_gap_mm=20.0, max_neighbour_step_mm=0.0),
+    "semiregular": PatternLimits(
+        jaw_1_max_mm=120.0, min_jaw_gap_mm=10.0, min_leaf_gap_mm=10.0, max_neighbour_step_mm=10.0
+    ),
+    "irregular": PatternLimits(
+        jaw_1_max_mm=120.0, min_jaw_gap_mm=10.0, min_leaf_gap_mm=10.0, max_neighbour_step_mm=50.0
+    ),
+}
+
+_SEGMENT_PROBABILITY = 1.0 / 30.0
+"""Chance per CP that a new segment (new goals and speeds) starts."""
+
+
+@dataclass(frozen=True)
+class ControlPoints:
+    """The control points of one synthetic delivery (read-only float32 arrays).
+
+    leaf_a, leaf_b: (N, 52) leaf positions of banks A and B, mm along x.
+    jaw_1, jaw_2: (N,) lower and upper jaw positions, mm along y.
+    mu: (N,) monitor units delivered at each CP.
+    leaf_weight: (N, 52) 1.0 for leaves in [lo - 2, hi + 2) of the open band, else 0.5.
+    """
+
+    leaf_a: np.ndarray
+    leaf_b: np.ndarray
+    jaw_1: np.ndarray
+    jaw_2: np.ndarray
+    mu: np.ndarray
+    leaf_weight: np.ndarray
+    dataset_id: int
+    pattern: str
+
+    def __len__(self) -> int:
+        return int(self.mu.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the arrays."""
+        return sum(a.nbytes for a in (self.leaf_a, self.leaf_b, self.jaw_1, self.jaw_2, self.mu, self.leaf_weight))
+
+
+def pattern_for(dataset_id: int) -> str:
+    """The leaf pattern of a dataset ID: "regular", "semiregular" or "irregular"."""
+    _check_dataset_id(dataset_id)
+    if dataset_id < 80 or 320 <= dataset_id < 400:
+        return "regular"
+    if dataset_id < 160 or 400 <= dataset_id < 480:
+        return "semiregular"
+    return "irregular"
+
+
+def seed_for(dataset_id: int) -> int:
+    """The random seed of a dataset ID: 42 + id, or 43 + id for IDs 480-639."""
+    _check_dataset_id(dataset_id)
+    return (43 if dataset_id >= 480 else 42) + dataset_id
+
+
+def leaf_band(jaw_1: np.ndarray, jaw_2: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Open band of leaves [lo, hi) between the jaws (mm): lo = ceil((130 + jaw_1) / 5), hi likewise."""
+    lo = np.ceil((np.asarray(jaw_1, dtype=np.float64) - MLC_Y_MIN_MM) / LEAF_WIDTH_MM)
+    hi = np.ceil((np.asarray(jaw_2, dtype=np.float64) - MLC_Y_MIN_MM) / LEAF_WIDTH_MM)
+    return lo.astype(np.int64), hi.astype(np.int64)
+
+
+def leaf_weights(jaw_1: np.ndarray, jaw_2: np.ndarray) -> np.ndarray:
+    """Leaf weights (N, 52) float32 for jaws (N,) in mm: 1.0 for leaves in [lo - 2, hi + 2) of the
+    open band (``leaf_band``), else 0.5."""
+    lo, hi = leaf_band(jaw_1, jaw_2)
+    leaf = np.arange(NUM_LEAF_PAIRS)
+    shaping = (leaf >= lo[:, None] - EDGE_COPY_LEAVES) & (leaf < hi[:, None] + EDGE_COPY_LEAVES)
+    return np.where(shaping, 1.0, 0.5).astype(np.float32)
+
+
+def generate_control_points(dataset_id: int, n_control_points: int = DEFAULT_CONTROL_POINTS) -> ControlPoints:
+    """The N control points of a dataset ID, deterministic per ID (numpy Generator seeded by ``seed_for``)."""
+    if n_control_points < 1:
+        raise ValueError(f"n_control_points={n_control_points}: expected at least 1")
+    pattern = pattern_for(dataset_id)
+    limits = PATTERN_LIMITS[pattern]
+    rng = np.random.default_rng(seed_for(dataset_id))
+    starts = _segment_starts(rng, n_control_points)
+    jaws = _jaw_path(rng, limits, starts, n_control_points)
+    lo, hi = _band_edge_tenths(jaws[:, 0]), _band_edge_tenths(jaws[:, 1])
+    shown = _shown_leaf(lo, hi)
+    field = _leaf_field(_leaf_targets(rng, limits, starts, n_control_points), shown, limits)
+    shown_values = np.take_along_axis(field, np.maximum(shown, 0)[:, None, :], axis=2)
+    leaves = np.where(shown[:, None, :] >= 0, shown_values, _PARKED[None, :, None])
+    mu = rng.integers(round(MU_RANGE[0] * _TENTHS), round(MU_RANGE[1] * _TENTHS) + 1, size=n_control_points)
+    jaw_1, jaw_2 = _read_only_mm(jaws[:, 0]), _read_only_mm(jaws[:, 1])
+    return ControlPoints(
+        leaf_a=_read_only_mm(leaves[:, 0]),
+        leaf_b=_read_only_mm(leaves[:, 1]),
+        jaw_1=jaw_1,
+        jaw_2=jaw_2,
+        mu=_read_only_mm(mu),
+        leaf_weight=_read_only(leaf_weights(jaw_1, jaw_2)),
+        dataset_id=int(dataset_id),
+        pattern=pattern,
+    )
+
+
+def _check_dataset_id(dataset_id: int) -> None:
+    if not 0 <= dataset_id < NUM_DATASETS:
+        raise ValueError(f"dataset_id={dataset_id}: expected an integer in 0..{NUM_DATASETS - 1}")
+
+
+def _read_only(values: np.ndarray) -> np.ndarray:
+    values.flags.writeable = False
+    return values
+
+
+def _read_only_mm(tenths: np.ndarray) -> np.ndarray:
+    return _read_only(tenths.astype(np.float32) / np.float32(_TENTHS))
+
+
+def _tenths(mm: float) -> int:
+    return round(mm * _TENTHS)
+
+
+_LEAF_WIDTH = _tenths(LEAF_WIDTH_MM)
+_MLC_Y_MIN = _tenths(MLC_Y_MIN_MM)
+_PARKED = np.array([_tenths(PARKED_LEAF_A_MM), _tenths(PARKED_LEAF_B_MM)])
+_JAW_STEP = _tenths(MAX_JAW_STEP_MM)
+_LEAF_STEP = _tenths(MAX_LEAF_STEP_MM)
+_LEAF_MIN, _LEAF_MAX = (_tenths(v) for v in LEAF_RANGE_MM)
+_NEAR_PARKED = _LEAF_STEP // 2
+"""Largest distance from the parked position of a value shown before or after a band move."""
+
+
+def _band_edge_tenths(jaw: np.ndarray) -> np.ndarray:
+    """ceil((jaw - (-130 mm)) / 5 mm) for jaw positions in tenths of a mm (exact integer arithmetic)."""
+    return -((_MLC_Y_MIN - jaw) // _LEAF_WIDTH)
+
+
+def _segment_starts(rng: np.random.Generator, n: int) -> np.ndarray:
+    """First CP of each motion segment (0 first)."""
+    starts = rng.random(n) < _SEGMENT_PROBABILITY
+    starts[0] = True
+    return np.flatnonzero(starts)
+
+
+def _approach(start: np.ndarray, goals: np.ndarray, speeds: np.ndarray, starts: np.ndarray, n: int) -> np.ndarray:
+    """Positions (n, ...) that head for each segment's goal at its speed and then stay.
+
+    start: initial position (...); goals: (segments, ...); speeds: (segments, ...) per CP.
+    Consecutive positions differ by at most the segment's speed.
+    """
+    path = np.empty((n, *start.shape), dtype=np.int64)
+    position = start
+    stops = [*starts[1:], n]
+    for first, stop, goal, speed in zip(starts, stops, goals, speeds, strict=True):
+        reach = speed * np.arange(1, stop - first + 1).reshape(-1, *([1] * start.ndim))
+        path[first:stop] = position + np.clip(goal - position, -reach, reach)
+        position = path[stop - 1]
+    return path
+
+
+def _jaw_path(rng: np.random.Generator, limits: PatternLimits, starts: np.ndarray, n: int) -> np.ndarray:
+    """Jaws (n, 2) [jaw_1, jaw_2] in tenths: goals in range, steps <= 20 mm, gap >= the minimum."""
+    jaw_1_max, gap = _tenths(limits.jaw_1_max_mm), _tenths(limits.min_jaw_gap_mm)
+    count = len(starts)
+    jaw_1 = rng.integers(_tenths(JAW_1_MIN_MM), jaw_1_max + 1, size=count)
+    jaw_2 = rng.integers(jaw_1 + gap, _tenths(JAW_2_MAX_MM) + 1)
+    goals = np.stack([jaw_1, jaw_2], axis=1)
+    speeds = rng.integers(10, _JAW_STEP + 1, size=(count, 1))
+    path = _approach(goals[0], goals, speeds, starts, n)
+    # both paths step <= 20 mm, so does the larger of jaw_2 and jaw_1 + gap (<= jaw_1_max + gap = 130 mm)
+    path[:, 1] = np.maximum(path[:, 1], path[:, 0] + gap)
+    return path
+
+
+def _leaf_targets(rng: np.random.Generator, limits: PatternLimits, starts: np.ndarray, n: int) -> np.ndarray:
+    """Target positions (n, 2, 52) of both banks: segment goals approached at a segment speed, plus jitter.
+
+    Goal profiles already respect the pattern: one pair (regular), or centre and width
+    profiles that drift by at most a quarter of the neighbour limit per leaf.
+    """
+    count = len(starts)
+    shape = (count, NUM_LEAF_PAIRS)
+    gap = _tenths(limits.min_leaf_gap_mm)
+    drift = _tenths(limits.max_neighbour_step_mm) // 4
+    centre = rng.integers(-700, 701, size=(count, 1))
+    width = rng.integers(gap, 1201, size=(count, 1))
+    centre_profile = centre + np.cumsum(rng.integers(-drift, drift + 1, size=shape), axis=1)
+    centre_profile -= centre_profile[:, NUM_LEAF_PAIRS // 2, None] - centre
+    width_profile = np.maximum(width + np.cumsum(rng.integers(-drift, drift + 1, size=shape), axis=1), gap)
+    leaf_a = np.clip(centre_profile - width_profile // 2, _LEAF_MIN, _LEAF_MAX - gap)
+    leaf_b = np.clip(leaf_a + width_profile, leaf_a + gap, _LEAF_MAX)
+    goals = np.stack([leaf_a, leaf_b], axis=1)
+    speeds = rng.integers(20, _LEAF_STEP + 1, size=(count, 1, 1))
+    targets = _approach(goals[0], goals, speeds, starts, n)
+    targets += np.rint(rng.normal(0.0, 10.0, size=(n, 2, 1))).astype(np.int64)
+    if limits.max_neighbour_step_mm >= PATTERN_LIMITS["irregular"].max_neighbour_step_mm:
+        targets += np.rint(rng.normal(0.0, 10.0, size=(n, 2, NUM_LEAF_PAIRS))).astype(np.int64)
+    return targets
+
+
+def _shown_leaf(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """(n, 52): the band leaf whose value each leaf shows (itself, or the nearest edge for the
+    two leaves each side of the band), or -1 for a parked leaf."""
+    leaf = np.arange(NUM_LEAF_PAIRS)[None, :]
+    lo, hi = lo[:, None], hi[:, None]
+    shown = np.where((leaf >= lo) & (leaf < hi), leaf, -1)
+    shown = np.where((leaf >= lo - EDGE_COPY_LEAVES) & (leaf < lo), lo, shown)
+    return np.where((leaf >= hi) & (leaf < hi + EDGE_COPY_LEAVES), hi - 1, shown)
+
+
+def _near_parked_cells(shown: np.ndarray) -> np.ndarray:
+    """(n, 52) cells of the field shown just before or just after a leaf changes what it shows."""
+    cells = np.zeros(shown.shape, dtype=bool)
+    before, leaf = np.nonzero(shown[1:] != shown[:-1])
+    for cp in (before, before + 1):
+        source = shown[cp, leaf]
+        cells[cp[source >= 0], source[source >= 0]] = True
+    return cells
+
+
+def _lower_envelope(values: np.ndarray, step: int, axis: int) -> np.ndarray:
+    """min_i (values_i + step |i - j|) along ``axis``: the largest function <= values whose
+    neighbours along ``axis`` differ by at most ``step``."""
+    shape = [1] * values.ndim
+    shape[axis] = values.shape[axis]
+    ramp = (np.arange(values.shape[axis]) * step).reshape(shape)
+    reverse = [slice(None)] * values.ndim
+    reverse[axis] = slice(None, None, -1)
+    reverse = tuple(reverse)
+    forward = np.minimum.accumulate(values - ramp, axis=axis) + ramp
+    backward = np.minimum.accumulate((values + ramp)[reverse], axis=axis)[reverse] - ramp
+    return np.minimum(forward, backward)
+
+
+class _FieldLimits:
+    """Min-plus envelopes for fields (n, 52) with steps <= 40 mm between CPs and <= ``neighbour``
+    between leaves: the distance between cells is 400 |dn| + neighbour |dj| (tenths)."""
+
+    def __init__(self, neighbour_step: int) -> None:
+        self.neighbour_step = neighbour_step
+
+    def below(self, values: np.ndarray) -> np.ndarray:
+        """The largest field <= values within the limits."""
+        return _lower_envelope(_lower_envelope(values, _LEAF_STEP, 0), self.neighbour_step, 1)
+
+    def above(self, values: np.ndarray) -> np.ndarray:
+        """The smallest field >= values within the limits."""
+        return -self.below(-values)
+
+    def fit(self, target: np.ndarray, lower: np.ndarray, upper: np.ndarray) -> np.ndarray:
+        """A field within the limits and within tight bounds [lower, upper] (themselves envelopes),
+        near ``target``: the floor-midpoint of the envelopes of the clipped target, both of which
+        stay inside the bounds."""
+        clipped = np.clip(target, lower, upper)
+        return (self.below(clipped) + self.above(clipped)) // 2
+
+
+def _leaf_field(targets: np.ndarray, shown: np.ndarray, limits: PatternLimits) -> np.ndarray:
+    """Fields (n, 2, 52) of both banks fitted to ``targets``.
+
+    Constraints (tenths): step <= 400 between CPs and <= the neighbour limit between leaves
+    (the whole field, a stronger form of the band rule), travel in the leaf range, within
+    200 of the parked position on the cells returned by ``_near_parked_cells``, and
+    b - a >= the minimum opening. They are difference constraints; bank A's upper bounds
+    come through bank B's (a <= b - gap), bank B's lower bounds through bank A's.
+    """
+    field_limits = _FieldLimits(_tenths(limits.max_neighbour_step_mm))
+    gap = _tenths(limits.min_leaf_gap_mm)
+    near = _near_parked_cells(shown)
+    bounds = [
+        (np.where(near, parked - _NEAR_PARKED, _LEAF_MIN), np.where(near, parked + _NEAR_PARKED, _LEAF_MAX))
+        for parked in _PARKED
+    ]
+    (lower_a, upper_a), (lower_b, upper_b) = bounds
+    lower_a = field_limits.above(lower_a)
+    upper_b = field_limits.below(upper_b)
+    upper_a = field_limits.below(np.minimum(upper_a, upper_b - gap))
+    leaf_a = field_limits.fit(targets[:, 0], lower_a, upper_a)
+    lower_b = field_limits.above(np.maximum(lower_b, leaf_a + gap))
+    leaf_b = field_limits.fit(targets[:, 1], lower_b, upper_b)
+    return np.stack([leaf_a, leaf_b], axis=1)

@@ -1,0 +1,112 @@
+"""Whole-arc review: the segment of frames synthesised is the training synthesis, its errors
+match a hand computation over the jaw band, and ``inference_visualize.py --arc`` writes one
+figure per arc and arcs.csv."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from matplotlib.image import imread
+
+from epid.data.windows import split_range
+from epid.evaluation import arc_review
+from epid.evaluation.inference import SynthesisSettings
+from epid.models.checkpoint import save_checkpoint
+from epid.models.families import build_models
+from epid.synthesis.frames import render_frames
+from epid.synthesis.kernel import default_kernel
+from epid.synthesis.sequences import generate_control_points, leaf_band
+from tests.evaluation.test_inference import checkpoint_path, checkpoint_payload  # noqa: F401  (fixture)
+from tests.support import ROOT, clean_environment
+
+SETTINGS = SynthesisSettings(control_points=12, kernel="", noise_std=0.005, noise_seed=3, sources={})
+
+
+def test_a_segment_is_the_synthesis_of_its_frames_with_the_frame_before():
+    kernel = default_kernel()
+    control_points = generate_control_points(200, 12)
+    segment = arc_review.synthesise_segment(200, 4, 5, SETTINGS, kernel)
+    expected = render_frames(control_points, range(3, 9), kernel, dataset_id=200, noise_std=0.005, noise_seed=3)
+    assert torch.equal(segment.frames, expected)
+    np.testing.assert_array_equal(segment.leaf_b, control_points.leaf_b[4:9])
+    np.testing.assert_array_equal(segment.mu, control_points.mu[4:9])
+    at_start = arc_review.synthesise_segment(200, 1, 3, SETTINGS, kernel)
+    assert torch.equal(at_start.frames[0], torch.zeros(256, 256))
+    assert torch.equal(at_start.frames[1:], render_frames(control_points, range(1, 4), kernel, dataset_id=200,
+                                                          noise_std=0.005, noise_seed=3))
+    with pytest.raises(ValueError, match="inside 1..11"):
+        arc_review.synthesise_segment(200, 10, 3, SETTINGS, kernel)
+
+
+def test_the_validation_segment_starts_after_every_training_curr_frame():
+    n_train = split_range(12, "val").start
+    assert arc_review.first_frame("val", 12) == n_train + 2 == 10
+    assert arc_review.first_frame("train", 12) == arc_review.first_frame("all", 12) == 1
+
+
+def test_errors_of_a_hand_worked_estimate_count_only_the_jaw_band():
+    segment = arc_review.synthesise_segment(100, 1, 4, SETTINGS, default_kernel())
+    offsets = np.zeros((4, 52), dtype=np.float32)
+    offsets[:, ::2] = 1.5  # every even leaf of bank A 1.5 mm out, the rest exact
+    jaws = np.stack([segment.jaw_1, segment.jaw_2], 1) + np.array([0.25, -0.75], dtype=np.float32)
+    estimate = arc_review.ArcEstimate(
+        leaf_a=torch.from_numpy(segment.leaf_a + offsets), leaf_b=torch.from_numpy(segment.leaf_b.copy()),
+        jaws=torch.from_numpy(jaws), mu=torch.from_numpy(segment.mu * 1.02), method="arc")
+    errors = arc_review.arc_errors(estimate, segment)
+    lo, hi = leaf_band(segment.jaw_1, segment.jaw_2)
+    band = [(k, j) for k in range(4) for j in range(52) if lo[k] <= j < hi[k]]
+    scored = [offsets[k, j] for k, j in band] + [0.0] * len(band)
+    assert errors["leaves"] == len(scored)
+    assert errors["leaf_mae_mm"] == pytest.approx(np.mean(scored), abs=1e-5)
+    assert errors["leaf_rms_mm"] == pytest.approx(np.sqrt(np.mean(np.square(scored))), abs=1e-5)
+    assert errors["within_1mm"] == pytest.approx(100 * np.mean(np.array(scored) <= 1), abs=1e-4)
+    assert errors["jaw_mae_mm"] == pytest.approx(0.5, abs=1e-5)
+    assert errors["mu_error_percent"] == pytest.approx(2.0, abs=1e-3)
+    pooled = arc_review.pooled_errors([errors, {**errors, "leaves": 3 * errors["leaves"], "jaw_mae_mm": 1.5}])
+    assert pooled["leaf_mae_mm"] == pytest.approx(errors["leaf_mae_mm"])
+    assert pooled["jaw_mae_mm"] == pytest.approx(1.0)
+
+
+def test_inference_visualize_arc_writes_a_figure_per_arc_and_the_table(checkpoint_path, tmp_path):  # noqa: F811
+    output = tmp_path / "arcs"
+    command = [sys.executable, str(ROOT / "inference_visualize.py"), "--checkpoint", str(checkpoint_path), "--arc",
+               "--arc-frames", "3", "--split", "all", "--dataset-ids", "0,200", "--device", "cpu",
+               "--output-dir", str(output)]
+    result = subprocess.run(command, check=False, capture_output=True, text=True, env=clean_environment(), timeout=300)
+    assert result.returncode == 0, result.stderr
+    with open(output / "arcs.csv", newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    assert [(row["dataset_id"], row["pattern"], row["frames"], row["first_frame"]) for row in rows] == [
+        ("0", "regular", "3", "1"), ("200", "irregular", "3", "1")]
+    assert {row["method"] for row in rows} == {"network"}  # a legacy pair cannot refine
+    assert all(np.isfinite(float(row[key])) for row in rows for key in arc_review.ERROR_KEYS)
+    image = imread(output / "arc_200.png")
+    assert image.shape[:2] == (1300, 1700) and image[..., :3].std() > 0.05
+
+
+def test_bench_reconstruct_reports_every_method_on_held_out_arcs(tmp_path):
+    torch.manual_seed(0)
+    checkpoint = tmp_path / "aperture.pth"
+    save_checkpoint(checkpoint, checkpoint_payload(*build_models("tiny", "aperture")))
+    output = tmp_path / "reconstruct.json"
+    command = [sys.executable, "-m", "bench.bench_reconstruct", "--checkpoint", str(checkpoint), "--frames", "3",
+               "--stages", "2:1,0.5:0.25", "--device", "cpu", "--output", str(output)]
+    result = subprocess.run(command, cwd=ROOT, check=False, capture_output=True, text=True, env=clean_environment(),
+                            timeout=300)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(output.read_text())
+    assert report["arcs"] == [2, 82, 162]  # one held-out (2 mod 4) arc of each pattern
+    assert set(report["summary"]) == {"network", "pair", "arc"}
+    for figures in report["summary"].values():
+        assert figures["frames_per_second"] > 0 and figures["leaves"] > 0
+        assert 0 <= figures["within_1mm"] <= 100 and np.isfinite(figures["leaf_mae_mm"])
+    assert "leaf tracking stages (range, step mm): ((2.0, 1.0), (0.5, 0.25))" in result.stdout
+    arc = report["summary"]["arc"]
+    verdict = "met" if arc["within_1mm"] >= 99.0 else "MISSED"
+    assert f"within 1 mm {verdict}" in result.stdout.splitlines()[-1]

@@ -1,0 +1,306 @@
+"""Real plans in use: training on the arcs of RT Plans (EPID_PLANS), a plan's frames predicted,
+the delivery QA report against measured frames (epid.evaluation.plan_qa, inference_visualize.py --plan),
+the DICOM exports, and the one-line errors on bad input.
+
+The end-to-end run is tiny: two synthetic arcs of 12 and 16 control points written as RT Plans,
+one epoch of the tiny legacy models on two CPU ranks (gloo), then --plan with --frames from an
+RT Image of the synthesised frames.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import inference_visualize
+from epid.config.load import Config, load_config
+from epid.config.variables import ConfigError
+from epid.core.errors import InputError
+from epid.data.cache import plan_cache_key
+from epid.data.dataset import EpidData
+from epid.data.plans import scan_plans
+from epid.dicom.image import read_frames, write_frames
+from epid.dicom.plan import read_plan, write_plan
+from epid.evaluation import arc_review, plan_qa
+from epid.models.checkpoint import load_checkpoint
+from epid.models.families import build_models, predict_frames
+from epid.synthesis.frames import render_frames
+from epid.synthesis.kernel import default_kernel
+from epid.synthesis.sequences import generate_control_points
+from tests.support import ROOT, TINY_RUN, clean_environment
+
+ARCS = {5: 12, 200: 16}  # dataset ID -> control points of the arcs written as plans
+pytestmark = pytest.mark.timeout(240)
+
+
+def write_arcs(folder: Path) -> dict[int, Path]:
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = {}
+    for dataset_id, count in ARCS.items():
+        paths[dataset_id] = folder / f"arc_{dataset_id:03d}.dcm"
+        write_plan(paths[dataset_id], generate_control_points(dataset_id, count), label=f"arc {dataset_id}")
+    return paths
+
+
+def run(script: str, *arguments: str, **environment: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / script), *arguments], env=clean_environment(**environment),
+                          cwd=ROOT, capture_output=True, text=True, timeout=180, check=False)
+
+
+def synthesised(dataset_id: int, count: int) -> np.ndarray:
+    """Frames 1..count-1 of a synthetic arc, as training renders them (no noise)."""
+    control_points = generate_control_points(dataset_id, count)
+    return render_frames(control_points, range(1, count), default_kernel(), dataset_id=dataset_id,
+                         noise_std=0.0).numpy()
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> dict[str, Path]:
+    """Two plans and a checkpoint trained one epoch on them over two ranks, with a frame cache."""
+    root = tmp_path_factory.mktemp("plans_run")
+    plans = write_arcs(root / "plans")
+    checkpoint = root / "run" / "epid.pth"
+    result = run("generate_and_train.py", **TINY_RUN, EPID_PLANS=str(root / "plans"), EPID_WORLD_SIZE="2",
+                 EPID_BACKEND="gloo", EPID_BATCH_SIZE="4", EPID_GAMMA_SAMPLES="2", EPID_EPOCHS="1",
+                 EPID_CACHE_DIR=str(root / "cache"), EPID_CHECKPOINT_PATH=str(checkpoint))
+    assert result.returncode == 0, result.stderr[-3000:]
+    return {"root": root, "checkpoint": checkpoint, "cache": root / "cache", "stdout": result.stdout, **{
+        f"plan_{dataset_id}": path for dataset_id, path in plans.items()}}
+
+
+@pytest.fixture(scope="module")
+def report(trained) -> dict[str, object]:
+    """Arc 5 exported by the script (plan and synthesised frames), then --plan with --frames."""
+    folder = trained["root"] / "qa"
+    exported = run("inference_visualize.py", "--checkpoint", str(trained["checkpoint"]), "--dataset-ids", "5",
+                   "--export-plan", str(folder / "arc5.dcm"), "--export-frames", str(folder / "arc5_frames.dcm"),
+                   "--device", "cpu", EPID_CONTROL_POINTS="12")
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    output = folder / "report"
+    result = run("inference_visualize.py", "--checkpoint", str(trained["checkpoint"]), "--plan",
+                 str(folder / "arc5.dcm"), "--frames", str(folder / "arc5_frames.dcm"), "--export-frames",
+                 str(folder / "predicted.dcm"), "--output-dir", str(output), "--device", "cpu")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return {"folder": folder, "output": output, "stdout": result.stdout}
+
+
+# --------------------------------------------------------------------------- training on plans
+
+
+def test_training_on_plans_shards_the_arcs_and_caches_each_by_its_plan(trained):
+    stdout = trained["stdout"]
+    assert "plan arc 0" in stdout and "arc_005.dcm beam 1 (ARC), 12 control points" in stdout
+    assert "arc_200.dcm beam 1 (ARC), 16 control points" in stdout
+    assert "rank 0: 1 dataset(s)" in stdout and "rank 1: 1 dataset(s)" in stdout
+    cached = sorted(path.name for path in trained["cache"].glob("*.f16"))
+    assert len(cached) == 2 and cached[0].split("_")[2] != cached[1].split("_")[2]
+    checkpoint = load_checkpoint(trained["checkpoint"])
+    arcs = checkpoint["config"]["plan_arcs"]
+    assert [arc["control_points"] for arc in arcs] == [12, 16] and all(len(arc["sha256"]) == 64 for arc in arcs)
+    assert checkpoint["dataset_ids"] == [0, 1]
+
+
+def test_plan_arcs_give_their_own_lengths_frames_and_cache_keys(tmp_path):
+    write_arcs(tmp_path / "plans")
+    arcs = scan_plans(tmp_path / "plans", 4)
+    assert [arc.control_points for arc in arcs] == [12, 16]
+    cached = EpidData([0, 1], noise_std=0.0, cache_dir=tmp_path / "cache", plan_arcs=arcs)
+    direct = EpidData([0, 1], noise_std=0.0, plan_arcs=arcs)
+    assert [len(direct.windows("train", 4)), len(direct.windows("val", 4))] == [2 + 3, 1 + 1]
+    control_points = direct.control_points_for(1)
+    assert control_points.pattern == "plan" and len(control_points) == 16
+    np.testing.assert_allclose(control_points.leaf_a, generate_control_points(200, 16).leaf_a, atol=0.051)
+    window = direct.windows("val", 4)[-1]
+    batch, from_cache = direct.make_batch(window, "cpu"), cached.make_batch(window, "cpu")
+    torch.testing.assert_close(from_cache.epid_curr, batch.epid_curr, atol=2e-2, rtol=1e-3)  # float16 cache
+    keys = [plan_cache_key(arc, default_kernel(), 0.0, 0, "engine") for arc in arcs]
+    assert keys[0]["plan_sha256"] != keys[1]["plan_sha256"] and keys[0]["n_control_points"] == 12
+
+
+def test_bad_plans_are_refused_when_the_config_is_read(tmp_path):
+    plans = tmp_path / "plans"
+    write_arcs(plans)
+    config = load_config({"EPID_PLANS": str(plans)})
+    assert config.dataset_ids == (0, 1) and [config.arc_control_points(i) for i in (0, 1)] == [12, 16]
+    assert Config.from_dict(config.to_dict()) == config
+    with pytest.raises(ConfigError, match="EPID_DATASET_IDS='3'.*EPID_PLANS is set"):
+        load_config({"EPID_PLANS": str(plans), "EPID_DATASET_IDS": "3"})
+    with pytest.raises(ConfigError, match="EPID_PLANS=.*rank 2 would get no dataset"):
+        load_config({"EPID_PLANS": str(plans), "EPID_WORLD_SIZE": "3"})
+    write_plan(plans / "short.dcm", generate_control_points(7, 3))
+    with pytest.raises(ConfigError, match=r"EPID_PLANS=.*short\.dcm: beam 1 \(ARC\): 3 control points"):
+        load_config({"EPID_PLANS": str(plans)})
+    (plans / "short.dcm").write_text("not a plan\n")
+    with pytest.raises(ConfigError, match=r"short\.dcm: not a DICOM file") as error:
+        load_config({"EPID_PLANS": str(plans)})
+    assert "\n" not in str(error.value)
+    with pytest.raises(ConfigError, match="no such folder"):
+        load_config({"EPID_PLANS": str(tmp_path / "missing")})
+
+
+# --------------------------------------------------------------------------- the report
+
+
+def test_plan_with_measured_frames_writes_the_report(report):
+    output = report["output"]
+    summary = json.loads((output / "qa_summary.json").read_text())
+    assert set(plan_qa.SUMMARY_KEYS) <= set(summary) and {"checkpoint", "epoch"} <= set(summary)
+    assert (summary["beam"], summary["control_points"], summary["frames"]) == (1, 12, 11)
+    assert (summary["first_control_point"], summary["last_control_point"]) == (1, 11)
+    for key in ("gamma_3_2mm_mean", "gamma_3_2mm_min", "gamma_3_2mm_integrated", "gamma_2_2mm_mean"):
+        assert 0.0 <= summary[key] <= 100.0
+    assert summary["gamma_2_2mm_mean"] <= summary["gamma_3_2mm_mean"] + 1e-6
+    assert 0 <= summary["frames_passing_3_2mm"] <= 11
+    assert summary["reconstruction"] == "network"  # the legacy models cannot refine
+    assert summary["reconstructed_control_points"] == 11 and summary["leaves_scored"] > 0
+    for key in ("leaf_mae_mm", "leaf_max_mm", "jaw_mae_mm", "mu_total_error_percent"):
+        assert math.isfinite(summary[key])
+    assert 0.0 <= summary["leaf_within_1mm_percent"] <= 100.0
+    assert set(summary["criteria"]) == {"gamma_3_2mm_frames", "gamma_3_2mm_integrated", "leaf_1mm"}
+    assert summary["pass"] == all(item["pass"] for item in summary["criteria"].values())
+    with open(output / "qa_frames.csv", newline="") as handle:
+        frames = list(csv.DictReader(handle))
+    assert [int(row["control_point"]) for row in frames] == list(range(1, 12))
+    assert set(frames[0]) == set(plan_qa.FRAME_COLUMNS)
+    with open(output / "qa_leaves.csv", newline="") as handle:
+        leaves = list(csv.DictReader(handle))
+    assert len(leaves) == 11 * 104 and set(leaves[0]) == set(plan_qa.LEAF_COLUMNS)
+    for name in ("plan_frames.png", "qa_gamma.png", "qa_leaves.png", "qa_worst_frame.png"):
+        assert (output / name).stat().st_size > 10_000
+    assert "overall:" in report["stdout"]
+
+
+def test_exports_read_back(report):
+    folder = report["folder"]
+    (beam,) = read_plan(folder / "arc5.dcm")
+    np.testing.assert_allclose(beam.control_points.jaw_1, generate_control_points(5, 12).jaw_1, atol=1e-4)
+    measured = read_frames(folder / "arc5_frames.dcm")
+    assert measured.control_point_index.tolist() == list(range(1, 12))
+    expected = synthesised(5, 12)
+    noise_std = 0.005 * generate_control_points(5, 12).mu[1:] / np.sqrt(7)  # the checkpoint's noise per frame
+    error = np.abs(measured.frames - expected).max(axis=(1, 2))
+    assert np.all(error <= 6 * noise_std + 1e-3 * expected.max())
+    predicted = read_frames(folder / "predicted.dcm")
+    assert predicted.frames.shape == (11, 256, 256) and predicted.control_point_index.tolist() == list(range(1, 12))
+
+
+def test_bad_input_exits_2_with_one_line_naming_the_file(tmp_path, trained):
+    not_a_plan = tmp_path / "notes.txt"
+    not_a_plan.write_text("hello\n")
+    output = tmp_path / "out"
+    result = run("inference_visualize.py", "--checkpoint", str(trained["checkpoint"]), "--plan", str(not_a_plan),
+                 "--output-dir", str(output))
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1 and str(not_a_plan) in result.stderr and "not a DICOM file" in result.stderr
+    assert not output.exists()
+
+
+@pytest.mark.parametrize("case", ["outside", "gap", "beam", "frames alone", "with ids", "export no id", "folder",
+                                  "over the plan"])
+def test_bad_arguments_and_frames_are_refused_before_anything_is_written(tmp_path, case):
+    plan = write_arcs(tmp_path / "plans")[5]
+    frames = synthesised(5, 12)
+    images = tmp_path / "frames.dcm"
+    output = tmp_path / "out"
+    arguments = ["--checkpoint", str(tmp_path / "missing.pth"), "--output-dir", str(output), "--plan", str(plan),
+                 "--frames", str(images)]
+    if case == "outside":
+        write_frames(images, frames, control_point_index=range(2, 13))
+        expected = r"frames\.dcm: measured frames of control points 2\.\.12: outside the frames 1\.\.11"
+    elif case == "gap":
+        write_frames(images, frames[:4], control_point_index=[1, 2, 4, 5])
+        expected = "not consecutive \\(no frame of control point 3\\)"
+    elif case == "beam":
+        arguments = arguments[:6] + ["--beam", "3"]
+        expected = "arc_005.dcm: no beam 3"
+    elif case == "frames alone":
+        arguments = ["--frames", str(images)]
+        expected = "--frames: needs --plan"
+    elif case == "with ids":
+        arguments = arguments[:6] + ["--dataset-ids", "5"]
+        expected = "--dataset-ids: not with --plan"
+    elif case == "export no id":
+        arguments = ["--export-plan", str(tmp_path / "arc.dcm")]
+        expected = "expected one dataset ID"
+    elif case == "folder":
+        arguments = ["--dataset-ids", "5", "--export-plan", str(tmp_path)]
+        expected = "--export-plan .*: a folder"
+    else:
+        arguments = arguments[:6] + ["--export-frames", str(plan)]
+        expected = "--export-frames .*arc_005.dcm.*: is an input file"
+    with pytest.raises(InputError, match=expected):
+        inference_visualize.main(arguments)
+    assert not output.exists() and not (tmp_path / "arc.dcm").exists()
+
+
+# --------------------------------------------------------------------------- epid.evaluation.plan_qa
+
+
+def test_predicted_plan_frames_carry_the_models_own_lag():
+    torch.manual_seed(0)
+    forward_model = build_models("tiny", "aperture")[0].eval()
+    with torch.no_grad():
+        forward_model.lag_percent.fill_(5.0)
+    control_points = generate_control_points(80, 6)
+    predicted = plan_qa.predict_plan_frames(forward_model, control_points, batch_size=2)
+    leaf_a, leaf_b, scalars = plan_qa.frame_inputs(control_points)
+    previous = torch.zeros(1, 1, 256, 256)
+    with torch.no_grad():
+        for k in range(5):
+            previous, _ = predict_frames(forward_model, leaf_a[k:k + 1], leaf_b[k:k + 1], scalars[k:k + 1], previous)
+            torch.testing.assert_close(predicted[k], previous[0, 0], atol=1e-4, rtol=1e-4)
+    assert scalars[0].tolist()[1:] == [control_points.jaw_1[0], control_points.jaw_1[1], control_points.jaw_2[0],
+                                       control_points.jaw_2[1]]
+
+
+def qa_of(tmp_path: Path, estimate_from_plan: bool, first: int = 1) -> plan_qa.PlanQA:
+    """QA of arc 5 (12 control points) against its own synthesised frames from frame ``first``:
+    predictions equal to the measured frames; the reconstruction the plan itself or an
+    untrained aperture pair's short arc fit."""
+    plan = write_arcs(tmp_path / "plans")[5]
+    (beam,) = read_plan(plan)
+    images = tmp_path / "frames.dcm"
+    write_frames(images, synthesised(5, 12)[first - 1:], control_point_index=range(first, 12))
+    measured = read_frames(images)
+    points = plan_qa.match_frames(beam, measured)
+    frames = torch.from_numpy(np.array(measured.frames))
+    gamma = plan_qa.frame_gamma(frames, frames.clone(), batch_size=4)
+    segment = plan_qa.plan_segment(beam, points, frames)
+    if estimate_from_plan:
+        estimate = arc_review.ArcEstimate(
+            torch.from_numpy(segment.leaf_a), torch.from_numpy(segment.leaf_b),
+            torch.from_numpy(np.stack([segment.jaw_1, segment.jaw_2], 1)), torch.from_numpy(segment.mu), "arc")
+    else:
+        torch.manual_seed(0)
+        estimate = plan_qa.reconstruct(build_models("tiny", "aperture"), segment, "arc", stages=((1.0, 0.5),))
+    return plan_qa.PlanQA(beam, measured, points, frames, gamma, segment, estimate)
+
+
+def test_a_delivery_that_matches_its_plan_passes_every_criterion(tmp_path):
+    summary = plan_qa.summarise(qa_of(tmp_path, estimate_from_plan=True))
+    assert summary["gamma_3_2mm_mean"] == summary["gamma_3_2mm_min"] == summary["gamma_3_2mm_integrated"] == 100.0
+    assert summary["frames_passing_3_2mm"] == 11 and summary["frames_passing_2_2mm"] == 11
+    assert summary["leaf_mae_mm"] == summary["leaf_max_mm"] == 0.0 and summary["leaf_within_1mm_percent"] == 100.0
+    assert summary["jaw_mae_mm"] == 0.0 and abs(summary["mu_total_error_percent"]) < 1e-4
+    assert summary["pass"] and all(item["pass"] for item in summary["criteria"].values())
+
+
+def test_arc_fit_from_a_later_frame_scores_the_control_points_after_it(tmp_path):
+    qa = qa_of(tmp_path, estimate_from_plan=False, first=3)
+    assert qa.points.tolist() == list(range(3, 12)) and qa.scored_points().tolist() == list(range(4, 12))
+    assert qa.estimate.method == "arc" and qa.estimate.leaf_a.shape == (8, 52)
+    summary = plan_qa.write_report(qa, tmp_path, "test")
+    assert summary["reconstructed_control_points"] == 8 and math.isfinite(summary["leaf_mae_mm"])
+    assert summary["worst_leaf"]["control_point"] in range(4, 12) and summary["worst_leaf"]["bank"] in "AB"
+    with open(tmp_path / "qa_frames.csv", newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    assert rows[0]["control_point"] == "3" and rows[0]["mu_reconstructed"] == "" and rows[1]["mu_reconstructed"]
+    assert json.loads((tmp_path / "qa_summary.json").read_text())["first_control_point"] == 3

@@ -1,0 +1,268 @@
+"""Reconstruction of control points from consecutive frames: leaf tracking settles what a frame
+pair cannot (a leaf that goes out and comes back), its pair costs are the misfit of the rendered
+steps, a whole arc with the lag taken out with the recorded frame before, and which
+reconstruction a model pair gets."""
+
+from __future__ import annotations
+
+from unittest import mock
+
+import numpy as np
+import torch
+from torch import nn
+
+from epid.models.aperture import LeafEdgeInverseConfig
+from epid.models.families import build_models
+from epid.reconstruction import estimate as estimate_module
+from epid.reconstruction import leaves
+from epid.reconstruction import rows as rows_module
+from epid.reconstruction.estimate import reconstruct_arc
+
+JAWS = (-40.0, 45.0)
+"""jaw_1, jaw_2 (mm) of every control point: rows 18..34 open."""
+OPEN_ROWS = slice(19, 34)
+
+
+def forward_with_2mm_response(lag_percent: float = 0.0) -> nn.Module:
+    """The tiny aperture forward model, every Gaussian of its response 2 mm wide, with a lag."""
+    torch.manual_seed(0)
+    forward, _ = build_models("tiny", "aperture")
+    with torch.no_grad():
+        forward.response.profile_x.log_width.fill_(np.log(2.0))
+        forward.response.profile_y.log_width.fill_(np.log(2.0))
+        forward.lag_percent.fill_(lag_percent)
+    return forward.eval()
+
+
+def with_real_mlc(forward: nn.Module) -> nn.Module:
+    """``forward`` with a real MLC's learned physics: 0.5 % leaf and 0.1 % jaw transmission, 0.5 %
+    interleaf leakage, a 0.8 mm tongue-and-groove strip, leaf ends 0.6 mm out."""
+    with torch.no_grad():
+        aperture = forward.aperture
+        aperture.leaf_transmission_percent.fill_(0.5)
+        aperture.jaw_transmission_percent.fill_(0.1)
+        aperture.interleaf_leakage_percent.fill_(0.5)
+        aperture.tongue_groove_mm.fill_(0.8)
+        aperture.leaf_end_offset.fill_(0.6)
+    return forward
+
+
+def out_and_back(points: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Control points (points, 52) of leaves that go 6 mm out and come back, then rest: bank A at
+    x0, x0 + 6, x0, x0, ... (x0 off the grid, differing per row), bank B 30 mm beyond; jaws (points, 2)."""
+    x0 = -20.3 + 0.7 * (torch.arange(52) % 5)
+    offsets = torch.tensor([0.0, 6.0] + [0.0] * (points - 2))
+    leaf_a = x0[None, :] + offsets[:, None]
+    return leaf_a, leaf_a + 30.0, torch.tensor(JAWS).repeat(points, 1)
+
+
+def render(forward: nn.Module, leaf_a: torch.Tensor, leaf_b: torch.Tensor, jaws: torch.Tensor) -> torch.Tensor:
+    """Signals per MU (N, 256, 256) of the motions between consecutive control points (N + 1, ...)."""
+    scalars = torch.cat([torch.ones(len(jaws) - 1, 1), jaws[:-1, :1], jaws[1:, :1], jaws[:-1, 1:], jaws[1:, 1:]], 1)
+    with torch.no_grad():
+        return forward.render(torch.cat([leaf_a[:-1], leaf_a[1:]], 1), torch.cat([leaf_b[:-1], leaf_b[1:]], 1),
+                              scalars)[0]
+
+
+def record(forward: nn.Module, leaf_a: torch.Tensor, leaf_b: torch.Tensor, jaws: torch.Tensor, mu: torch.Tensor,
+           before: torch.Tensor) -> torch.Tensor:
+    """Recorded frames (N, 256, 256) of control points 0..N: the forward model's signal of each
+    motion times its MU, with the lag of the recorded frame before (``before`` for the first)."""
+    signals = render(forward, leaf_a, leaf_b, jaws) * mu[:, None, None]
+    lag = float(forward.lag_fraction.detach())
+    recorded = [before]
+    for signal in signals:
+        recorded.append((1 - lag) * signal + lag * recorded[-1])
+    return torch.stack(recorded[1:])
+
+
+def track(forward: nn.Module, frames: torch.Tensor, leaf_a: torch.Tensor, leaf_b: torch.Tensor,
+          jaws: torch.Tensor, stages=((8.0, 0.5), (1.0, 0.1))) -> leaves.Tracked:
+    """``track_leaves`` on one run of lag-free frames (N, 256, 256) from control points (N + 1, ...)."""
+    domain = rows_module.RowDomain.of(forward)
+    return leaves.track_leaves(domain, frames[None], leaf_a[None], leaf_b[None], jaws[None], stages)
+
+
+def test_three_frames_settle_the_excursion_a_pair_leaves_open():
+    forward = forward_with_2mm_response()
+    leaf_a, leaf_b, jaws = out_and_back(4)
+    frames = record(forward, leaf_a, leaf_b, jaws, torch.tensor([8.0, 12.0, 10.0]), torch.zeros(256, 256))
+    # the mirror excursion (x0 + 6, x0, x0 + 6) renders the first two frames alike: a pair cannot choose
+    mirror = torch.stack([leaf_a[1], leaf_a[0], leaf_a[1]])
+    torch.testing.assert_close(render(forward, leaf_a[:3], leaf_b[:3], jaws[:3]),
+                               render(forward, mirror, mirror + 30.0, jaws[:3]))
+
+    neutral = torch.full_like(leaf_a, 3.0) + leaf_a[0]  # every point at the mean position
+    tracked = track(forward, frames, neutral, neutral + 30.0, jaws)
+    for fitted, truth in ((tracked.leaf_a[0], leaf_a), (tracked.leaf_b[0], leaf_b)):
+        error = (fitted - truth)[:, OPEN_ROWS].abs()
+        assert error.max() < 0.3, error.amax(1)
+    torch.testing.assert_close(tracked.mu[0], torch.tensor([8.0, 12.0, 10.0]), rtol=0.02, atol=0.0)
+
+
+def test_pair_costs_are_the_misfit_of_the_rendered_steps():
+    forward = forward_with_2mm_response()
+    domain = rows_module.RowDomain.of(forward)
+    gen = torch.Generator().manual_seed(3)
+    leaf_a = (-20.0 + torch.randn(4, 52, generator=gen) * 3).cumsum(0) / 2
+    banks = [leaf_a[None], leaf_a[None] + 30.0]
+    weights = 1.0 + torch.rand(1, 3, 52, 7, generator=gen)  # a_t, unequal where a jaw would move
+    rows = torch.randn(1, 3, 52, 255, generator=gen) * 0.05
+    offsets = torch.linspace(-1.5, 1.5, 7)
+    costs = leaves._pair_costs(domain, domain.correlate(rows), weights, banks[0], offsets, 0)
+    t = torch.linspace(0.0, 1.0, 7)
+    for frame, leaf in ((0, 5), (2, 30)):
+        u = leaf_a[frame, leaf] + offsets[:, None, None]
+        v = leaf_a[frame + 1, leaf] + offsets[None, :, None]
+        edges = leaves._edges(domain, u + (v - u) * t, 0)  # (S, S, 7)
+        steps = domain.blur(domain.splat(edges, weights[0, frame, leaf].expand_as(edges)))
+        misfit = (rows[0, frame, leaf] - steps).square().sum(-1)
+        expected = misfit - misfit.min()
+        got = costs[0, frame, leaf] - costs[0, frame, leaf][misfit == misfit.min()]
+        # equal a_t are exact; unequal ones take the cell-phase part at their mean
+        torch.testing.assert_close(got, expected, atol=0.02 * float(expected.max()), rtol=0.0)
+    equal = weights.mean(-1, keepdim=True).expand_as(weights)
+    costs = leaves._pair_costs(domain, domain.correlate(rows), equal, banks[0], offsets, 0)
+    u = leaf_a[1, 7] + offsets[:, None, None]
+    v = leaf_a[2, 7] + offsets[None, :, None]
+    edges = leaves._edges(domain, u + (v - u) * t, 0)
+    misfit = (rows[0, 1, 7] - domain.blur(domain.splat(edges, equal[0, 1, 7].expand_as(edges)))).square().sum(-1)
+    expected = misfit - misfit[0, 0]  # exact but for the cell-phase table's interpolation
+    tolerance = 0.005 * float(expected.abs().max())
+    torch.testing.assert_close(costs[0, 1, 7] - costs[0, 1, 7, 0, 0], expected, atol=tolerance, rtol=0.0)
+
+
+def test_row_model_is_the_rendered_frame_seen_through_the_wiener_filter():
+    """The differenced profiles ``_model`` predicts are those of the forward model's own rendering
+    after the Wiener filter, with a real MLC's physics (transmission, rounded leaf ends, interleaf
+    leakage, a tongue-and-groove strip between leaves that differ by mm) and rows the moving jaws
+    leave partly open."""
+    forward = with_real_mlc(forward_with_2mm_response())
+    gen = torch.Generator().manual_seed(0)
+    leaf_a = -20.3 + (torch.randn(3, 52, generator=gen) * 3).cumsum(0) + 4 * torch.randn(52, generator=gen)
+    leaf_b = leaf_a + 25.0 + 4 * torch.randn(52, generator=gen)
+    jaws = torch.tensor([[-41.3, 43.6], [-40.2, 44.9], [-38.7, 47.2]])  # edges inside rows 17 and 34
+    domain = rows_module.RowDomain.of(forward)
+    openings = domain.jaw_openings(jaws[None])
+    row_weights = domain.row_weights(openings)
+    assert 0.0 < float(openings[0, :, :, 17].mean()) < 0.5 and 0.0 < float(openings[0, :, :, 34].mean()) < 0.95
+    profiles = domain.profiles(render(forward, leaf_a, leaf_b, jaws)[None], row_weights)
+    model = leaves._model(domain, domain.coupling(openings, row_weights), [leaf_a[None], leaf_b[None]])
+    torch.testing.assert_close(profiles, model, atol=0.01 * float(model.abs().max()), rtol=0.0)
+
+
+def test_travel_cost_settles_a_zigzag_the_frames_hardly_see():
+    """Static leaves started on a zig-zag (each control point in turn 1.5 mm out and in): the
+    frames barely tell the motion within a frame, so without the travel cost some zig-zag stays;
+    with it the chain comes back to rest on the truth."""
+    forward = forward_with_2mm_response()
+    points = 16
+    leaf_a = (-20.3 + 0.7 * (torch.arange(52) % 5)).repeat(points, 1)
+    jaws = torch.tensor(JAWS).repeat(points, 1)
+    frames = record(forward, leaf_a, leaf_a + 30.0, jaws, torch.full((points - 1,), 10.0), torch.zeros(256, 256))
+    zigzag = 1.5 * (-1.0) ** torch.arange(points)[:, None]
+    stages = ((4.0, 0.2), (1.0, 0.05))
+
+    def error(travel_cost: float) -> torch.Tensor:
+        with mock.patch.object(leaves, "TRAVEL_COST", travel_cost):
+            tracked = track(forward, frames, leaf_a + zigzag, leaf_a + 30.0 - zigzag, jaws, stages)
+        return (tracked.leaf_a[0] - leaf_a)[:, OPEN_ROWS].abs()
+
+    assert error(0.0).max() > 0.3
+    assert error(leaves.TRAVEL_COST).max() < 0.05
+
+
+def test_tracking_recovers_rendered_motions_from_a_rough_start():
+    forward = forward_with_2mm_response()
+    with torch.no_grad():
+        forward.aperture.edge_shift.fill_(0.3)
+    gen = torch.Generator().manual_seed(0)
+    points = 12
+    leaf_a = -20.3 + 0.7 * (torch.arange(52) % 5) + (torch.randn(points, 52, generator=gen) * 3).cumsum(0)
+    leaf_b = leaf_a + 25.0 + 5.0 * torch.rand(points, 52, generator=gen)
+    jaws = torch.tensor(JAWS).repeat(points, 1) + torch.randn(points, 2, generator=gen).cumsum(0)
+    mu = 5.0 + 10.0 * torch.rand(points - 1, generator=gen)
+    frames = record(forward, leaf_a, leaf_b, jaws, mu, torch.zeros(256, 256))
+    start_a = leaf_a + 2.0 * torch.randn(points, 52, generator=gen)
+    start_b = leaf_b + 2.0 * torch.randn(points, 52, generator=gen)
+    tracked = track(forward, frames, start_a, start_b, jaws, LeafEdgeInverseConfig().track_stages)
+    rows = slice(21, 32)  # open at every control point
+    for fitted, truth, start in ((tracked.leaf_a[0], leaf_a, start_a), (tracked.leaf_b[0], leaf_b, start_b)):
+        assert (start - truth)[:, rows].abs().mean() > 1.0
+        error = (fitted - truth)[:, rows].abs()
+        assert error.mean() < 0.1 and error.max() < 0.5, (error.mean(), error.max())
+    torch.testing.assert_close(tracked.mu[0], mu, rtol=0.01, atol=0.0)
+    closed = slice(0, 10)  # no jaw opens these rows: they keep their start
+    torch.testing.assert_close(tracked.leaf_a[0][:, closed], start_a[:, closed])
+
+
+def jaw_errors(points: int) -> torch.Tensor:
+    """(points, 2) errors of a network's jaws, mm: independent for each control point, up to 0.4."""
+    return 0.4 * torch.rand(points, 2, generator=torch.Generator().manual_seed(5)) - 0.2
+
+
+class ShiftedTruth(nn.Module):
+    """An inverse network stand-in: the true control points of each pair of consecutive frames
+    (matched by the frame's index in ``frames``), bank A off by +0.8 mm, bank B by -0.8 mm, the
+    jaws by up to 0.4 mm, each control point by its own amount (``jaw_errors``)."""
+
+    def __init__(self, frames: torch.Tensor, leaf_a: torch.Tensor, leaf_b: torch.Tensor, jaws: torch.Tensor,
+                 mu: torch.Tensor) -> None:
+        super().__init__()
+        self.frames, self.points = frames, (leaf_a + 0.8, leaf_b - 0.8, jaws + jaw_errors(len(jaws)))
+        self.mu = mu
+        self.config = type("Config", (), {"track_stages": ((4.0, 0.5), (1.0, 0.1))})()
+        self.lag_percent = torch.zeros(())
+
+    def forward(self, epid_prev: torch.Tensor, epid_curr: torch.Tensor):
+        index = torch.stack([(self.frames - frame).abs().flatten(1).sum(1).argmin() for frame in epid_curr[:, 0]])
+        leaf_a, leaf_b, jaws = self.points
+        pair = index + 1  # frame k (0-based) ends at control point k + 1
+        scalars = torch.cat([self.mu[index, None], jaws[pair - 1, :1], jaws[pair, :1], jaws[pair - 1, 1:],
+                             jaws[pair, 1:]], 1)
+        return (torch.cat([leaf_a[pair - 1], leaf_a[pair]], 1), torch.cat([leaf_b[pair - 1], leaf_b[pair]], 1),
+                scalars, None)
+
+
+def test_an_arc_is_reconstructed_with_the_lag_taken_out():
+    forward = forward_with_2mm_response(lag_percent=3.0)
+    points = 9
+    leaf_a, leaf_b, jaws = out_and_back(points)
+    leaf_a[4:] += torch.linspace(0.0, 8.0, points - 4)[:, None]  # a second motion later in the arc
+    leaf_b[4:] += torch.linspace(0.0, 8.0, points - 4)[:, None]
+    mu = torch.linspace(6.0, 14.0, points - 1)
+    before = render(forward, leaf_a[:2], leaf_b[:2], jaws[:2])[0] * 9.0
+    frames = record(forward, leaf_a, leaf_b, jaws, mu, before)
+    network = ShiftedTruth(frames, leaf_a, leaf_b, jaws, mu)
+
+    estimate = reconstruct_arc(forward, network, frames, frame_before=before)
+    assert estimate.method == "arc tracking"
+    assert estimate.leaf_a.shape == (points, 52) and estimate.jaws.shape == (points, 2) and estimate.mu.shape == (8,)
+    for fitted, truth in ((estimate.leaf_a, leaf_a), (estimate.leaf_b, leaf_b)):
+        error = (fitted - truth)[:, OPEN_ROWS].abs()
+        assert error.max() < 0.3, error.amax(1)
+    assert (estimate.jaws - jaws).abs().mean() < 0.05 < jaw_errors(points).abs().mean()  # refined
+    torch.testing.assert_close(estimate.mu, mu, rtol=0.02, atol=0.0)  # the lag is out of every frame
+
+    network_only = reconstruct_arc(forward, network, frames, frame_before=before, stages=())
+    assert network_only.method == "network"
+    torch.testing.assert_close(network_only.leaf_a, leaf_a + 0.8)  # both pair estimates of a point agree
+    torch.testing.assert_close(network_only.jaws, jaws + jaw_errors(points))
+    torch.testing.assert_close(network_only.mu, mu)
+
+
+def test_a_pair_that_cannot_render_gets_the_network_estimate():
+    legacy_forward, legacy_inverse = build_models("tiny", "legacy")
+    forward, inverse = build_models("tiny", "aperture")
+    assert estimate_module.method_used(legacy_forward, legacy_inverse, "arc") == "network"
+    assert estimate_module.method_used(forward, inverse, "arc") == "arc"
+    assert not estimate_module.can_refine(forward, build_models("tiny", "aperture")[1].__class__(
+        type(inverse.config)(**{**inverse.config.__dict__, "track_stages": ()})))
+    frames = torch.rand(2, 1, 256, 256)
+    with torch.inference_mode():
+        network = inverse.eval()(frames[:1], frames[1:])
+        refined = estimate_module.pair_estimate(forward.eval(), inverse, frames[:1], frames[1:])
+        unrefined = estimate_module.pair_estimate(forward, inverse, frames[:1], frames[1:], refine=False)
+    for a, b in zip(network[:3], unrefined, strict=True):
+        torch.testing.assert_close(a, b)
+    assert not torch.equal(refined[0], network[0])  # the fit moved the estimate, under inference mode
