@@ -30,6 +30,10 @@ and prints the table. Run from the repository root:
     python -m bench.bench_quality --physics realistic --output-dir quality_realistic
     python -m bench.radial_kernel radial.mat               # a measured-looking, non-separable kernel
     python -m bench.bench_quality --kernel radial.mat --output-dir quality_radial
+    python -m bench.kernel_family kernels                  # responses from sharp to broad, one elongated
+    python -m bench.bench_quality --physics realistic --reconstructions network,arc \\
+        --kernels built-in,kernels/sharp.mat,kernels/broad.mat --output-dir sweep   # one row per kernel
+    python -m bench.bench_quality --table sweep/built-in sweep/broad              # the table of finished runs
     python -m bench.bench_quality --smoke                  # seconds: tiny model, short arcs
     python -m bench.bench_quality --combine quality_output quality_legacy --output-dir both
     python -m bench.bench_quality --reevaluate --physics realistic --output-dir quality_realistic
@@ -38,6 +42,7 @@ and prints the table. Run from the repository root:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -59,11 +64,12 @@ from epid.config.load import Config, load_config
 from epid.core.cli import prepare_output_dir, run_main
 from epid.core.devices import resolve_device
 from epid.core.errors import InputError
+from epid.core.tables import format_table
 from epid.evaluation import comparison_plots, inference, plots, quality
 from epid.models import families
 from epid.models.checkpoint import build_models_from_checkpoint, load_checkpoint
 from epid.reconstruction import estimate
-from epid.synthesis.kernel import kernel_from_config
+from epid.synthesis.kernel import kernel_figures, kernel_from_config
 from epid.synthesis.physics import PRESETS
 from epid.synthesis.sequences import DEFAULT_CONTROL_POINTS
 from epid.training.loop import launch
@@ -76,6 +82,7 @@ CURVE_SAMPLES_PER_DATASET = 2
 CALIBRATION_SAMPLES = 80
 PLAN_MARGIN = 0.95
 CPU_FEATURES = ("avx2", "avx512f", "avx512_bf16", "amx_tile")
+BUILT_IN = "built-in"
 SMOKE = {"minutes": 0.6, "size": "tiny", "control_points": 66, "eval_datasets": 12, "eval_samples": 4}
 
 
@@ -118,6 +125,12 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
                         help="train nothing: evaluate OUTPUT_DIR/checkpoint.pth again (same arguments as its "
                              "run), keeping the training figures of OUTPUT_DIR/quality.json")
     parser.add_argument("--smoke", action="store_true", help="a run of seconds: tiny model, short arcs")
+    parser.add_argument("--kernels", metavar="FILE.mat,...",
+                        help="a sweep: one run per kernel (comma-separated .mat files, 'built-in' for the "
+                             "built-in one; python -m bench.kernel_family writes a family), each into "
+                             "OUTPUT_DIR/<kernel name>, then one table row per kernel (OUTPUT_DIR/kernels.txt)")
+    parser.add_argument("--table", nargs="+", metavar="DIR",
+                        help="train nothing: the per-kernel table of these finished runs' output folders")
     parser.add_argument("--combine", nargs="+", metavar="DIR",
                         help="train nothing: draw the runs of these output folders on one figure, "
                              "OUTPUT_DIR/quality.png")
@@ -134,11 +147,16 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     if unknown or not args.reconstructions:
         parser.error(f"--reconstructions {','.join(args.reconstructions)}: expected some of "
                      f"{', '.join(estimate.METHODS)}")
-    if not args.combine:
+    args.kernel_list = [name.strip() for name in (args.kernels or "").split(",") if name.strip()]
+    if args.kernels is not None and not args.kernel_list:
+        parser.error("--kernels: expected comma-separated .mat files (or built-in)")
+    for option, kernel in [("--kernel", args.kernel)] + [("--kernels", name) for name in args.kernel_list]:
+        if args.combine or args.table or kernel == BUILT_IN:
+            continue
         try:
-            load_kernel_of(Config(kernel=args.kernel))
+            load_kernel_of(Config(kernel=kernel))
         except InputError as error:
-            raise InputError(f"--kernel {args.kernel!r}: {error}") from None
+            raise InputError(f"{option} {kernel!r}: {error}") from None
     return args
 
 
@@ -298,6 +316,69 @@ def main(argv: list[str] | None = None) -> int:
     if args.combine:
         combine(args.combine, output)
         return 0
+    if args.table:
+        print(kernel_table([Path(folder) for folder in args.table]))
+        return 0
+    if args.kernel_list:
+        return sweep(args, output)
+    return run_bench(args, output)
+
+
+def sweep(args: argparse.Namespace, output: Path) -> int:
+    """One run per kernel of ``--kernels``, each into OUTPUT_DIR/<kernel name>, then the table."""
+    folders = []
+    for kernel in args.kernel_list:
+        folder = output / (BUILT_IN if kernel == BUILT_IN else Path(kernel.split(":")[0]).stem)
+        run_args = argparse.Namespace(**{**vars(args), "kernel": "" if kernel == BUILT_IN else kernel,
+                                         "output_dir": str(folder)})
+        status = run_bench(run_args, prepare_output_dir(folder))
+        if status != 0:
+            return status
+        folders.append(folder)
+    table = kernel_table(folders)
+    (output / "kernels.txt").write_text(table + "\n")
+    print(table)
+    print(f"{PROGRAM}: wrote {output / 'kernels.txt'}")
+    return 0
+
+
+def kernel_table(folders: list[Path]) -> str:
+    """One row per finished run (its ``quality.json``): the kernel and how broad it is, the physics,
+    training samples, the forward model's gamma and the network's and the last reconstruction's
+    leaf, jaw and MU figures on the held-out arcs."""
+    rows = []
+    for folder in folders:
+        path = folder / "quality.json"
+        if not path.is_file():
+            raise InputError(f"--table {str(folder)!r}: no quality.json there (expected an output folder of this "
+                             "bench)")
+        written = json.loads(path.read_text())
+        groups = written.get("reconstructions", {})
+        network = groups.get("network", {}).get("all", {})
+        last = groups.get(written.get("reconstruction", ""), {}).get("all", {})
+        shape = written.get("kernel_figures") or {}
+        rows.append([
+            Path(written.get("kernel", BUILT_IN)).name,
+            f"{shape['fwhm_x_mm']:.1f} / {shape['fwhm_y_mm']:.1f}" if shape else "?",
+            f"{shape['energy_radii_mm'][2]:.0f}" if shape else "?",
+            written.get("physics", "ideal"), f"{written.get('samples_seen', 0)}",
+            _figure(last.get("gamma_2_2mm_mean")),
+            f"{_figure(network.get('curr_leaf_mae_mm'), 2)} / {_figure(network.get('curr_leaf_within_1mm'))}",
+            f"{_figure(last.get('curr_leaf_mae_mm'), 2)} / {_figure(last.get('curr_leaf_within_1mm'))}",
+            _figure(last.get("curr_jaw_mae_mm"), 2), _figure(last.get("mu_error_percent"), 2),
+        ])
+    header = ["kernel", "core FWHM x / y (mm)", "90 % radius (mm)", "physics", "training samples",
+              "gamma 2%/2mm (%)", "network leaf MAE (mm) / within 1 mm (%)",
+              "reconstruction leaf MAE (mm) / within 1 mm (%)", "jaw MAE (mm)", "MU error (%)"]
+    return format_table(header, rows)
+
+
+def _figure(value: float | None, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def run_bench(args: argparse.Namespace, output: Path) -> int:
+    """Train for the budget and evaluate (or, with ``--reevaluate``, evaluate only) into ``output``."""
     if args.reevaluate:
         return evaluate_run(args, output, device=resolve_device(args.device),
                             context=json.loads(read_previous(output).read_text()))
@@ -335,7 +416,8 @@ def main(argv: list[str] | None = None) -> int:
         "epochs": int(checkpoint["epoch"]), "train_dataset_ids": TRAIN_RANGE,
         "config": checkpoint.get("config"), "curve": observer.curve.to_dict(),
         "physics": args.physics, "physics_settings": PRESETS[args.physics].to_dict(),
-        "kernel": args.kernel or "built-in",
+        "kernel": args.kernel or BUILT_IN,
+        "kernel_figures": dataclasses.asdict(kernel_figures(load_kernel_of(Config(kernel=args.kernel)))),
     }
     return evaluate_run(args, output, device, context, samples)
 

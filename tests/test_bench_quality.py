@@ -160,3 +160,22 @@ def test_an_unknown_physics_preset_exits_2(capsys):
     with pytest.raises(SystemExit) as stopped:
         bench_quality.parse_arguments(["--physics", "measured"])
     assert stopped.value.code == 2 and "ideal" in capsys.readouterr().err
+
+
+def test_the_table_has_one_row_per_finished_run(smoke_run, capsys):
+    output, _ = smoke_run
+    assert bench_quality.main(["--table", str(output), str(output), "--output-dir", str(output / "table")]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0].startswith("kernel") and "within 1 mm" in printed[0]
+    rows = [line for line in printed[2:] if line.startswith("built-in")]
+    assert len(rows) == 2 and " ideal " in rows[0]
+    written = json.loads((output / "quality.json").read_text())
+    assert written["kernel_figures"]["fwhm_x_mm"] == pytest.approx(5.3, abs=0.1)  # the built-in kernel
+
+
+def test_a_sweep_checks_every_kernel_before_it_trains(tmp_path):
+    missing = tmp_path / "missing.mat"
+    with pytest.raises(InputError, match=f"--kernels '{missing}'"):
+        bench_quality.parse_arguments(["--kernels", f"built-in,{missing}"])
+    with pytest.raises(SystemExit):
+        bench_quality.parse_arguments(["--kernels", " , "])

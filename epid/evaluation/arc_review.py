@@ -55,13 +55,16 @@ class ArcSegment:
 @dataclass(frozen=True)
 class ArcEstimate:
     """Reconstructed control points of an ``ArcSegment``: leaf_a, leaf_b (N, 52), jaws (N, 2)
-    [jaw_1, jaw_2] mm and mu (N,), CPU float32; ``method`` names how (``estimate_module.METHODS``)."""
+    [jaw_1, jaw_2] mm and mu (N,), CPU float32; ``method`` names how (``estimate_module.METHODS``);
+    ``from_start``: the share of open leaf positions where the arc fit kept the network's estimate
+    (``epid.reconstruction.fallback``; 0 for the other methods)."""
 
     leaf_a: Tensor
     leaf_b: Tensor
     jaws: Tensor
     mu: Tensor
     method: str
+    from_start: float = 0.0
 
 
 def synthesise_segment(dataset_id: int, first: int, count: int, settings: SynthesisSettings,
@@ -107,7 +110,9 @@ def reconstruct_segment(method: str, models: tuple[nn.Module, nn.Module], segmen
             arc = estimate_module.reconstruct_arc(forward_model, inverse_model, frames[1:], frame_before=frames[0],
                                                   stages=stages, progress=progress)
             values = (arc.leaf_a[1:], arc.leaf_b[1:], arc.jaws[1:], arc.mu)
+            from_start = arc.from_start
         else:
+            from_start = 0.0
             pairs = [(begin, min(begin + batch, len(segment))) for begin in range(0, len(segment), batch)]
             parts = []
             for begin, end in pairs:
@@ -118,7 +123,7 @@ def reconstruct_segment(method: str, models: tuple[nn.Module, nn.Module], segmen
                     progress(end - begin)
             leaf_a, leaf_b, scalars = (torch.cat(part) for part in zip(*parts, strict=True))
             values = (leaf_a[:, 52:], leaf_b[:, 52:], scalars[:, [2, 4]], scalars[:, 0])
-    return ArcEstimate(*(value.float().cpu() for value in values), method=used)
+    return ArcEstimate(*(value.float().cpu() for value in values), method=used, from_start=from_start)
 
 
 def leaf_errors(estimate: ArcEstimate, segment: ArcSegment) -> tuple[Tensor, Tensor, Tensor]:
@@ -142,7 +147,7 @@ def arc_errors(estimate: ArcEstimate, segment: ArcSegment) -> dict[str, float]:
         "within_1mm": float(100 * (leaf <= 1).float().mean()),
         "jaw_mae_mm": float((estimate.jaws - jaws).abs().mean()),
         "mu_error_percent": float(100 * ((estimate.mu - mu).abs() / mu.clamp_min(1e-6)).mean()),
-        "leaves": int(leaf.numel()),
+        "leaves": int(leaf.numel()), "from_start_percent": 100 * estimate.from_start,
     }
 
 
@@ -153,7 +158,7 @@ def pooled_errors(per_arc: Sequence[Mapping[str, float]]) -> dict[str, float]:
     pooled = {key: sum(errors[key] * errors["leaves"] for errors in per_arc) / leaves
               for key in ("leaf_mae_mm", "within_0.5mm", "within_1mm")}
     pooled["leaf_rms_mm"] = math.sqrt(sum(errors["leaf_rms_mm"] ** 2 * errors["leaves"] for errors in per_arc) / leaves)
-    for key in ("jaw_mae_mm", "mu_error_percent"):
+    for key in ("jaw_mae_mm", "mu_error_percent", "from_start_percent"):
         pooled[key] = float(np.mean([errors[key] for errors in per_arc]))
     pooled["leaves"] = leaves
     return pooled

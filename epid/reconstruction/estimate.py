@@ -17,7 +17,10 @@ excursion: the pair cannot tell them apart. Over a whole arc the neighbouring fr
 except at the arc's ends.
 
 The jaws start from the network's estimate and are refined with the leaves
-(``epid.reconstruction.jaws``); the forward model's parameters are read, never trained.
+(``epid.reconstruction.jaws``); the forward model's parameters are read, never trained. A fit is
+kept only where the frames, rendered by the forward model, agree with it at least as well as with
+the network's estimate it started from (``epid.reconstruction.fallback``): a reconstruction is
+never worse than its start on the measured frames.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from epid.reconstruction.fallback import BATCH_FRAMES, ControlPointRun, keep_better
 from epid.reconstruction.leaves import track_leaves
 from epid.reconstruction.rows import RowDomain
 from epid.synthesis.geometry import NUM_LEAF_PAIRS
@@ -36,8 +40,6 @@ from epid.synthesis.geometry import NUM_LEAF_PAIRS
 METHODS = ("network", "pair", "arc")
 """Reconstructions: the inverse network's estimate, refined per frame pair (``pair_estimate``),
 refined jointly over consecutive frames (``reconstruct_arc``)."""
-BATCH_FRAMES = 64
-"""Frames the network estimates, and the forward model renders, at once."""
 Stages = tuple[tuple[float, float], ...]
 """A tracking schedule: (range, grid step) mm of each stage (``epid.reconstruction.leaves``)."""
 
@@ -46,13 +48,16 @@ Stages = tuple[tuple[float, float], ...]
 class ArcReconstruction:
     """Control points reconstructed from N consecutive frames: leaf_a, leaf_b (N + 1, 52) and jaws
     (N + 1, 2) [jaw_1, jaw_2] mm at control points 0..N (frame k integrates k - 1 -> k), mu (N,)
-    of each frame, and ``method`` ("network" or "arc tracking")."""
+    of each frame, ``method`` ("network" or "arc tracking") and ``from_start``: the share of the
+    leaf positions the imager sees for which the network's estimate was kept over the fit
+    (``epid.reconstruction.fallback``)."""
 
     leaf_a: Tensor
     leaf_b: Tensor
     jaws: Tensor
     mu: Tensor
     method: str
+    from_start: float = 0.0
 
 
 def stages_of(inverse_model: nn.Module) -> Stages:
@@ -94,13 +99,15 @@ def pair_estimate(forward_model: nn.Module, inverse_model: nn.Module, epid_prev:
     def with_start(prev: Tensor, curr: Tensor) -> Tensor:
         return torch.stack([2 * prev - curr, prev, curr], 1).float()
 
-    jaw_points = with_start(jaws[:, 0], jaws[:, 1])
-    tracked = track_leaves(RowDomain.of(forward_model, frames.device), signals,
-                           with_start(leaf_a[:, :half], leaf_a[:, half:]),
-                           with_start(leaf_b[:, :half], leaf_b[:, half:]), jaw_points, stages)
-    jaws = tracked.jaws[:, 1:]  # (B, 2 [prev, curr], 2 [jaw_1, jaw_2])
-    mu = _rendered_mu(forward_model, signals[:, 1], tracked.leaf_a[:, 1:], tracked.leaf_b[:, 1:], jaws)
-    return (tracked.leaf_a[:, 1:].flatten(1), tracked.leaf_b[:, 1:].flatten(1),
+    start = ControlPointRun(with_start(leaf_a[:, :half], leaf_a[:, half:]),
+                            with_start(leaf_b[:, :half], leaf_b[:, half:]), with_start(jaws[:, 0], jaws[:, 1]))
+    tracked = track_leaves(RowDomain.of(forward_model, frames.device), signals, start.leaf_a, start.leaf_b,
+                           start.jaws, stages)
+    kept = keep_better(forward_model, signals, start, ControlPointRun(tracked.leaf_a, tracked.leaf_b, tracked.jaws))
+    points = kept.points
+    jaws = points.jaws[:, 1:]  # (B, 2 [prev, curr], 2 [jaw_1, jaw_2])
+    mu = _rendered_mu(forward_model, signals[:, 1], points.leaf_a[:, 1:], points.leaf_b[:, 1:], jaws)
+    return (points.leaf_a[:, 1:].flatten(1), points.leaf_b[:, 1:].flatten(1),
             torch.cat([mu[:, None], jaws[..., 0], jaws[..., 1]], 1))
 
 
@@ -137,16 +144,20 @@ def reconstruct_arc(forward_model: nn.Module, inverse_model: nn.Module, frames: 
         if progress is not None:
             progress(count)
         return ArcReconstruction(leaf_a, leaf_b, jaws, network_mu, method="network")
-    tracked = track_leaves(RowDomain.of(forward_model, frames.device), signals[None], leaf_a[None], leaf_b[None],
-                           jaws[None], stages, chunk_frames=batch_frames)
+    start = ControlPointRun(leaf_a[None], leaf_b[None], jaws[None])
+    tracked = track_leaves(RowDomain.of(forward_model, frames.device), signals[None], start.leaf_a, start.leaf_b,
+                           start.jaws, stages, chunk_frames=batch_frames)
+    kept = keep_better(forward_model, signals[None], start,
+                       ControlPointRun(tracked.leaf_a, tracked.leaf_b, tracked.jaws), batch_frames)
+    leaf_a, leaf_b, jaws = (value[0] for value in (kept.points.leaf_a, kept.points.leaf_b, kept.points.jaws))
     mu = signals.new_zeros(count)
     for begin in range(0, count, batch_frames):
         end = min(begin + batch_frames, count)
-        mu[begin:end] = _rendered_mu(forward_model, signals[begin:end], tracked.leaf_a[0, begin:end + 1],
-                                     tracked.leaf_b[0, begin:end + 1], tracked.jaws[0, begin:end + 1])
+        mu[begin:end] = _rendered_mu(forward_model, signals[begin:end], leaf_a[begin:end + 1],
+                                     leaf_b[begin:end + 1], jaws[begin:end + 1])
         if progress is not None:
             progress(end - begin)
-    return ArcReconstruction(tracked.leaf_a[0], tracked.leaf_b[0], tracked.jaws[0], mu, method="arc tracking")
+    return ArcReconstruction(leaf_a, leaf_b, jaws, mu, method="arc tracking", from_start=kept.from_start)
 
 
 def _rendered_mu(forward_model: nn.Module, signals: Tensor, leaf_a: Tensor, leaf_b: Tensor, jaws: Tensor) -> Tensor:

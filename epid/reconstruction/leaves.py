@@ -2,8 +2,8 @@
 
 The frame a forward model renders is its detector response K applied to the aperture's fluence
 on 1 mm cells. A Wiener filter turns each lag-free frame S into D = T * (mu F): the fluence seen
-through a small sampled Gaussian T (``TARGET_SIGMA_MM``, taps t) instead of K, wide enough that
-the filter amplifies no noise (T's spectrum falls faster than K's). In D, a leaf row's profile
+through a small sampled Gaussian T (taps t) instead of K, the sharpest that the filter can
+reproduce for this response (``epid.reconstruction.rows``). In D, a leaf row's profile
 along x (its pixel rows averaged, the central ones and those the jaws leave open weighing most,
 ``ROW_WEIGHTS``) depends on that leaf's edges, a little on its neighbours' (through T along y)
 and on the jaws' open share of each pixel row at each sub-aperture.

@@ -2,8 +2,13 @@
 
 The frame a forward model renders is its detector response K applied to the aperture's fluence
 on 1 mm cells. A Wiener filter turns each lag-free frame S into D = T * (mu F): the fluence seen
-through a small sampled Gaussian T (``TARGET_SIGMA_MM``, taps t) instead of K, wide enough that
-the filter amplifies no noise (T's spectrum falls faster than K's). ``RowDomain`` holds the
+through a small sampled Gaussian T (taps t) instead of K, K's long tails taken out. T must be one
+the filter can reproduce: where T's spectrum falls more slowly than K's, the filter would need
+more gain than its regularisation lets it have, the filtered frames are not T * (mu F) and every
+edge the tracking reads from them is off. A response twice as broad as the built-in one made the
+leaves 3 mm wrong that way with T fixed at 2 mm (no noise needed: the bias is the filter's). So T
+is chosen per forward model (``target_sigma``): the sharpest Gaussian, and none sharper than
+``MIN_TARGET_SIGMA_MM``, that the filter reproduces within ``TARGET_FIDELITY``. ``RowDomain`` holds the
 forward model's physics in the form the tracking needs: the filter, each leaf row's profile
 along x (its pixel rows averaged, weighted by ``ROW_WEIGHTS`` and the jaws' open share), the
 coupling of neighbouring rows through T, and the products of blurred steps (``step_products``)
@@ -31,8 +36,23 @@ from epid.synthesis.geometry import (
     SUB_APERTURES,
 )
 
-TARGET_SIGMA_MM = 2.0
-"""Width of the Gaussian the frames are seen through after the Wiener filter, mm."""
+MIN_TARGET_SIGMA_MM = 2.0
+"""Narrowest Gaussian the frames are seen through after the Wiener filter, mm: the width the
+tracking was tuned with on responses as sharp as the built-in one."""
+
+
+MAX_TARGET_SIGMA_MM = 16.0
+"""Widest Gaussian the frames may be seen through, mm (a response broader than any panel's)."""
+
+
+TARGET_FIDELITY = 0.05
+"""Largest relative error (spectral L2 norm) of the Wiener filter's reproduction of T: W K - T
+against T. 5 %: on a 12 mm wide response the tracking's leaves came closest at that width (1 %
+wider, 6 % sharper were both worse) and on a 5 mm wide one at about 6 %."""
+
+
+TARGET_STEP_MM = 0.1
+"""Grid of the chosen width of T, mm (its tables are cached per width)."""
 
 
 EDGE_PAD = 32
@@ -75,7 +95,7 @@ class RowDomain:
     positive widens); leaf, jaw and interleaf transmission (fractions); groove_share: the share
     of each 1 mm row beside a boundary between leaves that the tongue-and-groove strip covers;
     phase_error: (PHASES + 1, 2 M + 1) the cell-phase part of the step products
-    (``step_products``).
+    (``step_products``); target_sigma_mm: the width of T (``target_sigma``).
     """
 
     wiener: Tensor
@@ -91,6 +111,7 @@ class RowDomain:
     jaw_transmission: float
     interleaf_leakage: float
     groove_share: float
+    target_sigma_mm: float
 
     @property
     def reach(self) -> int:
@@ -109,25 +130,22 @@ class RowDomain:
         with torch.no_grad():
             kernel = (response.kernel() * response.log_gain.exp()).double()
             spectrum = response._spectrum(kernel)
-            taps, gram = _target_taps(TARGET_SIGMA_MM)
-            reach = (len(taps) - 1) // 2
-            target = torch.zeros(response.fft_shape, dtype=torch.float64)
-            target[:2 * reach + 1, :2 * reach + 1] = torch.outer(taps, taps)
-            target_spectrum = torch.fft.rfft2(torch.roll(target, (-reach, -reach), (0, 1)))
-            power = spectrum.abs().square()
-            wiener = target_spectrum * spectrum.conj() / (power + WIENER_FLOOR * power.max())
+            sigma_mm = target_sigma(spectrum, tuple(response.fft_shape))
+            taps, gram = _target_taps(sigma_mm)
+            wiener = _wiener(spectrum, _target_spectrum(sigma_mm, tuple(response.fft_shape)))
             shift = float(aperture.edge_shift)
             offset_a, offset_b = (shift + float(v) for v in aperture.leaf_end_offset)
             return cls(
                 wiener=wiener.to(device, torch.complex64), fft_shape=tuple(response.fft_shape),
                 taps=taps.float().to(device), gram=gram.float().to(device),
                 row_taps=_row_taps(taps).float().to(device),
-                phase_error=_phase_error(TARGET_SIGMA_MM).to(device),
+                phase_error=_phase_error(sigma_mm).to(device),
                 offset_a=offset_a, offset_b=offset_b, jaw_offset=shift,
                 leaf_transmission=float(aperture.leaf_transmission_percent) / 100.0,
                 jaw_transmission=float(aperture.jaw_transmission_percent) / 100.0,
                 interleaf_leakage=float(aperture.interleaf_leakage_percent) / 100.0,
                 groove_share=min(max(float(aperture.tongue_groove_mm) / 2.0, 0.0), 1.0),
+                target_sigma_mm=sigma_mm,
             )
 
     def filtered_rows(self, signals: Tensor) -> Tensor:
@@ -219,6 +237,51 @@ class RowDomain:
         reach = self.reach
         flat = F.pad(rows.reshape(-1, 1, rows.shape[-1]), (2 * reach, 2 * reach))
         return F.conv1d(flat, self.taps[None, None]).view(*rows.shape[:-1], self.lattice)
+
+
+def target_sigma(spectrum: Tensor, fft_shape: tuple[int, int]) -> float:
+    """The width (mm, on a ``TARGET_STEP_MM`` grid, at least ``MIN_TARGET_SIGMA_MM``) of the
+    sharpest Gaussian T that the Wiener filter of a response of ``spectrum`` (rfft2 of the kernel
+    centred at (0, 0), float64 on ``fft_shape``) reproduces within ``TARGET_FIDELITY``
+    (``filter_error``): the error falls as T widens, so the width is bisected on the grid."""
+    low, high = round(MIN_TARGET_SIGMA_MM / TARGET_STEP_MM), round(MAX_TARGET_SIGMA_MM / TARGET_STEP_MM)
+    if filter_error(spectrum, low * TARGET_STEP_MM, fft_shape) <= TARGET_FIDELITY:
+        return low * TARGET_STEP_MM
+    while high - low > 1:
+        middle = (low + high) // 2
+        if filter_error(spectrum, middle * TARGET_STEP_MM, fft_shape) <= TARGET_FIDELITY:
+            high = middle
+        else:
+            low = middle
+    return round(high * TARGET_STEP_MM, 6)
+
+
+def filter_error(spectrum: Tensor, sigma_mm: float, fft_shape: tuple[int, int]) -> float:
+    """||W K - T|| / ||T|| over the spectrum: how far the Wiener filter W of the response K
+    (``spectrum``) falls short of turning K into the Gaussian T of width ``sigma_mm``."""
+    target = _target_spectrum(sigma_mm, fft_shape)
+    achieved = _wiener(spectrum, target) * spectrum
+    columns = torch.full((target.shape[-1],), 2.0, dtype=torch.float64)  # the half spectrum's mirrored columns
+    columns[0] = 1.0
+    if fft_shape[-1] % 2 == 0:
+        columns[-1] = 1.0
+    return float(((achieved - target).abs().square() * columns).sum().sqrt()
+                 / (target.abs().square() * columns).sum().sqrt())
+
+
+def _target_spectrum(sigma_mm: float, fft_shape: tuple[int, int]) -> Tensor:
+    """rfft2 (float64) of T (outer product of ``_target_taps``) centred at (0, 0) on ``fft_shape``."""
+    taps, _ = _target_taps(sigma_mm)
+    reach = (len(taps) - 1) // 2
+    target = torch.zeros(fft_shape, dtype=torch.float64)
+    target[:2 * reach + 1, :2 * reach + 1] = torch.outer(taps, taps)
+    return torch.fft.rfft2(torch.roll(target, (-reach, -reach), (0, 1)))
+
+
+def _wiener(spectrum: Tensor, target_spectrum: Tensor) -> Tensor:
+    """The Wiener filter from the response ``spectrum`` to ``target_spectrum`` (floor ``WIENER_FLOOR``)."""
+    power = spectrum.abs().square()
+    return target_spectrum * spectrum.conj() / (power + WIENER_FLOOR * power.max())
 
 
 def _row_taps(taps: Tensor) -> Tensor:

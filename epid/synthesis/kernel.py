@@ -6,6 +6,7 @@ the centre element is the zero offset, and normalised to sum 1.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -45,25 +46,100 @@ RADIAL_WEIGHTS = (0.5, 0.3, 0.2)
 RADIAL_EXPONENTIAL_MM = 4.0
 
 
+@dataclass(frozen=True)
+class ResponseShape:
+    """A radially built, measured-looking response: a Gaussian core of ``core_sigma_mm`` along x
+    (``aspect`` times that along y), an exponential scatter of length ``scatter_mm`` and a Cauchy
+    (optical glare) tail of width ``tail_mm``, weighted ``weights`` (core, scatter, tail)."""
+
+    core_sigma_mm: float = GAUSSIAN_SIGMA_MM
+    scatter_mm: float = RADIAL_EXPONENTIAL_MM
+    tail_mm: float = LORENTZIAN_GAMMA_MM
+    weights: tuple[float, float, float] = RADIAL_WEIGHTS
+    aspect: float = 1.0
+
+
+RESPONSE_FAMILY: dict[str, ResponseShape] = {
+    "sharp": ResponseShape(core_sigma_mm=0.85, scatter_mm=1.5, tail_mm=9.0, weights=(0.6, 0.3, 0.1)),
+    "radial": ResponseShape(),
+    "broad": ResponseShape(core_sigma_mm=5.6, scatter_mm=6.0, tail_mm=20.0, weights=(0.45, 0.35, 0.2)),
+    "broadest": ResponseShape(core_sigma_mm=7.4, scatter_mm=9.0, tail_mm=34.0, weights=(0.4, 0.4, 0.2)),
+    "elongated": ResponseShape(core_sigma_mm=3.4, scatter_mm=5.0, tail_mm=16.0, weights=(0.5, 0.3, 0.2),
+                               aspect=1.5),
+}
+"""Responses from the sharpest to the broadest plausible (README, Model quality): ``broad`` has
+a core about 12 mm wide at half maximum with 90 % of its energy within about 32 mm, like a
+measured panel's; ``elongated`` has rows and columns that differ (a core 1.5 times longer
+along y)."""
+
+
 def radial_kernel(size: int = DEFAULT_KERNEL_SIZE) -> np.ndarray:
     """A radially symmetric, measured-looking kernel, (size, size) float64 summing to 1, not
-    separable (as measured EPID kernels are not).
+    separable (as measured EPID kernels are not): ``response_kernel`` of the default
+    ``ResponseShape``.
 
     k(r) = 0.5 G(r; sigma) + 0.3 exp(-r / 4 mm) + 0.2 (1 + (r / gamma)^2)^(-3/2), r = sqrt(x^2 + y^2)
     mm, each component normalised to sum 1 on the grid (sigma and gamma as ``default_kernel``):
     a sharp primary, a short scatter and a long optical-glare tail. At size 261 its second
     singular value is 6.5 % of the first (a separable kernel has none).
     """
+    return response_kernel(ResponseShape(), size)
+
+
+def response_kernel(shape: ResponseShape, size: int = DEFAULT_KERNEL_SIZE) -> np.ndarray:
+    """The kernel of ``shape``, (size, size) float64 summing to 1, rows along y; each component
+    normalised to sum 1 on the grid before weighting."""
     if size < 1 or size % 2 == 0:
         raise ValueError(f"size={size}: expected a positive odd number of pixels")
     x_mm = np.arange(size, dtype=np.float64) - (size - 1) / 2
     radius = np.hypot(x_mm[:, None], x_mm[None, :])
+    core_radius = radius if shape.aspect == 1.0 else np.hypot(x_mm[:, None] / shape.aspect, x_mm[None, :])
     components = (
-        np.exp(-0.5 * (radius / GAUSSIAN_SIGMA_MM) ** 2),
-        np.exp(-radius / RADIAL_EXPONENTIAL_MM),
-        (1.0 + (radius / LORENTZIAN_GAMMA_MM) ** 2) ** -1.5,
+        np.exp(-0.5 * (core_radius / shape.core_sigma_mm) ** 2),
+        np.exp(-radius / shape.scatter_mm),
+        (1.0 + (radius / shape.tail_mm) ** 2) ** -1.5,
     )
-    return sum(weight * part / part.sum() for weight, part in zip(RADIAL_WEIGHTS, components, strict=True))
+    return sum(weight * part / part.sum() for weight, part in zip(shape.weights, components, strict=True))
+
+
+@dataclass(frozen=True)
+class KernelFigures:
+    """How broad a kernel is: the full width at half maximum of its central row and column (mm),
+    the radii holding 50, 80, 90 and 99 % of its energy (mm) and its second singular value as a
+    share of the first (0 for a separable kernel)."""
+
+    fwhm_x_mm: float
+    fwhm_y_mm: float
+    energy_radii_mm: tuple[float, float, float, float]
+    singular_ratio: float
+
+
+def kernel_figures(kernel: np.ndarray) -> KernelFigures:
+    """``KernelFigures`` of an odd-sized 2-D kernel on the 1 mm grid."""
+    kernel = np.asarray(kernel, dtype=np.float64)
+    centre_y, centre_x = (length // 2 for length in kernel.shape)
+    y_mm = np.arange(kernel.shape[0]) - centre_y
+    x_mm = np.arange(kernel.shape[1]) - centre_x
+    radius = np.hypot(y_mm[:, None], x_mm[None, :]).ravel()
+    order = np.argsort(radius, kind="stable")
+    energy = np.cumsum(kernel.ravel()[order]) / kernel.sum()
+    radii = tuple(float(radius[order][min(np.searchsorted(energy, share), len(order) - 1)])
+                  for share in (0.5, 0.8, 0.9, 0.99))
+    singular = np.linalg.svd(kernel, compute_uv=False)
+    return KernelFigures(_fwhm(kernel[centre_y]), _fwhm(kernel[:, centre_x]), radii,
+                         float(singular[1] / singular[0]) if len(singular) > 1 else 0.0)
+
+
+def _fwhm(profile: np.ndarray) -> float:
+    """Full width at half maximum (mm) of a 1-D profile peaking at its centre, edges interpolated."""
+    centre = len(profile) // 2
+    half = profile[centre] / 2
+    above = np.flatnonzero(profile >= half)
+    low, high = above[0], above[-1]
+    last = len(profile) - 1
+    left = low - (profile[low] - half) / (profile[low] - profile[low - 1]) if low > 0 else float(low)
+    right = high + (profile[high] - half) / (profile[high] - profile[high + 1]) if high < last else float(high)
+    return float(right - left)
 
 
 def load_kernel(path: str | Path, variable: str | None = None) -> np.ndarray:

@@ -225,12 +225,12 @@ class ShiftedTruth(nn.Module):
 
 
 def test_an_arc_is_reconstructed_with_the_lag_taken_out():
-    forward = forward_with_2mm_response(lag_percent=3.0)
+    forward = forward_with_2mm_response(lag_percent=10.0)
     points = 9
     leaf_a, leaf_b, jaws = out_and_back(points)
     leaf_a[4:] += torch.linspace(0.0, 8.0, points - 4)[:, None]  # a second motion later in the arc
     leaf_b[4:] += torch.linspace(0.0, 8.0, points - 4)[:, None]
-    mu = torch.linspace(6.0, 14.0, points - 1)
+    mu = torch.tensor([6.0, 30.0, 4.0, 25.0, 5.0, 30.0, 6.0, 20.0])  # a 4 MU frame after 30 MU: 75 % ghost
     before = render(forward, leaf_a[:2], leaf_b[:2], jaws[:2])[0] * 9.0
     frames = record(forward, leaf_a, leaf_b, jaws, mu, before)
     network = ShiftedTruth(frames, leaf_a, leaf_b, jaws, mu)
@@ -240,9 +240,14 @@ def test_an_arc_is_reconstructed_with_the_lag_taken_out():
     assert estimate.leaf_a.shape == (points, 52) and estimate.jaws.shape == (points, 2) and estimate.mu.shape == (8,)
     for fitted, truth in ((estimate.leaf_a, leaf_a), (estimate.leaf_b, leaf_b)):
         error = (fitted - truth)[:, OPEN_ROWS].abs()
-        assert error.max() < 0.3, error.amax(1)
+        assert error.max() < 0.35, error.amax(1)
     assert (estimate.jaws - jaws).abs().mean() < 0.05 < jaw_errors(points).abs().mean()  # refined
-    torch.testing.assert_close(estimate.mu, mu, rtol=0.02, atol=0.0)  # the lag is out of every frame
+    torch.testing.assert_close(estimate.mu, mu, rtol=0.005, atol=0.0)  # the lag is out of every frame
+
+    with torch.no_grad():  # the same frames read by a model that leaves the lag in: the MU are off
+        forward.lag_percent.fill_(0.0)
+    lag_left_in = reconstruct_arc(forward, network, frames, frame_before=before)
+    assert ((lag_left_in.mu - mu).abs() / mu).max() > 0.2
 
     network_only = reconstruct_arc(forward, network, frames, frame_before=before, stages=())
     assert network_only.method == "network"

@@ -6,9 +6,20 @@ import numpy as np
 import pytest
 import scipy.io
 
+from bench import kernel_family as kernel_family_bench
 from bench import radial_kernel as radial_kernel_bench
 from epid.core.errors import InputError
-from epid.synthesis.kernel import KernelError, default_kernel, kernel_from_config, load_kernel, radial_kernel
+from epid.synthesis.kernel import (
+    RESPONSE_FAMILY,
+    KernelError,
+    ResponseShape,
+    default_kernel,
+    kernel_figures,
+    kernel_from_config,
+    load_kernel,
+    radial_kernel,
+    response_kernel,
+)
 
 
 def test_default_kernel_is_odd_normalised_symmetric_and_peaked():
@@ -54,6 +65,42 @@ def test_the_radial_kernel_bench_writes_what_load_kernel_reads_back(tmp_path, ca
     np.testing.assert_allclose(load_kernel(path), radial_kernel(61), rtol=1e-12, atol=0)
     assert set(scipy.io.loadmat(path)) >= {"kernel"}
     assert "61 x 61, sum 1.000000" in capsys.readouterr().out
+
+
+def test_kernel_figures_of_a_gaussian_match_its_closed_forms():
+    sigma = 4.0
+    x_mm = np.arange(-60, 61, dtype=np.float64)
+    profile = np.exp(-0.5 * (x_mm / sigma) ** 2)
+    figures = kernel_figures(np.outer(profile, profile) / profile.sum() ** 2)
+    assert figures.fwhm_x_mm == pytest.approx(2 * np.sqrt(2 * np.log(2)) * sigma, abs=0.1)
+    assert figures.fwhm_y_mm == pytest.approx(figures.fwhm_x_mm)
+    for radius, share in zip(figures.energy_radii_mm, (0.5, 0.8, 0.9, 0.99), strict=True):
+        # the energy of a 2-D Gaussian within r is 1 - exp(-r^2 / 2 sigma^2); radii lie on the 1 mm lattice
+        assert radius == pytest.approx(sigma * np.sqrt(-2 * np.log(1 - share)), abs=1.0)
+    assert figures.singular_ratio < 1e-12
+
+
+def test_the_response_family_spans_sharp_to_broad_and_one_elongated():
+    np.testing.assert_array_equal(response_kernel(ResponseShape(), 61), radial_kernel(61))
+    figures = {name: kernel_figures(response_kernel(shape)) for name, shape in RESPONSE_FAMILY.items()}
+    assert figures["sharp"].fwhm_x_mm == pytest.approx(2.0, abs=0.3)
+    assert 55 <= figures["sharp"].energy_radii_mm[3] <= 65
+    assert figures["broad"].fwhm_x_mm == pytest.approx(12.0, abs=0.5)  # a measured panel's response
+    assert figures["broad"].energy_radii_mm[2] == pytest.approx(32.0, abs=1.5)
+    assert figures["broadest"].fwhm_x_mm == pytest.approx(16.0, abs=0.5)
+    assert figures["broadest"].energy_radii_mm[3] <= 130
+    assert figures["elongated"].fwhm_y_mm > 1.3 * figures["elongated"].fwhm_x_mm
+    for name, kernel_figure in figures.items():
+        assert 0.03 < kernel_figure.singular_ratio < 0.1, name  # not separable, as measured kernels are not
+        assert response_kernel(RESPONSE_FAMILY[name], 31).sum() == pytest.approx(1.0)
+
+
+def test_the_kernel_family_bench_writes_every_kernel(tmp_path, capsys):
+    assert kernel_family_bench.main([str(tmp_path / "kernels"), "--size", "61"]) == 0
+    for name, shape in RESPONSE_FAMILY.items():
+        np.testing.assert_allclose(load_kernel(tmp_path / "kernels" / f"{name}.mat"), response_kernel(shape, 61),
+                                   rtol=1e-12, atol=0)
+    assert "broad.mat" in capsys.readouterr().out
 
 
 def _save(path: Path, **variables) -> Path:

@@ -1,0 +1,119 @@
+"""A fit is kept only where the measured frames agree with it better than with its start.
+
+The tracking models the frames through the row domain (``epid.reconstruction.rows``), a
+reduction of the forward model; where the reduction does not hold (a response the filter cannot
+undo, physics the model lacks), a fit can land further from the truth than the network's estimate
+it started from, and nothing in the row domain would show it. The judge here is the forward
+model itself: each frame of each candidate (start, fit) is rendered, its MU fitted by least
+squares, and the squared residual summed per leaf row (the imager rows each leaf covers) and per
+frame. A control point's leaf row takes the fit's positions unless the two frames that control
+point belongs to (the one ending there and the one starting there) fit that row better with the
+start's; its jaws likewise, from the two frames' whole misfit. Of the fit, the start and that
+per-leaf merge, each run keeps the one of least total misfit, so the result is never worse than
+the start on the frames. ``Kept.from_start`` reports how often the start was kept.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from epid.synthesis.geometry import GRID_SIZE, LEAF_WIDTH_MM, MLC_Y_MIN_MM, NUM_LEAF_PAIRS, PIXEL_MM
+
+BATCH_FRAMES = 64
+"""Frames the network estimates, and the forward model renders, at once (here and in
+``epid.reconstruction.estimate``)."""
+KEEP_START_BELOW = 0.9
+"""The start replaces the fit where its misfit is below this share of the fit's: a leaf the frames
+hardly see (behind a jaw, parked) differs between the two by noise and keeps the fit."""
+
+
+@dataclass(frozen=True)
+class ControlPointRun:
+    """Control points of B runs of F frames: leaf_a, leaf_b (B, F + 1, 52) mm and jaws (B, F + 1, 2)
+    [jaw_1, jaw_2] mm; frame k of a run integrates point k -> k + 1."""
+
+    leaf_a: Tensor
+    leaf_b: Tensor
+    jaws: Tensor
+
+
+@dataclass(frozen=True)
+class Kept:
+    """The control points returned (``ControlPointRun``), the (B, F + 1, 52) mask of the leaf
+    positions taken from the start, and ``from_start``: their share among the leaves the jaws
+    leave open (0 when the whole fit is kept, 1 when the whole start is)."""
+
+    points: ControlPointRun
+    leaves_from_start: Tensor
+    from_start: float
+
+
+def imager_row_leaves(device: torch.device | str | None = None) -> Tensor:
+    """(256,) the leaf whose rows each imager row lies in (row 0 = most positive y)."""
+    y_mm = (GRID_SIZE / 2 - 0.5 - torch.arange(GRID_SIZE, device=device, dtype=torch.float64)) * PIXEL_MM
+    return ((y_mm - MLC_Y_MIN_MM) / LEAF_WIDTH_MM).floor().long().clamp(0, NUM_LEAF_PAIRS - 1)
+
+
+def frame_misfits(forward_model: nn.Module, signals: Tensor, points: ControlPointRun,
+                  batch_frames: int = BATCH_FRAMES) -> Tensor:
+    """(B, F, 52): the squared residual, summed over each leaf's imager rows, between the lag-free
+    frames ``signals`` (B, F, 256, 256) and the forward model's rendering of ``points``, each
+    frame's MU fitted by least squares."""
+    runs, frames = signals.shape[:2]
+    leaves = imager_row_leaves(signals.device)
+    misfits = signals.new_zeros(runs, frames, NUM_LEAF_PAIRS)
+    for begin in range(0, frames, batch_frames):
+        end = min(begin + batch_frames, frames)
+        pairs = [torch.stack([value[:, begin:end], value[:, begin + 1:end + 1]], 2).flatten(0, 1)
+                 for value in (points.leaf_a, points.leaf_b, points.jaws)]  # (B x chunk, 2, ...)
+        leaf_a, leaf_b, jaws = pairs
+        scalars = torch.cat([jaws.new_ones(len(jaws), 1), jaws[:, :, 0], jaws[:, :, 1]], 1)
+        rendered = forward_model.render(leaf_a.flatten(1).float(), leaf_b.flatten(1).float(), scalars.float())[0]
+        measured = signals[:, begin:end].flatten(0, 1).float()
+        mu = (rendered * measured).sum((-2, -1)) / (rendered * rendered).sum((-2, -1)).clamp_min(1e-12)
+        rows = (measured - mu[:, None, None] * rendered).square().sum(-1)  # (B x chunk, 256)
+        per_leaf = rows.new_zeros(len(rows), NUM_LEAF_PAIRS).index_add_(1, leaves, rows)
+        misfits[:, begin:end] = per_leaf.view(runs, end - begin, NUM_LEAF_PAIRS)
+    return misfits
+
+
+def keep_better(forward_model: nn.Module, signals: Tensor, start: ControlPointRun, fit: ControlPointRun,
+                batch_frames: int = BATCH_FRAMES) -> Kept:
+    """The fit where the frames (lag-free, (B, F, 256, 256)) agree with it at least as well as with
+    ``start``, else the start, per control point and leaf (module docstring)."""
+    start_misfit = frame_misfits(forward_model, signals, start, batch_frames)
+    fit_misfit = frame_misfits(forward_model, signals, fit, batch_frames)
+    start_rows, fit_rows = _point_costs(start_misfit), _point_costs(fit_misfit)
+    leaves_from_start = start_rows < KEEP_START_BELOW * fit_rows  # (B, F + 1, 52)
+    jaws_from_start = start_rows.sum(-1) < KEEP_START_BELOW * fit_rows.sum(-1)  # (B, F + 1)
+    merged = ControlPointRun(torch.where(leaves_from_start, start.leaf_a, fit.leaf_a),
+                             torch.where(leaves_from_start, start.leaf_b, fit.leaf_b),
+                             torch.where(jaws_from_start[..., None], start.jaws, fit.jaws))
+    totals = [start_misfit.sum((-2, -1)), fit_misfit.sum((-2, -1))]
+    merged_total = frame_misfits(forward_model, signals, merged, batch_frames).sum((-2, -1)) \
+        if bool(leaves_from_start.any() or jaws_from_start.any()) else totals[1]
+    choice = torch.stack([*totals, merged_total]).argmin(0)  # (B,): 0 start, 1 fit, 2 merged
+    masks = torch.stack([torch.ones_like(leaves_from_start), torch.zeros_like(leaves_from_start),
+                         leaves_from_start])[choice, torch.arange(len(choice))]
+    candidates = (start, fit, merged)
+    points = ControlPointRun(*(torch.stack([getattr(candidates[int(c)], name)[run] for run, c in enumerate(choice)])
+                               for name in ("leaf_a", "leaf_b", "jaws")))
+    open_rows = jaw_band(points.jaws)
+    share = float(masks[open_rows].float().mean()) if bool(open_rows.any()) else 0.0
+    return Kept(points, masks, share)
+
+
+def jaw_band(jaws: Tensor) -> Tensor:
+    """(..., 52) mask of the leaves whose rows the jaws (..., 2) [jaw_1, jaw_2] mm leave open."""
+    lower = MLC_Y_MIN_MM + LEAF_WIDTH_MM * torch.arange(NUM_LEAF_PAIRS, device=jaws.device, dtype=jaws.dtype)
+    return (lower + LEAF_WIDTH_MM > jaws[..., :1]) & (lower < jaws[..., 1:])
+
+
+def _point_costs(misfits: Tensor) -> Tensor:
+    """(B, F, 52) per frame -> (B, F + 1, 52) per control point: the misfits of the frame ending at
+    the point and of the frame starting there."""
+    padded = torch.nn.functional.pad(misfits, (0, 0, 1, 1))
+    return padded[:, :-1] + padded[:, 1:]

@@ -1,0 +1,178 @@
+"""Reconstruction under broad detector responses: the row domain sees the frames through the
+sharpest Gaussian its Wiener filter can reproduce, tracking holds on noisy frames synthesised with
+a response 2.5 times as broad as the built-in one, and a fit is never returned where the frames
+agree better with its start."""
+
+from __future__ import annotations
+
+import dataclasses
+from unittest import mock
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from epid.models.families import build_models
+from epid.reconstruction import estimate as estimate_module
+from epid.reconstruction import fallback, leaves, rows
+from epid.synthesis.frames import render_frames
+from epid.synthesis.physics import Physics
+from epid.synthesis.sequences import generate_control_points, leaf_band
+from tests.reconstruction.test_estimate import ShiftedTruth, with_real_mlc
+
+MLC_PHYSICS = Physics(leaf_transmission_percent=0.5, jaw_transmission_percent=0.1, interleaf_leakage_percent=0.5,
+                      tongue_groove_mm=0.8, leaf_end_offset_mm=0.6)
+"""The synthesis physics of ``with_real_mlc``'s forward model (no lag, no backscatter)."""
+STAGES = ((16.0, 1.0), (2.0, 0.2), (16.0, 1.0), (1.0, 0.1))
+
+
+def forward_with_response(sigma_mm: float) -> nn.Module:
+    """The tiny aperture forward model with a real MLC's physics, every Gaussian of its response
+    ``sigma_mm`` wide (a core 2.355 sigma wide at half maximum)."""
+    torch.manual_seed(0)
+    forward, _ = build_models("tiny", "aperture")
+    with torch.no_grad():
+        forward.response.profile_x.log_width.fill_(np.log(sigma_mm))
+        forward.response.profile_y.log_width.fill_(np.log(sigma_mm))
+    return with_real_mlc(forward).eval()
+
+
+def model_kernel(forward: nn.Module) -> np.ndarray:
+    response = forward.response
+    return (response.kernel() * response.log_gain.exp()).detach().double().numpy()
+
+
+def numpy_filter_error(kernel: np.ndarray, sigma_mm: float, shape: tuple[int, int], floor: float) -> float:
+    """||W K - T|| / ||T|| computed independently with numpy's FFT on the full (not half) spectrum."""
+    def centred(image: np.ndarray) -> np.ndarray:
+        padded = np.zeros(shape)
+        padded[:image.shape[0], :image.shape[1]] = image
+        return np.roll(padded, (-(image.shape[0] // 2), -(image.shape[1] // 2)), (0, 1))
+
+    reach = int(np.ceil(4 * sigma_mm))
+    taps = np.exp(-0.5 * (np.arange(-reach, reach + 1) / sigma_mm) ** 2)
+    taps /= taps.sum()
+    response, target = np.fft.fft2(centred(kernel)), np.fft.fft2(centred(np.outer(taps, taps)))
+    power = np.abs(response) ** 2
+    wiener = target * np.conj(response) / (power + floor * power.max())
+    return float(np.linalg.norm(wiener * response - target) / np.linalg.norm(target))
+
+
+def test_the_filter_error_matches_an_independent_computation():
+    forward = forward_with_response(5.0)
+    response = forward.response
+    spectrum = response._spectrum(torch.from_numpy(model_kernel(forward)))
+    for sigma_mm in (2.0, 4.0, 6.0):
+        expected = numpy_filter_error(model_kernel(forward), sigma_mm, tuple(response.fft_shape), rows.WIENER_FLOOR)
+        assert rows.filter_error(spectrum, sigma_mm, tuple(response.fft_shape)) == pytest.approx(expected, rel=1e-6)
+
+
+@pytest.mark.parametrize("sigma_mm, low, high", [(1.5, 2.0, 2.0), (2.0, 2.0, 2.0), (5.0, 3.6, 4.6)])
+def test_the_target_is_the_sharpest_gaussian_the_filter_reproduces(sigma_mm, low, high):
+    forward = forward_with_response(sigma_mm)
+    domain = rows.RowDomain.of(forward)
+    assert low <= domain.target_sigma_mm <= high
+    spectrum = forward.response._spectrum(torch.from_numpy(model_kernel(forward)))
+    shape = tuple(forward.response.fft_shape)
+    assert rows.filter_error(spectrum, domain.target_sigma_mm, shape) <= rows.TARGET_FIDELITY
+    if domain.target_sigma_mm > rows.MIN_TARGET_SIGMA_MM:
+        sharper = domain.target_sigma_mm - rows.TARGET_STEP_MM
+        assert rows.filter_error(spectrum, sharper, shape) > rows.TARGET_FIDELITY
+    assert len(domain.taps) == 2 * int(np.ceil(4 * domain.target_sigma_mm)) + 1
+
+
+def noisy_broad_run(frames: int = 24, dataset_id: int = 82):
+    """A forward model with a 5 mm (12 mm at half maximum) response, and ``frames`` noisy frames
+    of dataset ``dataset_id`` synthesised by ``render_frames`` with that kernel and the model's MLC
+    physics; the true control points (leaf_a, leaf_b, jaws) and the band mask of the leaves scored."""
+    forward = forward_with_response(5.0)
+    points = generate_control_points(dataset_id, frames + 1)
+    signals = render_frames(points, np.arange(1, frames + 1), model_kernel(forward), dataset_id=dataset_id,
+                            noise_std=0.005, physics=MLC_PHYSICS)
+    truth = fallback.ControlPointRun(*(torch.tensor(np.asarray(v, dtype=np.float32))[None] for v in (
+        points.leaf_a, points.leaf_b, np.stack([points.jaw_1, points.jaw_2], 1))))
+    lo, hi = leaf_band(points.jaw_1, points.jaw_2)
+    band = torch.zeros(frames + 1, 52, dtype=torch.bool)
+    for point in range(frames + 1):
+        band[point, lo[point]:hi[point]] = True
+    return forward, signals, truth, band
+
+
+def network_like(truth: fallback.ControlPointRun, seed: int = 0) -> fallback.ControlPointRun:
+    """A start off as a network's is: each leaf biased by up to +-1.5 mm, plus 0.4 mm jitter; jaws
+    off by up to 0.3 mm."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def off(values: torch.Tensor, bias: float, jitter: float) -> torch.Tensor:
+        per_leaf = bias * (2 * torch.rand(values.shape[-1], generator=generator) - 1)
+        return values + per_leaf + jitter * torch.randn(values.shape, generator=generator)
+
+    return fallback.ControlPointRun(off(truth.leaf_a, 1.5, 0.4), off(truth.leaf_b, 1.5, 0.4),
+                                    off(truth.jaws, 0.3, 0.0))
+
+
+def leaf_mae(points: fallback.ControlPointRun, truth: fallback.ControlPointRun, band: torch.Tensor) -> float:
+    errors = torch.cat([(points.leaf_a - truth.leaf_a)[0][band], (points.leaf_b - truth.leaf_b)[0][band]])
+    return float(errors.abs().mean())
+
+
+def test_tracking_holds_on_noisy_frames_of_a_broad_response():
+    forward, signals, truth, band = noisy_broad_run()
+    start = network_like(truth)
+    domain = rows.RowDomain.of(forward)
+    tracked = leaves.track_leaves(domain, signals[None], start.leaf_a, start.leaf_b, start.jaws, STAGES)
+    fit = fallback.ControlPointRun(tracked.leaf_a, tracked.leaf_b, tracked.jaws)
+    assert leaf_mae(start, truth, band) > 0.85
+    assert leaf_mae(fit, truth, band) < 0.55  # the noise and a 12 mm wide core leave about 0.5 mm
+    with mock.patch.object(rows, "MAX_TARGET_SIGMA_MM", rows.MIN_TARGET_SIGMA_MM):  # T fixed at 2 mm: fails
+        sharp = rows.RowDomain.of(forward)
+    assert sharp.target_sigma_mm == 2.0
+    biased = leaves.track_leaves(sharp, signals[None], start.leaf_a, start.leaf_b, start.jaws, STAGES)
+    assert leaf_mae(fallback.ControlPointRun(biased.leaf_a, biased.leaf_b, biased.jaws), truth, band) > 2.0
+
+
+def test_a_fit_worse_than_its_start_is_never_returned():
+    forward, signals, truth, band = noisy_broad_run(frames=12)
+    start = network_like(truth)
+    bad = fallback.ControlPointRun(truth.leaf_a + 4.0, truth.leaf_b - 4.0, truth.jaws)
+    kept = fallback.keep_better(forward, signals[None], start, bad)
+    torch.testing.assert_close(kept.points.leaf_a, start.leaf_a)
+    assert kept.from_start == 1.0
+    misfit = fallback.frame_misfits(forward, signals[None], kept.points).sum()
+    assert misfit <= fallback.frame_misfits(forward, signals[None], start).sum()
+
+    # wrong in six leaves only: those come from the start, the leaves the broad response does not
+    # mix with them (three leaves away and more) from the fit
+    partly = dataclasses.replace(truth, leaf_a=truth.leaf_a.clone())
+    partly.leaf_a[..., 30:36] += 4.0
+    kept = fallback.keep_better(forward, signals[None], start, partly)
+    from_start = kept.leaves_from_start[0]
+    assert from_start[:, 30:36][band[:, 30:36]].all()
+    assert not from_start[:, :27][band[:, :27]].any() and not from_start[:, 39:][band[:, 39:]].any()
+    misfit = fallback.frame_misfits(forward, signals[None], kept.points).sum()
+    assert misfit <= fallback.frame_misfits(forward, signals[None], start).sum()
+    assert misfit <= fallback.frame_misfits(forward, signals[None], partly).sum()
+    assert 0 < kept.from_start < 1
+
+    # a good fit is kept whole
+    kept = fallback.keep_better(forward, signals[None], start, truth)
+    assert kept.from_start == 0.0
+    torch.testing.assert_close(kept.points.leaf_b, truth.leaf_b)
+
+
+def test_an_arc_reconstruction_falls_back_to_the_network_where_tracking_fails():
+    forward, signals, truth, band = noisy_broad_run(frames=12)
+    mu = torch.full((12,), 1.0)
+    network = ShiftedTruth(signals, truth.leaf_a[0], truth.leaf_b[0], truth.jaws[0], mu)
+    network.config = type("Config", (), {"track_stages": STAGES})()
+
+    def tracking_gone_wrong(domain, signals, leaf_a, leaf_b, jaws, stages, **options):
+        return leaves.Tracked(leaf_a + 5.0, leaf_b - 5.0, jaws, torch.ones(leaf_a.shape[0], leaf_a.shape[1] - 1))
+
+    with mock.patch.object(estimate_module, "track_leaves", tracking_gone_wrong):
+        estimate = estimate_module.reconstruct_arc(forward, network, signals)
+    assert estimate.from_start == 1.0
+    torch.testing.assert_close(estimate.leaf_a[1:], truth.leaf_a[0, 1:] + 0.8)  # the network's estimate, kept
+    honest = estimate_module.reconstruct_arc(forward, network, signals)
+    assert honest.from_start < 0.05
