@@ -124,7 +124,7 @@ def test_tracking_holds_on_noisy_frames_of_a_broad_response():
     tracked = leaves.track_leaves(domain, signals[None], start.leaf_a, start.leaf_b, start.jaws, STAGES)
     fit = fallback.ControlPointRun(tracked.leaf_a, tracked.leaf_b, tracked.jaws)
     assert leaf_mae(start, truth, band) > 0.85
-    assert leaf_mae(fit, truth, band) < 0.55  # the noise and a 12 mm wide core leave about 0.5 mm
+    assert leaf_mae(fit, truth, band) < 0.4  # a 12 mm wide core and the noise leave about a third of a mm
     with mock.patch.object(rows, "MAX_TARGET_SIGMA_MM", rows.MIN_TARGET_SIGMA_MM):  # T fixed at 2 mm: fails
         sharp = rows.RowDomain.of(forward)
     assert sharp.target_sigma_mm == 2.0
