@@ -7,9 +7,15 @@ synthesises ``--frames`` consecutive frames from the start of the arc (the whole
 default: 2,049 frames) with the checkpoint's own kernel and physics, then reconstructs the
 control points with each method and reports frames per second (wall clock, the network's
 estimates included) and the leaf errors of control points 1..N inside the jaw band (design
-section 10): MAE, RMS, share within 0.5 mm and 1 mm; jaw MAE and MU relative error.
+section 10): MAE, RMS, share within 0.5 mm and 1 mm; jaw MAE and MU relative error; how often the
+arc fit kept the network's estimate (``epid.reconstruction.fallback``). It also predicts each arc's
+frames from its control points alone, each frame after the model's own prediction of the frame
+before (``epid.evaluation.plan_qa.predict_plan_frames``), and gives their gamma pass rate at
+2 %/2 mm against the synthesised frames.
 
     python -m bench.bench_reconstruct --checkpoint quality_output/checkpoint.pth
+    python -m bench.bench_reconstruct --checkpoint quality_output/checkpoint.pth --frames 300 \\
+        --arcs 6,86,166,326,406,486 --methods network,arc --output reconstruct.json
     python -m bench.bench_reconstruct --checkpoint quality_output/checkpoint.pth --frames 64 \\
         --methods pair,arc --stages 6:0.5,0.8:0.1 --output estimate_module.json
 """
@@ -28,11 +34,13 @@ from epid.config.load import load_config
 from epid.core.cli import run_main
 from epid.core.devices import resolve_device
 from epid.core.errors import InputError
-from epid.evaluation.arc_review import arc_errors, pooled_errors, reconstruct_segment, synthesise_segment
+from epid.evaluation.arc_review import ArcSegment, arc_errors, pooled_errors, reconstruct_segment, synthesise_segment
+from epid.evaluation.gamma import gamma_index, gamma_pass_rate
 from epid.evaluation.inference import load_synthesis_kernel, resolve_synthesis
+from epid.evaluation.plan_qa import predict_plan_frames
 from epid.models.checkpoint import build_models_from_checkpoint, load_checkpoint
 from epid.reconstruction import estimate as estimate_module
-from epid.synthesis.sequences import NUM_DATASETS, PATTERNS, pattern_for
+from epid.synthesis.sequences import NUM_DATASETS, PATTERNS, ControlPoints, generate_control_points, pattern_for
 
 PROGRAM = "python -m bench.bench_reconstruct"
 TARGETS = {"cpu": 10.0, "cuda": 1000.0}
@@ -87,6 +95,20 @@ def held_out_arcs(trained: set[int]) -> list[int]:
     return chosen
 
 
+def forward_gamma(forward_model: torch.nn.Module, segment: ArcSegment, n_control_points: int,
+                  device: torch.device) -> float:
+    """Mean gamma pass rate (%, 2 %/2 mm, global, 10 % cutoff) of the segment's frames predicted
+    from its control points alone against its synthesised frames (the segment starts at frame 1)."""
+    points = generate_control_points(segment.dataset_id, n_control_points)
+    stop = len(segment) + 1
+    plan = ControlPoints(**{name: getattr(points, name)[:stop] for name in
+                            ("leaf_a", "leaf_b", "jaw_1", "jaw_2", "mu", "leaf_weight")},
+                         dataset_id=points.dataset_id, pattern=points.pattern)
+    predicted = predict_plan_frames(forward_model, plan, device)
+    gamma = gamma_index(segment.frames[1:], predicted, dose_percent=2.0, distance_mm=2.0, lower_percent_cutoff=10.0)
+    return float(gamma_pass_rate(gamma).mean())
+
+
 def chosen_arcs(text: str, trained: set[int]) -> list[int]:
     """The dataset IDs of ``--arcs``; InputError for one outside 0..639 or one the checkpoint trained on."""
     try:
@@ -117,6 +139,10 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, dict[str, dict[str, float]]] = {}
     for dataset_id in arcs:
         segment = synthesise_segment(dataset_id, 1, count, settings, kernel, device)
+        gamma_percent = forward_gamma(models[0], segment, settings.control_points, device)
+        results.setdefault("forward", {})[f"{dataset_id} {segment.pattern}"] = {"gamma_2_2mm_percent": gamma_percent}
+        print(f"  arc {dataset_id} ({segment.pattern}): frames predicted from the plan alone, gamma 2 %/2 mm "
+              f"{gamma_percent:.2f} %", flush=True)
         for method in args.methods:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
@@ -135,7 +161,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{'method':8} {'frames/s':>9} {'leaf MAE':>9} {'RMS':>6} {'<=0.5mm':>8} {'<=1mm':>8} {'jaw MAE':>8} "
           f"{'MU err':>7} {'kept':>6}   (all arcs; leaf figures weighted by leaves, frames/s over all frames; "
           "kept: open leaves where the fit kept the network's estimate)")
-    summary = {}
+    forward = results.pop("forward")
+    summary = {"forward": {"gamma_2_2mm_percent": float(sum(f["gamma_2_2mm_percent"] for f in forward.values())
+                                                        / len(forward))}}
     for method, per_arc in results.items():
         row = summary[method] = {
             **pooled_errors(list(per_arc.values())),
@@ -144,6 +172,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{method:8} {row['frames_per_second']:9.2f} {row['leaf_mae_mm']:8.3f}  {row['leaf_rms_mm']:6.2f} "
               f"{row['within_0.5mm']:7.1f}% {row['within_1mm']:7.2f}% {row['jaw_mae_mm']:8.3f} "
               f"{row['mu_error_percent']:6.2f}% {row['from_start_percent']:5.2f}%")
+    print("forward model, frames from the plan alone: gamma 2 %/2 mm "
+          f"{summary['forward']['gamma_2_2mm_percent']:.2f} % (mean over arcs)")
+    results["forward"] = forward
     print(f"targets (arc): >= {target:g} frames/s on {device.type}, leaf MAE <= 0.3 mm, >= 99 % within 1 mm")
     if "arc" in summary:
         arc = summary["arc"]

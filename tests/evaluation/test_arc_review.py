@@ -102,7 +102,9 @@ def test_bench_reconstruct_reports_every_method_on_held_out_arcs(tmp_path):
     assert result.returncode == 0, result.stderr
     report = json.loads(output.read_text())
     assert report["arcs"] == [2, 82, 162]  # one held-out (2 mod 4) arc of each pattern
-    assert set(report["summary"]) == {"network", "pair", "arc"}
+    assert set(report["summary"]) == {"network", "pair", "arc", "forward"}
+    assert 0 <= report["summary"].pop("forward")["gamma_2_2mm_percent"] <= 100
+    assert 0 <= report["summary"]["arc"]["from_start_percent"] <= 100
     for figures in report["summary"].values():
         assert figures["frames_per_second"] > 0 and figures["leaves"] > 0
         assert 0 <= figures["within_1mm"] <= 100 and np.isfinite(figures["leaf_mae_mm"])
@@ -110,3 +112,15 @@ def test_bench_reconstruct_reports_every_method_on_held_out_arcs(tmp_path):
     arc = report["summary"]["arc"]
     verdict = "met" if arc["within_1mm"] >= 99.0 else "MISSED"
     assert f"within 1 mm {verdict}" in result.stdout.splitlines()[-1]
+
+
+def test_bench_reconstruct_takes_held_out_arcs_only(tmp_path):
+    torch.manual_seed(0)
+    checkpoint = tmp_path / "aperture.pth"
+    payload = checkpoint_payload(*build_models("tiny", "aperture"))
+    save_checkpoint(checkpoint, {**payload, "dataset_ids": [0, 4, 8]})
+    for arcs, expected in (("4,6", "trained on [4]"), ("6,x", "expected comma-separated dataset IDs")):
+        result = subprocess.run([sys.executable, "-m", "bench.bench_reconstruct", "--checkpoint", str(checkpoint),
+                                 "--arcs", arcs], cwd=ROOT, check=False, capture_output=True, text=True,
+                                env=clean_environment(), timeout=120)
+        assert result.returncode == 2 and expected in result.stderr and result.stderr.count("\n") == 1
