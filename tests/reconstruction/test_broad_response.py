@@ -176,3 +176,36 @@ def test_an_arc_reconstruction_falls_back_to_the_network_where_tracking_fails():
     torch.testing.assert_close(estimate.leaf_a[1:], truth.leaf_a[0, 1:] + 0.8)  # the network's estimate, kept
     honest = estimate_module.reconstruct_arc(forward, network, signals)
     assert honest.from_start < 0.05
+
+
+def test_the_broad_term_is_taken_out_before_tracking():
+    """A forward model with a 12 mm wide response whose broad term holds a fifth of the signal
+    through a 21 mm blur (as a model trained on a broad response learns): frames it renders itself
+    are tracked from the network's estimate only when the term is taken out of them first."""
+    forward = forward_with_response(5.0)
+    with torch.no_grad():
+        forward.response.broad_gain.copy_(torch.tensor([0.18, 0.07]))
+        forward.response.broad_log_width.fill_(np.log(21.0))
+    points = generate_control_points(86, 13)
+    truth = fallback.ControlPointRun(*(torch.tensor(np.asarray(v, dtype=np.float32))[None] for v in (
+        points.leaf_a, points.leaf_b, np.stack([points.jaw_1, points.jaw_2], 1))))
+    pairs = [torch.stack([value[0, :-1], value[0, 1:]], 1) for value in (truth.leaf_a, truth.leaf_b, truth.jaws)]
+    scalars = torch.cat([torch.tensor(points.mu[1:, None]), pairs[2][:, :, 0], pairs[2][:, :, 1]], 1)
+    with torch.no_grad():
+        signals = forward(pairs[0].flatten(1), pairs[1].flatten(1), scalars)[0][:, 0]
+    lo, hi = leaf_band(points.jaw_1, points.jaw_2)
+    band = torch.zeros(13, 52, dtype=torch.bool)
+    for point in range(1, 13):  # control point 0 is extrapolated without the frame before
+        band[point, lo[point]:hi[point]] = True
+    network = ShiftedTruth(signals, truth.leaf_a[0], truth.leaf_b[0], truth.jaws[0], torch.tensor(points.mu[1:]))
+    network.config = type("Config", (), {"track_stages": STAGES})()
+    with torch.no_grad():
+        estimate = estimate_module.reconstruct_arc(forward, network, signals)
+        with mock.patch.object(estimate_module, "without_broad_term", lambda model, frames, *rest: frames):
+            left_in = estimate_module.reconstruct_arc(forward, network, signals)
+
+    def mae(reconstruction) -> float:
+        return leaf_mae(fallback.ControlPointRun(reconstruction.leaf_a[None], reconstruction.leaf_b[None],
+                                                 reconstruction.jaws[None]), truth, band)
+
+    assert mae(estimate) < 0.75 and mae(left_in) > 1.5  # the start is 0.8 mm off
