@@ -194,28 +194,23 @@ class DetectorResponse(nn.Module):
         return torch.fft.rfft2(torch.roll(padded, (-self.reach, -self.reach), (0, 1)))
 
     def forward(self, fluence: Tensor) -> Tensor:
-        return self._images(fluence, (self.kernel() * self.log_gain.exp(), self._broad_kernel())).sum(1)
+        parts = self.parts(fluence)
+        return parts[:, 0] + parts[:, 1]
 
-    def broad_term(self, fluence: Tensor) -> Tensor:
-        """The broad term alone: (B, 260, 256) leaf-grid fluence -> (B, 256, 256) per MU."""
-        return self._images(fluence, (self._broad_kernel(),))[:, 0]
-
-    def _broad_kernel(self) -> Tensor:
-        taps = gaussian_taps(self.broad_log_width, self.profile_y.offsets)[0]
-        return torch.outer(taps, taps)
-
-    def _images(self, fluence: Tensor, kernels: tuple[Tensor, ...]) -> Tensor:
-        """The fluence through each kernel, (B, len(kernels), 256, 256); the last kernel is the broad
-        term's and its image is weighted per row."""
+    def parts(self, fluence: Tensor) -> Tensor:
+        """(B, 260, 256) leaf-grid fluence -> (B, 2, 256, 256): the image through the kernel and the
+        broad term (the fluence's wide blur weighted per row)."""
         fluence = fluence.float()
         with torch.autocast(fluence.device.type, enabled=False):
             spectrum = torch.fft.rfft2(fluence, s=self.fft_shape)
-            spectra = torch.stack([self._spectrum(kernel) for kernel in kernels])
+            kernel = self.kernel() * self.log_gain.exp()
+            broad_taps = gaussian_taps(self.broad_log_width, self.profile_y.offsets)[0]
+            spectra = torch.stack([self._spectrum(kernel), self._spectrum(torch.outer(broad_taps, broad_taps))])
             images = torch.fft.irfft2(spectrum[:, None] * spectra, s=self.fft_shape)
-        images = to_imager(images[..., :LEAF_GRID_ROWS, :GRID_SIZE])  # (B, K, 256, 256)
+        images = to_imager(images[..., :LEAF_GRID_ROWS, :GRID_SIZE])  # (B, 2, 256, 256)
         rows = (torch.arange(GRID_SIZE, device=fluence.device, dtype=torch.float32) + 0.5) / GRID_SIZE
         broad_weight = self.broad_gain[0] + self.broad_gain[1] * rows
-        return torch.cat([images[:, :-1], broad_weight[:, None] * images[:, -1:]], 1)
+        return torch.stack([images[:, 0], broad_weight[:, None] * images[:, 1]], 1)
 
 
 @dataclass(frozen=True)
@@ -267,10 +262,13 @@ class ApertureForwardModel(nn.Module):
         fluence = self.aperture(leaf_a.float(), leaf_b.float(), scalars.float())
         return self.response(fluence), fluence
 
-    def render_broad_term(self, leaf_a: Tensor, leaf_b: Tensor, scalars: Tensor) -> Tensor:
-        """The response's broad term of the signal per MU (B, 256, 256): the part the reconstruction's
-        row domain leaves out (``epid.reconstruction.estimate``)."""
-        return self.response.broad_term(self.aperture(leaf_a.float(), leaf_b.float(), scalars.float()))
+    def render_parts(self, leaf_a: Tensor, leaf_b: Tensor, scalars: Tensor) -> tuple[Tensor, Tensor]:
+        """The signal per MU without lag in its two parts, (B, 256, 256) each: through the response's
+        kernel, and its broad term (the part the reconstruction's row domain leaves out); ``render``
+        gives their sum."""
+        fluence = self.aperture(leaf_a.float(), leaf_b.float(), scalars.float())
+        parts = self.response.parts(fluence)
+        return parts[:, 0], parts[:, 1]
 
     def forward(self, leaf_a: Tensor, leaf_b: Tensor, scalars: Tensor,
                 epid_prev: Tensor | None = None) -> tuple[Tensor, Tensor]:

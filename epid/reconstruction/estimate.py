@@ -25,6 +25,7 @@ never worse than its start on the measured frames.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,7 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from epid.reconstruction.fallback import BATCH_FRAMES, ControlPointRun, keep_better
+from epid.reconstruction.fallback import BATCH_FRAMES, ControlPointRun, keep_better, render_run
 from epid.reconstruction.leaves import track_leaves
 from epid.reconstruction.rows import RowDomain
 from epid.synthesis.geometry import NUM_LEAF_PAIRS
@@ -101,15 +102,15 @@ def pair_estimate(forward_model: nn.Module, inverse_model: nn.Module, epid_prev:
 
     start = ControlPointRun(with_start(leaf_a[:, :half], leaf_a[:, half:]),
                             with_start(leaf_b[:, :half], leaf_b[:, half:]), with_start(jaws[:, 0], jaws[:, 1]))
-    tracked = track_leaves(RowDomain.of(forward_model, frames.device),
-                           without_broad_term(forward_model, signals, start),
+    prepared = render_run(forward_model, signals, start, without_broad=True)
+    tracked = track_leaves(RowDomain.of(forward_model, frames.device), prepared.without_broad,
                            start.leaf_a, start.leaf_b, start.jaws, stages)
-    kept = keep_better(forward_model, signals, start, ControlPointRun(tracked.leaf_a, tracked.leaf_b, tracked.jaws))
+    kept = keep_better(forward_model, signals, start, ControlPointRun(tracked.leaf_a, tracked.leaf_b, tracked.jaws),
+                       start_rendering=prepared)
     points = kept.points
     jaws = points.jaws[:, 1:]  # (B, 2 [prev, curr], 2 [jaw_1, jaw_2])
-    mu = _rendered_mu(forward_model, signals[:, 1], points.leaf_a[:, 1:], points.leaf_b[:, 1:], jaws)
     return (points.leaf_a[:, 1:].flatten(1), points.leaf_b[:, 1:].flatten(1),
-            torch.cat([mu[:, None], jaws[..., 0], jaws[..., 1]], 1))
+            torch.cat([kept.mu[:, 1:], jaws[..., 0], jaws[..., 1]], 1))
 
 
 def reconstruct_arc(forward_model: nn.Module, inverse_model: nn.Module, frames: Tensor, *,
@@ -146,55 +147,17 @@ def reconstruct_arc(forward_model: nn.Module, inverse_model: nn.Module, frames: 
             progress(count)
         return ArcReconstruction(leaf_a, leaf_b, jaws, network_mu, method="network")
     start = ControlPointRun(leaf_a[None], leaf_b[None], jaws[None])
-    tracked = track_leaves(RowDomain.of(forward_model, frames.device),
-                           without_broad_term(forward_model, signals[None], start, batch_frames),
+    prepared = render_run(forward_model, signals[None], start, batch_frames, without_broad=True)
+    tracked = track_leaves(RowDomain.of(forward_model, frames.device), prepared.without_broad,
                            start.leaf_a, start.leaf_b, start.jaws, stages, chunk_frames=batch_frames)
-    kept = keep_better(forward_model, signals[None], start,
-                       ControlPointRun(tracked.leaf_a, tracked.leaf_b, tracked.jaws), batch_frames)
-    leaf_a, leaf_b, jaws = (value[0] for value in (kept.points.leaf_a, kept.points.leaf_b, kept.points.jaws))
-    mu = signals.new_zeros(count)
-    for begin in range(0, count, batch_frames):
-        end = min(begin + batch_frames, count)
-        mu[begin:end] = _rendered_mu(forward_model, signals[begin:end], leaf_a[begin:end + 1],
-                                     leaf_b[begin:end + 1], jaws[begin:end + 1])
-        if progress is not None:
-            progress(end - begin)
-    return ArcReconstruction(leaf_a, leaf_b, jaws, mu, method="arc tracking", from_start=kept.from_start)
-
-
-def without_broad_term(forward_model: nn.Module, signals: Tensor, points: ControlPointRun,
-                       batch_frames: int = BATCH_FRAMES) -> Tensor:
-    """Lag-free frames (B, F, 256, 256) less the forward model's broad term
-    (``render_broad_term``) rendered from ``points`` (B, F + 1, ...), each frame's MU fitted to the
-    whole rendering. The row domain models the response's kernel alone; a broad term the model
-    learned (backscatter, or the far tails of a broad response: about a fifth of the signal, 21 mm
-    wide, for a 12 mm wide response) left in the frames moved leaves started at the truth by
-    1.3 mm. Rendered from the start, the term is off only by the blur of the start's errors."""
-    if not hasattr(forward_model, "render_broad_term"):
-        return signals
-    cleaned = signals.clone()
-    runs, frames = signals.shape[:2]
-    for begin in range(0, frames, batch_frames):
-        end = min(begin + batch_frames, frames)
-        leaf_a, leaf_b, jaws = (torch.stack([value[:, begin:end], value[:, begin + 1:end + 1]], 2).flatten(0, 1)
-                                for value in (points.leaf_a, points.leaf_b, points.jaws))
-        part = signals[:, begin:end].flatten(0, 1)
-        mu = _rendered_mu(forward_model, part, leaf_a, leaf_b, jaws)
-        scalars = torch.cat([jaws.new_ones(len(jaws), 1), jaws[:, :, 0], jaws[:, :, 1]], 1).float()
-        broad = forward_model.render_broad_term(leaf_a.flatten(1).float(), leaf_b.flatten(1).float(), scalars)
-        cleaned[:, begin:end] -= (mu[:, None, None] * broad).view(runs, end - begin, *broad.shape[1:])
-    return cleaned
-
-
-def _rendered_mu(forward_model: nn.Module, signals: Tensor, leaf_a: Tensor, leaf_b: Tensor, jaws: Tensor) -> Tensor:
-    """Least-squares MU (F,) of F lag-free frames (F, 256, 256) against the forward model's
-    rendering of the motions between consecutive control points (leaf_a, leaf_b (F + 1, 52) or
-    (F, 2, 52), jaws (F + 1, 2) or (F, 2, 2): a batch of pairs [prev, curr] when 3-D)."""
-    if leaf_a.dim() == 2:
-        leaf_a, leaf_b, jaws = (torch.stack([t[:-1], t[1:]], 1) for t in (leaf_a, leaf_b, jaws))
-    scalars = torch.cat([jaws.new_ones(len(jaws), 1), jaws[:, :, 0], jaws[:, :, 1]], 1)
-    rendered = forward_model.render(leaf_a.flatten(1), leaf_b.flatten(1), scalars)[0]
-    return (rendered * signals).sum((-2, -1)) / (rendered * rendered).sum((-2, -1)).clamp_min(1e-12)
+    prepared = dataclasses.replace(prepared, without_broad=None)  # a whole arc's frames, no longer needed
+    kept = keep_better(forward_model, signals[None], start, ControlPointRun(tracked.leaf_a, tracked.leaf_b,
+                       tracked.jaws), batch_frames, start_rendering=prepared)
+    if progress is not None:
+        progress(count)
+    points = kept.points
+    return ArcReconstruction(points.leaf_a[0], points.leaf_b[0], points.jaws[0], kept.mu[0], method="arc tracking",
+                             from_start=kept.from_start)
 
 
 def _network_lag(inverse_model: nn.Module) -> Tensor | float:

@@ -43,12 +43,14 @@ class ControlPointRun:
 @dataclass(frozen=True)
 class Kept:
     """The control points returned (``ControlPointRun``), the (B, F + 1, 52) mask of the leaf
-    positions taken from the start, and ``from_start``: their share among the leaves the jaws
-    leave open (0 when the whole fit is kept, 1 when the whole start is)."""
+    positions taken from the start, ``from_start``: their share among the leaves the jaws leave
+    open (0 when the whole fit is kept, 1 when the whole start is), and each frame's least-squares
+    ``mu`` (B, F) at the returned points."""
 
     points: ControlPointRun
     leaves_from_start: Tensor
     from_start: float
+    mu: Tensor
 
 
 def imager_row_leaves(device: torch.device | str | None = None) -> Tensor:
@@ -57,53 +59,77 @@ def imager_row_leaves(device: torch.device | str | None = None) -> Tensor:
     return ((y_mm - MLC_Y_MIN_MM) / LEAF_WIDTH_MM).floor().long().clamp(0, NUM_LEAF_PAIRS - 1)
 
 
-def frame_misfits(forward_model: nn.Module, signals: Tensor, points: ControlPointRun,
-                  batch_frames: int = BATCH_FRAMES) -> Tensor:
-    """(B, F, 52): the squared residual, summed over each leaf's imager rows, between the lag-free
-    frames ``signals`` (B, F, 256, 256) and the forward model's rendering of ``points``, each
-    frame's MU fitted by least squares."""
+@dataclass(frozen=True)
+class Rendering:
+    """What the forward model makes of B runs of F lag-free frames at given control points: the
+    squared residual summed over each leaf's imager rows, ``misfits`` (B, F, 52), each frame's
+    least-squares ``mu`` (B, F) and, when asked for, the frames less ``mu`` x the response's broad
+    term, ``without_broad`` (B, F, 256, 256)."""
+
+    misfits: Tensor
+    mu: Tensor
+    without_broad: Tensor | None = None
+
+
+def render_run(forward_model: nn.Module, signals: Tensor, points: ControlPointRun, batch_frames: int = BATCH_FRAMES,
+               without_broad: bool = False) -> Rendering:
+    """The ``Rendering`` of ``points`` against ``signals`` (B, F, 256, 256), ``batch_frames`` frames at
+    a time; ``without_broad`` needs a model with ``render_parts`` (else the frames are kept whole)."""
     runs, frames = signals.shape[:2]
     leaves = imager_row_leaves(signals.device)
     misfits = signals.new_zeros(runs, frames, NUM_LEAF_PAIRS)
+    mu_of_frames = signals.new_zeros(runs, frames)
+    parted = without_broad and hasattr(forward_model, "render_parts")
+    cleaned = signals.clone() if without_broad else None
     for begin in range(0, frames, batch_frames):
         end = min(begin + batch_frames, frames)
-        pairs = [torch.stack([value[:, begin:end], value[:, begin + 1:end + 1]], 2).flatten(0, 1)
-                 for value in (points.leaf_a, points.leaf_b, points.jaws)]  # (B x chunk, 2, ...)
-        leaf_a, leaf_b, jaws = pairs
-        scalars = torch.cat([jaws.new_ones(len(jaws), 1), jaws[:, :, 0], jaws[:, :, 1]], 1)
-        rendered = forward_model.render(leaf_a.flatten(1).float(), leaf_b.flatten(1).float(), scalars.float())[0]
+        leaf_a, leaf_b, jaws = (torch.stack([value[:, begin:end], value[:, begin + 1:end + 1]], 2).flatten(0, 1)
+                                for value in (points.leaf_a, points.leaf_b, points.jaws))  # (B x chunk, 2, ...)
+        scalars = torch.cat([jaws.new_ones(len(jaws), 1), jaws[:, :, 0], jaws[:, :, 1]], 1).float()
+        inputs = (leaf_a.flatten(1).float(), leaf_b.flatten(1).float(), scalars)
+        if parted:
+            kernel_part, broad = forward_model.render_parts(*inputs)
+            rendered = kernel_part + broad
+        else:
+            rendered = forward_model.render(*inputs)[0]
         measured = signals[:, begin:end].flatten(0, 1).float()
         mu = (rendered * measured).sum((-2, -1)) / (rendered * rendered).sum((-2, -1)).clamp_min(1e-12)
         rows = (measured - mu[:, None, None] * rendered).square().sum(-1)  # (B x chunk, 256)
         per_leaf = rows.new_zeros(len(rows), NUM_LEAF_PAIRS).index_add_(1, leaves, rows)
         misfits[:, begin:end] = per_leaf.view(runs, end - begin, NUM_LEAF_PAIRS)
-    return misfits
+        mu_of_frames[:, begin:end] = mu.view(runs, end - begin)
+        if parted:
+            cleaned[:, begin:end] -= (mu[:, None, None] * broad).view(runs, end - begin, *broad.shape[1:])
+    return Rendering(misfits, mu_of_frames, cleaned)
 
 
 def keep_better(forward_model: nn.Module, signals: Tensor, start: ControlPointRun, fit: ControlPointRun,
-                batch_frames: int = BATCH_FRAMES) -> Kept:
+                batch_frames: int = BATCH_FRAMES, start_rendering: Rendering | None = None) -> Kept:
     """The fit where the frames (lag-free, (B, F, 256, 256)) agree with it at least as well as with
-    ``start``, else the start, per control point and leaf (module docstring)."""
-    start_misfit = frame_misfits(forward_model, signals, start, batch_frames)
-    fit_misfit = frame_misfits(forward_model, signals, fit, batch_frames)
+    ``start``, else the start, per control point and leaf (module docstring); ``start_rendering``:
+    the start's, when already made."""
+    renderings = [start_rendering or render_run(forward_model, signals, start, batch_frames),
+                  render_run(forward_model, signals, fit, batch_frames)]
+    start_misfit, fit_misfit = (rendering.misfits for rendering in renderings)
     start_rows, fit_rows = _point_costs(start_misfit), _point_costs(fit_misfit)
     leaves_from_start = start_rows < KEEP_START_BELOW * fit_rows  # (B, F + 1, 52)
     jaws_from_start = start_rows.sum(-1) < KEEP_START_BELOW * fit_rows.sum(-1)  # (B, F + 1)
     merged = ControlPointRun(torch.where(leaves_from_start, start.leaf_a, fit.leaf_a),
                              torch.where(leaves_from_start, start.leaf_b, fit.leaf_b),
                              torch.where(jaws_from_start[..., None], start.jaws, fit.jaws))
-    totals = [start_misfit.sum((-2, -1)), fit_misfit.sum((-2, -1))]
-    merged_total = frame_misfits(forward_model, signals, merged, batch_frames).sum((-2, -1)) \
-        if bool(leaves_from_start.any() or jaws_from_start.any()) else totals[1]
-    choice = torch.stack([*totals, merged_total]).argmin(0)  # (B,): 0 start, 1 fit, 2 merged
+    renderings.append(render_run(forward_model, signals, merged, batch_frames)
+                      if bool(leaves_from_start.any() or jaws_from_start.any()) else renderings[1])
+    choice = torch.stack([rendering.misfits.sum((-2, -1)) for rendering in renderings]).argmin(0)  # 0 start, 1 fit
+    runs = torch.arange(len(choice))
     masks = torch.stack([torch.ones_like(leaves_from_start), torch.zeros_like(leaves_from_start),
-                         leaves_from_start])[choice, torch.arange(len(choice))]
+                         leaves_from_start])[choice, runs]
     candidates = (start, fit, merged)
     points = ControlPointRun(*(torch.stack([getattr(candidates[int(c)], name)[run] for run, c in enumerate(choice)])
                                for name in ("leaf_a", "leaf_b", "jaws")))
+    mu = torch.stack([rendering.mu for rendering in renderings])[choice, runs]
     open_rows = jaw_band(points.jaws)
     share = float(masks[open_rows].float().mean()) if bool(open_rows.any()) else 0.0
-    return Kept(points, masks, share)
+    return Kept(points, masks, share, mu)
 
 
 def jaw_band(jaws: Tensor) -> Tensor:

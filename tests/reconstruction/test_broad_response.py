@@ -139,8 +139,8 @@ def test_a_fit_worse_than_its_start_is_never_returned():
     kept = fallback.keep_better(forward, signals[None], start, bad)
     torch.testing.assert_close(kept.points.leaf_a, start.leaf_a)
     assert kept.from_start == 1.0
-    misfit = fallback.frame_misfits(forward, signals[None], kept.points).sum()
-    assert misfit <= fallback.frame_misfits(forward, signals[None], start).sum()
+    misfit = fallback.render_run(forward, signals[None], kept.points).misfits.sum()
+    assert misfit <= fallback.render_run(forward, signals[None], start).misfits.sum()
 
     # wrong in six leaves only: those come from the start, the leaves the broad response does not
     # mix with them (three leaves away and more) from the fit
@@ -150,9 +150,9 @@ def test_a_fit_worse_than_its_start_is_never_returned():
     from_start = kept.leaves_from_start[0]
     assert from_start[:, 30:36][band[:, 30:36]].all()
     assert not from_start[:, :27][band[:, :27]].any() and not from_start[:, 39:][band[:, 39:]].any()
-    misfit = fallback.frame_misfits(forward, signals[None], kept.points).sum()
-    assert misfit <= fallback.frame_misfits(forward, signals[None], start).sum()
-    assert misfit <= fallback.frame_misfits(forward, signals[None], partly).sum()
+    misfit = fallback.render_run(forward, signals[None], kept.points).misfits.sum()
+    assert misfit <= fallback.render_run(forward, signals[None], start).misfits.sum()
+    assert misfit <= fallback.render_run(forward, signals[None], partly).misfits.sum()
     assert 0 < kept.from_start < 1
 
     # a good fit is kept whole
@@ -178,6 +178,12 @@ def test_an_arc_reconstruction_falls_back_to_the_network_where_tracking_fails():
     assert honest.from_start < 0.05
 
 
+def broad_term_left_in(model, frames, points, *args, without_broad=False, **options):
+    """``fallback.render_run`` that hands the tracking the frames with the broad term left in."""
+    rendering = fallback.render_run(model, frames, points, *args, **options)
+    return dataclasses.replace(rendering, without_broad=frames) if without_broad else rendering
+
+
 def test_the_broad_term_is_taken_out_before_tracking():
     """A forward model with a 12 mm wide response whose broad term holds a fifth of the signal
     through a 21 mm blur (as a model trained on a broad response learns): frames it renders itself
@@ -201,7 +207,7 @@ def test_the_broad_term_is_taken_out_before_tracking():
     network.config = type("Config", (), {"track_stages": STAGES})()
     with torch.no_grad():
         estimate = estimate_module.reconstruct_arc(forward, network, signals)
-        with mock.patch.object(estimate_module, "without_broad_term", lambda model, frames, *rest: frames):
+        with mock.patch.object(estimate_module, "render_run", broad_term_left_in):
             left_in = estimate_module.reconstruct_arc(forward, network, signals)
 
     def mae(reconstruction) -> float:
