@@ -76,31 +76,58 @@ def render_run(forward_model: nn.Module, signals: Tensor, points: ControlPointRu
     """The ``Rendering`` of ``points`` against ``signals`` (B, F, 256, 256), ``batch_frames`` frames at
     a time; ``without_broad`` needs a model with ``render_parts`` (else the frames are kept whole)."""
     runs, frames = signals.shape[:2]
-    leaves = imager_row_leaves(signals.device)
     misfits = signals.new_zeros(runs, frames, NUM_LEAF_PAIRS)
-    mu_of_frames = signals.new_zeros(runs, frames)
-    parted = without_broad and hasattr(forward_model, "render_parts")
+    mu = signals.new_zeros(runs, frames)
     cleaned = signals.clone() if without_broad else None
+    parted = without_broad and hasattr(forward_model, "render_parts")
     for begin in range(0, frames, batch_frames):
-        end = min(begin + batch_frames, frames)
-        leaf_a, leaf_b, jaws = (torch.stack([value[:, begin:end], value[:, begin + 1:end + 1]], 2).flatten(0, 1)
-                                for value in (points.leaf_a, points.leaf_b, points.jaws))  # (B x chunk, 2, ...)
-        scalars = torch.cat([jaws.new_ones(len(jaws), 1), jaws[:, :, 0], jaws[:, :, 1]], 1).float()
-        inputs = (leaf_a.flatten(1).float(), leaf_b.flatten(1).float(), scalars)
+        chunk = slice(begin, min(begin + batch_frames, frames))
+        pairs = [torch.stack([value[:, chunk], value[:, chunk.start + 1:chunk.stop + 1]], 2).flatten(0, 1)
+                 for value in (points.leaf_a, points.leaf_b, points.jaws)]  # (B x chunk, 2, ...)
+        measured = signals[:, chunk].flatten(0, 1)
+        chunk_misfits, chunk_mu, broad = _render_pairs(forward_model, *pairs, measured, parted)
+        misfits[:, chunk] = chunk_misfits.view(runs, -1, NUM_LEAF_PAIRS)
+        mu[:, chunk] = chunk_mu.view(runs, -1)
         if parted:
-            kernel_part, broad = forward_model.render_parts(*inputs)
-            rendered = kernel_part + broad
-        else:
-            rendered = forward_model.render(*inputs)[0]
-        measured = signals[:, begin:end].flatten(0, 1).float()
-        mu = (rendered * measured).sum((-2, -1)) / (rendered * rendered).sum((-2, -1)).clamp_min(1e-12)
-        rows = (measured - mu[:, None, None] * rendered).square().sum(-1)  # (B x chunk, 256)
-        per_leaf = rows.new_zeros(len(rows), NUM_LEAF_PAIRS).index_add_(1, leaves, rows)
-        misfits[:, begin:end] = per_leaf.view(runs, end - begin, NUM_LEAF_PAIRS)
-        mu_of_frames[:, begin:end] = mu.view(runs, end - begin)
-        if parted:
-            cleaned[:, begin:end] -= (mu[:, None, None] * broad).view(runs, end - begin, *broad.shape[1:])
-    return Rendering(misfits, mu_of_frames, cleaned)
+            cleaned[:, chunk] -= (chunk_mu[:, None, None] * broad).view(runs, -1, *broad.shape[1:])
+    return Rendering(misfits, mu, cleaned)
+
+
+def rerender(forward_model: nn.Module, signals: Tensor, points: ControlPointRun, rendering: Rendering,
+             changed: Tensor, batch_frames: int = BATCH_FRAMES) -> Rendering:
+    """``rendering`` with the frames of ``changed`` (B, F) rendered again at ``points``: the others
+    are the same frames at the same control points."""
+    runs, frames = signals.shape[:2]
+    misfits, mu = rendering.misfits.clone(), rendering.mu.clone()
+    where = changed.flatten().nonzero()[:, 0]
+    for begin in range(0, len(where), batch_frames):
+        index = where[begin:begin + batch_frames]
+        run, frame = index // frames, index % frames
+        pairs = [torch.stack([value[run, frame], value[run, frame + 1]], 1)
+                 for value in (points.leaf_a, points.leaf_b, points.jaws)]
+        chunk_misfits, chunk_mu, _ = _render_pairs(forward_model, *pairs, signals[run, frame], parted=False)
+        misfits[run, frame], mu[run, frame] = chunk_misfits, chunk_mu
+    return Rendering(misfits, mu)
+
+
+def _render_pairs(forward_model: nn.Module, leaf_a: Tensor, leaf_b: Tensor, jaws: Tensor, measured: Tensor,
+                  parted: bool) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Frames (K, 256, 256) against the motions leaf_a, leaf_b (K, 2, 52), jaws (K, 2, 2) [prev,
+    curr]: the per-leaf misfits (K, 52), the least-squares MU (K,) and, when ``parted``, the
+    broad term per MU (K, 256, 256)."""
+    scalars = torch.cat([jaws.new_ones(len(jaws), 1), jaws[:, :, 0], jaws[:, :, 1]], 1).float()
+    inputs = (leaf_a.flatten(1).float(), leaf_b.flatten(1).float(), scalars)
+    broad = None
+    if parted:
+        kernel_part, broad = forward_model.render_parts(*inputs)
+        rendered = kernel_part + broad
+    else:
+        rendered = forward_model.render(*inputs)[0]
+    measured = measured.float()
+    mu = (rendered * measured).sum((-2, -1)) / (rendered * rendered).sum((-2, -1)).clamp_min(1e-12)
+    rows = (measured - mu[:, None, None] * rendered).square().sum(-1)  # (K, 256)
+    per_leaf = rows.new_zeros(len(rows), NUM_LEAF_PAIRS).index_add_(1, imager_row_leaves(rows.device), rows)
+    return per_leaf, mu, broad
 
 
 def keep_better(forward_model: nn.Module, signals: Tensor, start: ControlPointRun, fit: ControlPointRun,
@@ -117,8 +144,9 @@ def keep_better(forward_model: nn.Module, signals: Tensor, start: ControlPointRu
     merged = ControlPointRun(torch.where(leaves_from_start, start.leaf_a, fit.leaf_a),
                              torch.where(leaves_from_start, start.leaf_b, fit.leaf_b),
                              torch.where(jaws_from_start[..., None], start.jaws, fit.jaws))
-    renderings.append(render_run(forward_model, signals, merged, batch_frames)
-                      if bool(leaves_from_start.any() or jaws_from_start.any()) else renderings[1])
+    points_changed = leaves_from_start.any(-1) | jaws_from_start  # (B, F + 1)
+    renderings.append(rerender(forward_model, signals, merged, renderings[1],
+                               points_changed[:, :-1] | points_changed[:, 1:], batch_frames))
     choice = torch.stack([rendering.misfits.sum((-2, -1)) for rendering in renderings]).argmin(0)  # 0 start, 1 fit
     runs = torch.arange(len(choice))
     masks = torch.stack([torch.ones_like(leaves_from_start), torch.zeros_like(leaves_from_start),

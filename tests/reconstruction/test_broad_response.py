@@ -215,3 +215,18 @@ def test_the_broad_term_is_taken_out_before_tracking():
                                                  reconstruction.jaws[None]), truth, band)
 
     assert mae(estimate) < 0.75 and mae(left_in) > 1.5  # the start is 0.8 mm off
+
+
+def test_rendering_again_only_the_changed_frames_matches_a_whole_rendering():
+    forward, signals, truth, band = noisy_broad_run(frames=8)
+    moved = dataclasses.replace(truth, leaf_a=truth.leaf_a.clone())
+    moved.leaf_a[:, 3, 30] += 2.0  # control point 3: frames 2 and 3 change
+    before = fallback.render_run(forward, signals[None], truth)
+    changed = torch.zeros(1, 8, dtype=torch.bool)
+    changed[0, 2:4] = True
+    again = fallback.rerender(forward, signals[None], moved, before, changed, batch_frames=1)
+    whole = fallback.render_run(forward, signals[None], moved)
+    torch.testing.assert_close(again.misfits, whole.misfits, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(again.mu, whole.mu)
+    assert (whole.misfits[0, 2:4, 30] > before.misfits[0, 2:4, 30]).all()
+    torch.testing.assert_close(again.misfits[0, [0, 1, 4, 5, 6, 7]], before.misfits[0, [0, 1, 4, 5, 6, 7]])
