@@ -356,7 +356,7 @@ def kernel_table(folders: list[Path]) -> str:
         groups = written.get("reconstructions", {})
         network = groups.get("network", {}).get("all", {})
         last = groups.get(written.get("reconstruction", ""), {}).get("all", {})
-        shape = written.get("kernel_figures") or {}
+        shape = written.get("kernel_figures") or figures_of_file(written.get("kernel", BUILT_IN))
         rows.append([
             Path(written.get("kernel", BUILT_IN)).name,
             f"{shape['fwhm_x_mm']:.1f} / {shape['fwhm_y_mm']:.1f}" if shape else "?",
@@ -371,6 +371,15 @@ def kernel_table(folders: list[Path]) -> str:
               "gamma 2%/2mm (%)", "network leaf MAE (mm) / within 1 mm (%)",
               "reconstruction leaf MAE (mm) / within 1 mm (%)", "jaw MAE (mm)", "MU error (%)"]
     return format_table(header, rows)
+
+
+def figures_of_file(kernel: str) -> dict:
+    """``kernel_figures`` of a run's kernel (runs written before quality.json held them), {} when
+    its file is gone."""
+    try:
+        return dataclasses.asdict(kernel_figures(load_kernel_of(Config(kernel="" if kernel == BUILT_IN else kernel))))
+    except InputError:
+        return {}
 
 
 def _figure(value: float | None, digits: int = 1) -> str:
