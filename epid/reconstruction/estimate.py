@@ -50,7 +50,7 @@ class ArcReconstruction:
     """Control points reconstructed from N consecutive frames: leaf_a, leaf_b (N + 1, 52) and jaws
     (N + 1, 2) [jaw_1, jaw_2] mm at control points 0..N (frame k integrates k - 1 -> k), mu (N,)
     of each frame, ``method`` ("network" or "arc tracking") and ``from_start``: the share of the
-    leaf positions the imager sees for which the network's estimate was kept over the fit
+    leaf positions the jaws leave open for which the network's estimate was kept over the fit
     (``epid.reconstruction.fallback``)."""
 
     leaf_a: Tensor

@@ -7,10 +7,12 @@ it started from, and nothing in the row domain would show it. The judge here is 
 model itself: each frame of each candidate (start, fit) is rendered, its MU fitted by least
 squares, and the squared residual summed per leaf row (the imager rows each leaf covers) and per
 frame. A control point's leaf row takes the fit's positions unless the two frames that control
-point belongs to (the one ending there and the one starting there) fit that row better with the
-start's; its jaws likewise, from the two frames' whole misfit. Of the fit, the start and that
-per-leaf merge, each run keeps the one of least total misfit, so the result is never worse than
-the start on the frames. ``Kept.from_start`` reports how often the start was kept.
+point belongs to (the one ending there and the one starting there) fit that row clearly better
+with the start's (``KEEP_START_BELOW``); its jaws likewise, from the two frames' whole misfit. Of
+the fit, the start and that per-leaf merge, each run keeps the one of least total misfit, so the
+result is never worse than the start on the frames. ``Kept.from_start`` reports how often the
+start was kept. The start's rendering (``render_run``) also gives the frames less the response's
+broad term, which the tracking reads (``epid.reconstruction.estimate``).
 """
 
 from __future__ import annotations
@@ -155,12 +157,12 @@ def keep_better(forward_model: nn.Module, signals: Tensor, start: ControlPointRu
     points = ControlPointRun(*(torch.stack([getattr(candidates[int(c)], name)[run] for run, c in enumerate(choice)])
                                for name in ("leaf_a", "leaf_b", "jaws")))
     mu = torch.stack([rendering.mu for rendering in renderings])[choice, runs]
-    open_rows = jaw_band(points.jaws)
+    open_rows = open_leaves(points.jaws)
     share = float(masks[open_rows].float().mean()) if bool(open_rows.any()) else 0.0
     return Kept(points, masks, share, mu)
 
 
-def jaw_band(jaws: Tensor) -> Tensor:
+def open_leaves(jaws: Tensor) -> Tensor:
     """(..., 52) mask of the leaves whose rows the jaws (..., 2) [jaw_1, jaw_2] mm leave open."""
     lower = MLC_Y_MIN_MM + LEAF_WIDTH_MM * torch.arange(NUM_LEAF_PAIRS, device=jaws.device, dtype=jaws.dtype)
     return (lower + LEAF_WIDTH_MM > jaws[..., :1]) & (lower < jaws[..., 1:])
