@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from epid.reconstruction.fallback import BATCH_FRAMES, ControlPointRun, keep_better, render_run
+from epid.reconstruction.fallback import BATCH_FRAMES, ControlPointRun, Kept, keep_better, render_run
 from epid.reconstruction.leaves import track_leaves
 from epid.reconstruction.rows import RowDomain
 from epid.synthesis.geometry import NUM_LEAF_PAIRS
@@ -102,11 +102,7 @@ def pair_estimate(forward_model: nn.Module, inverse_model: nn.Module, epid_prev:
 
     start = ControlPointRun(with_start(leaf_a[:, :half], leaf_a[:, half:]),
                             with_start(leaf_b[:, :half], leaf_b[:, half:]), with_start(jaws[:, 0], jaws[:, 1]))
-    prepared = render_run(forward_model, signals, start, without_broad=True)
-    tracked = track_leaves(RowDomain.of(forward_model, frames.device), prepared.without_broad,
-                           start.leaf_a, start.leaf_b, start.jaws, stages)
-    kept = keep_better(forward_model, signals, start, ControlPointRun(tracked.leaf_a, tracked.leaf_b, tracked.jaws),
-                       start_rendering=prepared)
+    kept = _tracked_from(forward_model, signals, start, stages, BATCH_FRAMES)
     points = kept.points
     jaws = points.jaws[:, 1:]  # (B, 2 [prev, curr], 2 [jaw_1, jaw_2])
     return (points.leaf_a[:, 1:].flatten(1), points.leaf_b[:, 1:].flatten(1),
@@ -146,18 +142,26 @@ def reconstruct_arc(forward_model: nn.Module, inverse_model: nn.Module, frames: 
         if progress is not None:
             progress(count)
         return ArcReconstruction(leaf_a, leaf_b, jaws, network_mu, method="network")
-    start = ControlPointRun(leaf_a[None], leaf_b[None], jaws[None])
-    prepared = render_run(forward_model, signals[None], start, batch_frames, without_broad=True)
-    tracked = track_leaves(RowDomain.of(forward_model, frames.device), prepared.without_broad,
-                           start.leaf_a, start.leaf_b, start.jaws, stages, chunk_frames=batch_frames)
-    prepared = dataclasses.replace(prepared, without_broad=None)  # a whole arc's frames, no longer needed
-    kept = keep_better(forward_model, signals[None], start, ControlPointRun(tracked.leaf_a, tracked.leaf_b,
-                       tracked.jaws), batch_frames, start_rendering=prepared)
+    kept = _tracked_from(forward_model, signals[None], ControlPointRun(leaf_a[None], leaf_b[None], jaws[None]),
+                         stages, batch_frames)
     if progress is not None:
         progress(count)
     points = kept.points
     return ArcReconstruction(points.leaf_a[0], points.leaf_b[0], points.jaws[0], kept.mu[0], method="arc tracking",
                              from_start=kept.from_start)
+
+
+def _tracked_from(forward_model: nn.Module, signals: Tensor, start: ControlPointRun, stages: Stages,
+                  batch_frames: int) -> Kept:
+    """B runs of lag-free frames (B, F, 256, 256) tracked from ``start`` through ``stages``, the
+    forward model's broad term (rendered from the start) taken out first, the fit kept only where the
+    frames agree with it better (``epid.reconstruction.fallback``)."""
+    prepared = render_run(forward_model, signals, start, batch_frames, without_broad=True)
+    tracked = track_leaves(RowDomain.of(forward_model, signals.device), prepared.without_broad, start.leaf_a,
+                           start.leaf_b, start.jaws, stages, chunk_frames=batch_frames)
+    prepared = dataclasses.replace(prepared, without_broad=None)  # a whole arc's frames, no longer needed
+    fit = ControlPointRun(tracked.leaf_a, tracked.leaf_b, tracked.jaws)
+    return keep_better(forward_model, signals, start, fit, batch_frames, start_rendering=prepared)
 
 
 def _network_lag(inverse_model: nn.Module) -> Tensor | float:

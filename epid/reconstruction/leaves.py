@@ -115,23 +115,21 @@ def track_leaves(domain: RowDomain, signals: Tensor, leaf_a: Tensor, leaf_b: Ten
     jaws = jaws.float()
     observed = _Observed.of(domain, signals, jaws, chunk_frames, row_sums=bool(jaw_stages))
     banks = [leaf_a.float().clone(), leaf_b.float().clone()]
-    for number, (range_mm, step_mm) in enumerate(stages):
+    schedule = [(range_mm, step_mm, 1.0) for range_mm, step_mm in stages]
+    if domain.target_sigma_mm > MIN_TARGET_SIGMA_MM:
+        scale = (MIN_TARGET_SIGMA_MM / domain.target_sigma_mm) ** 2
+        schedule += [(range_mm, step_mm, scale) for range_mm, step_mm in POLISH_STAGES]
+    for number, (range_mm, step_mm, travel_scale) in enumerate(schedule):
         states = round(2 * range_mm / step_mm) + 1
         offsets = torch.linspace(-range_mm, range_mm, states, device=signals.device)
         for bank in (0, 1):
-            banks[bank] = _track_bank(domain, observed.profiles, observed.coupling, observed.seen, banks, bank, offsets)
+            banks[bank] = _track_bank(domain, observed.profiles, observed.coupling, observed.seen, banks, bank, offsets,
+                                      travel_scale)
         if number == 0 and jaw_stages:
             mu = _best_mu(observed.profiles, _model(domain, observed.coupling, banks))
             jaws = track_jaws(domain, observed.row_sums, banks[0], banks[1], jaws, mu, jaw_stages)
             # the frames are filtered again rather than kept: a whole arc's would hold (N, 260, 256) floats
             observed = _Observed.of(domain, signals, jaws, chunk_frames, row_sums=False)
-    if domain.target_sigma_mm > MIN_TARGET_SIGMA_MM:
-        scale = (MIN_TARGET_SIGMA_MM / domain.target_sigma_mm) ** 2
-        for range_mm, step_mm in POLISH_STAGES:
-            offsets = torch.linspace(-range_mm, range_mm, round(2 * range_mm / step_mm) + 1, device=signals.device)
-            for bank in (0, 1):
-                banks[bank] = _track_bank(domain, observed.profiles, observed.coupling, observed.seen, banks, bank,
-                                          offsets, travel_scale=scale)
     mu = _best_mu(observed.profiles, _model(domain, observed.coupling, banks))
     return Tracked(banks[0], banks[1], jaws, mu)
 
