@@ -14,7 +14,13 @@ Reading (``read_plan``), per treatment beam:
   off the 5 mm grid (HD120's 2.5 mm leaves), or that does not span it, is refused.
 - Jaws: ``ASYMY`` or ``Y`` give jaw_1, jaw_2 (clipped to [-130, 130] mm); ``ASYMX`` or ``X``
   are folded into the leaves (no leaf opens past an X jaw).
-- Positions are rounded to 0.1 mm and MU to 0.1, as the synthetic arcs are.
+- Positions are rounded to 0.1 mm, as the synthetic arcs are; MU are kept as the plan gives
+  them (a 0.3 MU interval rounded to 0.1 MU would be off by up to 17 %).
+- Refused, one line naming file, beam, control point and value: a BeamMeterset that is not a
+  positive number, a final cumulative meterset weight of 0, a leaf or jaw position that is not
+  finite or beyond ``MAX_TRAVEL_MM``, crossed leaves, a collimator angle that changes within the
+  beam. A file without the DICOM preamble and file meta (as Monaco writes) is read as a bare
+  data set, and said so once.
 
 The frames of a plan are in the collimator's frame (IEC BEAM LIMITING DEVICE coordinates): x
 along the leaves' travel, y across the leaf pairs. Gantry and collimator angles, the beam and
@@ -36,6 +42,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,6 +74,13 @@ JAW_TYPES = {"ASYMY": "y", "Y": "y", "ASYMX": "x", "X": "x"}
 MLC_TYPE = "MLCX"
 UNDEFINED_LENGTH = 0xFFFFFFFF
 LEAF_JAW_POSITIONS = Tag("LeafJawPositions")
+MAX_TRAVEL_MM = 200.0
+"""Farthest a leaf or jaw of any clinical MLC reaches from the beam axis at isocentre, mm: a plan
+position beyond it is an error in the file, never clamped."""
+CROSSED_TOLERANCE_MM = 0.01
+"""How far a bank A leaf may lie past its bank B leaf (a closed pair written with rounding), mm."""
+ANGLE_TOLERANCE_DEG = 1e-3
+"""Change of the collimator angle within a beam taken as none, degrees."""
 
 
 class PlanError(InputError):
@@ -79,9 +93,9 @@ class PlanBeam:
     """One treatment beam of an RT Plan as the project's control points.
 
     gantry_deg: (N,) gantry angle of each control point, degrees (IEC 61217).
-    collimator_deg: the collimator angle of the first control point, degrees; frames are in the
-    collimator's frame whatever it is.
-    control_points: positions in mm rounded to 0.1, MU rounded to 0.1 (``mu[f]`` the MU of frame f,
+    collimator_deg: the collimator angle of the beam, degrees (one per arc beam: a change is refused);
+    frames are in the collimator's frame whatever it is.
+    control_points: positions in mm rounded to 0.1, MU as the plan gives them (``mu[f]`` the MU of frame f,
     ``mu[0] = 0``), ``pattern = "plan"``.
     """
 
@@ -107,16 +121,19 @@ def read_dataset(path: str | Path, error: type[InputError], what: str) -> Datase
     """The DICOM dataset in ``path`` (pixel data included); ``error`` naming the file when it is
     missing, not DICOM or truncated. ``what`` names the expected content in messages."""
     try:
-        dataset = pydicom.dcmread(path)
+        try:
+            dataset = pydicom.dcmread(path)
+        except InvalidDicomError:
+            dataset = _without_preamble(path)
     except FileNotFoundError:
         raise error(f"{path}: no such file (expected {what})") from None
     except IsADirectoryError:
         raise error(f"{path}: a directory, not {what}") from None
-    except InvalidDicomError:
-        raise error(f"{path}: not a DICOM file (expected {what})") from None
     except (EOFError, OSError, ValueError, KeyError, TypeError, AttributeError, NotImplementedError) as problem:
         reason = (str(problem).strip().splitlines() or [type(problem).__name__])[0]
         raise error(f"{path}: unreadable or truncated DICOM file ({reason})") from None
+    if dataset is None:
+        raise error(f"{path}: not a DICOM file (expected {what})")
     for tag in dataset.keys():
         element = dataset.get_item(tag)
         found = len(element.value or b"") if element.is_raw else 0
@@ -126,6 +143,28 @@ def read_dataset(path: str | Path, error: type[InputError], what: str) -> Datase
     if "SOPClassUID" not in dataset and "MediaStorageSOPClassUID" in dataset.file_meta:
         raise error(f"{path}: truncated DICOM file (the data set ends before its SOP Class UID)")
     return dataset
+
+
+def _without_preamble(path: str | Path) -> Dataset | None:
+    """A data set written without the 128-byte preamble and file meta (as Monaco writes plans),
+    read by pydicom with ``force``; None unless it names its SOP class or modality. The first such
+    file of a process is reported once on stderr."""
+    try:
+        dataset = pydicom.dcmread(path, force=True)
+        named = bool(str(dataset.get("SOPClassUID", "")) or str(dataset.get("Modality", "")))
+    except (EOFError, OSError, ValueError, KeyError, TypeError, AttributeError, NotImplementedError, InvalidDicomError):
+        return None
+    if not named:
+        return None
+    if not _PREAMBLE_NOTED:
+        _PREAMBLE_NOTED.append(str(path))
+        print(f"note: {path} has no DICOM preamble or file meta; read as a bare data set "
+              "(and so is any further such file)", file=sys.stderr)
+    return dataset
+
+
+_PREAMBLE_NOTED: list[str] = []
+"""The first file read without a preamble (``_without_preamble`` says so once per process)."""
 
 
 def check_sop_class(path: str, dataset: Dataset, sop_class_uid: str, modality: str, what: str,
@@ -326,6 +365,8 @@ def _read_beam(path: str, beam: Dataset, metersets: dict[int, float], dataset_id
         raise PlanError(f"{where}: only 1 control point; an arc needs at least 2")
     if number not in metersets:
         raise PlanError(f"{where}: no BeamMeterset for this beam in the fraction group")
+    if not np.isfinite(metersets[number]) or metersets[number] <= 0:
+        raise PlanError(f"{where}: BeamMeterset {metersets[number]:g} (expected a positive number of MU)")
     devices = {str(item.get("RTBeamLimitingDeviceType", "")): item
                for item in beam.get("BeamLimitingDeviceSequence", [])}
     mlc = _mlc(where, devices)
@@ -342,7 +383,14 @@ def _read_beam(path: str, beam: Dataset, metersets: dict[int, float], dataset_id
         weight = _numbers(point, "CumulativeMetersetWeight")
         if weight is None:
             raise PlanError(f"{where}: control point {index} has no CumulativeMetersetWeight")
+        if not np.isfinite(weight[0]):
+            raise PlanError(f"{where}: control point {index}: CumulativeMetersetWeight {weight[0]:g} "
+                            "(expected a finite weight)")
         cumulative[index] = weight[0]
+        angle = _numbers(point, "BeamLimitingDeviceAngle")
+        if angle is not None and abs(angle[0] - collimator[0]) > ANGLE_TOLERANCE_DEG:
+            raise PlanError(f"{where}: control point {index}: collimator angle {angle[0]:g} deg after "
+                            f"{collimator[0]:g} deg at control point 0 (expected one angle per arc beam)")
         gantry[index] = _gantry_angle(where, index, point, gantry)
         for item in point.get("BeamLimitingDevicePositionSequence", []):
             device = str(item.get("RTBeamLimitingDeviceType", ""))
@@ -355,13 +403,17 @@ def _read_beam(path: str, beam: Dataset, metersets: dict[int, float], dataset_id
         if len(positions) != 2 * mlc.pairs:
             raise PlanError(f"{where}: inconsistent leaf counts: control point {index} gives {len(positions)} MLCX "
                             f"positions for {mlc.pairs} leaf pairs (expected {2 * mlc.pairs})")
-        leaves[index] = positions.reshape(2, mlc.pairs)
+        leaves[index] = _checked_leaves(f"{where}: control point {index}", positions.reshape(2, mlc.pairs))
         for device, axis in JAW_TYPES.items():
             if device in latest and device in devices:
                 values = latest[device]
                 if len(values) != 2:
                     raise PlanError(f"{where}: control point {index} gives {len(values)} {device} positions "
                                     "(expected 2)")
+                if not np.all(np.isfinite(values)) or np.any(np.abs(values) > MAX_TRAVEL_MM):
+                    raise PlanError(f"{where}: control point {index}: {device} positions "
+                                    f"{values[0]:g}, {values[1]:g} mm (expected finite, within "
+                                    f"+-{MAX_TRAVEL_MM:g} mm)")
                 jaws[axis][index] = [max(jaws[axis][index, 0], values[0]), min(jaws[axis][index, 1], values[1])]
     mu = _frame_mu(where, cumulative, metersets[number], beam.get("FinalCumulativeMetersetWeight"))
     leaf_a, leaf_b = leaves[:, 0, mlc.row_leaf], leaves[:, 1, mlc.row_leaf]
@@ -370,7 +422,7 @@ def _read_beam(path: str, beam: Dataset, metersets: dict[int, float], dataset_id
     leaf_b = np.maximum(np.clip(leaf_b, x_jaws[:, :1], x_jaws[:, 1:]), leaf_a)
     jaw_1, jaw_2 = (_tenth(np.clip(jaws["y"][:, side], MLC_Y_MIN_MM, MLC_Y_MAX_MM)) for side in (0, 1))
     control = ControlPoints(
-        leaf_a=_tenth(leaf_a), leaf_b=_tenth(leaf_b), jaw_1=jaw_1, jaw_2=jaw_2, mu=_tenth(mu),
+        leaf_a=_tenth(leaf_a), leaf_b=_tenth(leaf_b), jaw_1=jaw_1, jaw_2=jaw_2, mu=_read_only(mu.astype(np.float32)),
         leaf_weight=_read_only(leaf_weights(jaw_1, jaw_2)), dataset_id=int(dataset_id), pattern="plan",
     )
     return PlanBeam(
@@ -378,6 +430,23 @@ def _read_beam(path: str, beam: Dataset, metersets: dict[int, float], dataset_id
         machine=str(beam.get("TreatmentMachineName", "")), mlc=mlc.description, beam_mu=float(metersets[number]),
         gantry_deg=_read_only(gantry.astype(np.float32)), collimator_deg=float(collimator[0]), control_points=control,
     )
+
+
+def _checked_leaves(where: str, leaves: np.ndarray) -> np.ndarray:
+    """A control point's leaf positions (2, pairs) [bank A, bank B] mm; PlanError naming the pair
+    and the value for a position that is not finite, beyond ``MAX_TRAVEL_MM``, or a pair whose
+    bank A leaf is past its bank B leaf by more than ``CROSSED_TOLERANCE_MM``."""
+    bad = ~np.isfinite(leaves) | (np.abs(leaves) > MAX_TRAVEL_MM)
+    if np.any(bad):
+        bank, pair = (int(v) for v in np.argwhere(bad)[0])
+        raise PlanError(f"{where}: leaf pair {pair + 1} bank {'AB'[bank]} at {leaves[bank, pair]:g} mm "
+                        f"(expected finite, within +-{MAX_TRAVEL_MM:g} mm)")
+    crossed = leaves[0] - leaves[1] > CROSSED_TOLERANCE_MM
+    if np.any(crossed):
+        pair = int(np.argmax(crossed))
+        raise PlanError(f"{where}: leaf pair {pair + 1} crossed: bank A at {leaves[0, pair]:g} mm is past bank B "
+                        f"at {leaves[1, pair]:g} mm")
+    return leaves
 
 
 def _gantry_angle(where: str, index: int, point: Dataset, earlier: np.ndarray) -> float:

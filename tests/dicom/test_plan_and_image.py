@@ -2,6 +2,7 @@
 the validator's verdict, and a one-line error for each kind of bad file."""
 
 import shutil
+import warnings
 import subprocess
 
 import numpy as np
@@ -13,6 +14,7 @@ from pydicom.uid import generate_uid
 
 from epid.core.errors import InputError
 from epid.dicom.image import RT_IMAGE_STORAGE, ImageError, read_frames, write_frames
+from epid.dicom import plan as plan_module
 from epid.dicom.plan import RT_PLAN_STORAGE, PlanError, read_plan, save_dataset, write_plan
 from epid.synthesis.frames import render_frames
 from epid.synthesis.kernel import default_kernel
@@ -196,7 +198,7 @@ def test_agility_like_plan_takes_the_central_52_pairs_and_folds_x_jaws(tmp_path)
     np.testing.assert_allclose(read.jaw_1, np.maximum(jaws_y[:, 0], -130), atol=1e-4)
     np.testing.assert_allclose(read.jaw_2, np.minimum(jaws_y[:, 1], 130), atol=1e-4)
     written = np.array([float(f"{w:.6f}") for w in weights / weights[-1]])
-    np.testing.assert_allclose(read.mu, np.round(np.concatenate([[0], 250 * np.diff(written)]), 1), atol=1e-4)
+    np.testing.assert_allclose(read.mu, np.concatenate([[0], 250 * np.diff(written)]), rtol=1e-6, atol=1e-5)  # exact
     np.testing.assert_array_equal(read.leaf_weight, leaf_weights(read.jaw_1, read.jaw_2))
     assert beam.machine == "LINAC" and beam.beam_name == "VMAT" and beam.beam_mu == 250
 
@@ -288,7 +290,59 @@ def no_meterset(plan):
     del plan.FractionGroupSequence[0].ReferencedBeamSequence[0].BeamMeterset
 
 
+def mlc_position(plan, index):
+    return plan.BeamSequence[0].ControlPointSequence[index].BeamLimitingDevicePositionSequence[-1]
+
+
+def zero_meterset(plan):
+    plan.FractionGroupSequence[0].ReferencedBeamSequence[0].BeamMeterset = "0"
+
+
+def negative_meterset(plan):
+    plan.FractionGroupSequence[0].ReferencedBeamSequence[0].BeamMeterset = "-120"
+
+
+def no_mu_delivered(plan):
+    for point in plan.BeamSequence[0].ControlPointSequence:
+        point.CumulativeMetersetWeight = "0"
+    plan.BeamSequence[0].FinalCumulativeMetersetWeight = "0"
+
+
+def crossed_leaves(plan):
+    position = mlc_position(plan, 1)
+    values = [float(v) for v in position.LeafJawPositions]
+    values[20], values[100] = 12.0, 3.5  # pair 21: bank A at 12 mm, bank B at 3.5 mm
+    position.LeafJawPositions = tenths(values)
+
+
+def leaf_far_out(plan):
+    position = mlc_position(plan, 2)
+    values = [float(v) for v in position.LeafJawPositions]
+    values[5] = -5000.0
+    position.LeafJawPositions = tenths(values)
+
+
+def leaf_not_a_number(plan):
+    position = mlc_position(plan, 1)
+    values = [str(v) for v in position.LeafJawPositions]
+    values[90] = "NaN"  # not a valid DS, as some exports write it anyway
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        position.LeafJawPositions = values
+
+
+def collimator_turns(plan):
+    plan.BeamSequence[0].ControlPointSequence[2].BeamLimitingDeviceAngle = "15"
+
+
 @pytest.mark.parametrize(("spoil", "problem"), [
+    (zero_meterset, "BeamMeterset 0 (expected a positive number of MU)"),
+    (negative_meterset, "BeamMeterset -120 (expected a positive number of MU)"),
+    (no_mu_delivered, "final cumulative meterset weight is 0"),
+    (crossed_leaves, "control point 1: leaf pair 21 crossed: bank A at 12 mm is past bank B at 3.5 mm"),
+    (leaf_far_out, "control point 2: leaf pair 6 bank A at -5000 mm (expected finite, within +-200 mm)"),
+    (leaf_not_a_number, "control point 1: leaf pair 11 bank B at nan mm"),
+    (collimator_turns, "control point 2: collimator angle 15 deg after 0 deg"),
     (no_control_points, "no control points"),
     (no_mlc, "no MLC"),
     (mlcy, "unsupported MLC MLCY"),
@@ -304,6 +358,25 @@ def test_bad_beams_give_one_line_naming_file_beam_and_problem(tmp_path, spoil, p
     with pytest.raises(PlanError) as error:
         read_plan(path, beam=1)
     assert_one_line(error, str(path), "beam 1 (VMAT)", problem)
+
+
+def test_a_plan_without_preamble_or_file_meta_is_read_and_said_so_once(tmp_path, capsys, monkeypatch):
+    """Monaco writes plans as a bare data set: no 128-byte preamble, no file meta, implicit VR."""
+    monkeypatch.setattr(plan_module, "_PREAMBLE_NOTED", [])
+    with_preamble = saved(tmp_path, good_plan(), "with.dcm")
+    bare = []
+    for name in ("bare.dcm", "bare2.dcm"):
+        path = tmp_path / name
+        good_plan().save_as(path, implicit_vr=True, little_endian=True, enforce_file_format=False)
+        assert path.read_bytes()[128:132] != b"DICM"
+        bare.append(path)
+    (expected,) = read_plan(with_preamble)
+    for path in bare:
+        (read,) = read_plan(path)
+        for name in ("leaf_a", "leaf_b", "jaw_1", "jaw_2", "mu"):
+            np.testing.assert_array_equal(getattr(read.control_points, name), getattr(expected.control_points, name))
+    notes = capsys.readouterr().err.strip().splitlines()
+    assert len(notes) == 1 and str(bare[0]) in notes[0] and "no DICOM preamble" in notes[0]
 
 
 def test_unknown_beam_lists_the_beams_there(tmp_path):
