@@ -2,8 +2,8 @@
 the validator's verdict, and a one-line error for each kind of bad file."""
 
 import shutil
-import warnings
 import subprocess
+import warnings
 
 import numpy as np
 import pydicom
@@ -13,8 +13,8 @@ from pydicom.sequence import Sequence
 from pydicom.uid import generate_uid
 
 from epid.core.errors import InputError
-from epid.dicom.image import RT_IMAGE_STORAGE, ImageError, read_frames, write_frames
 from epid.dicom import plan as plan_module
+from epid.dicom.image import RT_IMAGE_STORAGE, ImageError, read_frames, write_frames
 from epid.dicom.plan import RT_PLAN_STORAGE, PlanError, read_plan, save_dataset, write_plan
 from epid.synthesis.frames import render_frames
 from epid.synthesis.kernel import default_kernel
