@@ -41,16 +41,8 @@ from pydicom.dataset import Dataset
 from pydicom.sequence import Sequence as DicomSequence
 
 from epid.core.errors import InputError
-from epid.dicom.plan import (
-    SAD_MM,
-    PlanBeam,
-    PlanError,
-    check_sop_class,
-    new_dataset,
-    read_dataset,
-    read_plan,
-    save_dataset,
-)
+from epid.dicom.files import check_sop_class, new_dataset, read_dataset, save_dataset
+from epid.dicom.plan import SAD_MM, PlanBeam, PlanError, read_plan
 from epid.synthesis.geometry import GRID_SIZE, PIXEL_MM
 
 RT_IMAGE_STORAGE = "1.2.840.10008.5.1.4.1.1.481.1"

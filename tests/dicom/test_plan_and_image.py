@@ -13,9 +13,10 @@ from pydicom.sequence import Sequence
 from pydicom.uid import generate_uid
 
 from epid.core.errors import InputError
-from epid.dicom import plan as plan_module
+from epid.dicom import files as files_module
+from epid.dicom.files import save_dataset
 from epid.dicom.image import RT_IMAGE_STORAGE, ImageError, read_frames, write_frames
-from epid.dicom.plan import RT_PLAN_STORAGE, PlanError, read_plan, save_dataset, write_plan
+from epid.dicom.plan import RT_PLAN_STORAGE, PlanError, read_plan, write_plan
 from epid.synthesis.frames import render_frames
 from epid.synthesis.kernel import default_kernel
 from epid.synthesis.sequences import generate_control_points, leaf_weights
@@ -362,7 +363,7 @@ def test_bad_beams_give_one_line_naming_file_beam_and_problem(tmp_path, spoil, p
 
 def test_a_plan_without_preamble_or_file_meta_is_read_and_said_so_once(tmp_path, capsys, monkeypatch):
     """Monaco writes plans as a bare data set: no 128-byte preamble, no file meta, implicit VR."""
-    monkeypatch.setattr(plan_module, "_PREAMBLE_NOTED", [])
+    monkeypatch.setattr(files_module, "_PREAMBLE_NOTED", [])
     with_preamble = saved(tmp_path, good_plan(), "with.dcm")
     bare = []
     for name in ("bare.dcm", "bare2.dcm"):
