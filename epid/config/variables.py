@@ -128,8 +128,9 @@ class SynthesisVariables:
         meaning="control points per synthetic arc (smaller values make quick smoke runs)")
     kernel: str = setting(
         "EPID_KERNEL", "", Text("path.mat or path.mat:variable"), example="kernels/epid.mat:kernel",
-        meaning="EPID response kernel from a MATLAB .mat file, optionally naming the variable; "
-                "unset uses the built-in measured-profile kernel")
+        meaning="EPID response kernel from a MATLAB .mat file, optionally naming the variable: the frames are "
+                "synthesised with it and a new aperture model's response starts as it; unset uses the built-in "
+                "measured-profile kernel")
     physics_preset: str = setting(
         "EPID_PHYSICS", "ideal", Choice(*PRESETS), example="realistic",
         meaning="synthesis physics preset: ideal (the legacy frames, bit for bit) or realistic (typical leaf and jaw "

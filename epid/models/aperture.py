@@ -11,7 +11,12 @@ mixture of Gaussians starting as a 1 mm Gaussian, isotropic 2-D Gaussians that m
 non-separable, a broad term weighted along y, one FFT convolution) turns it into the frame per
 MU, scaled by ``mu_curr``; given the recorded previous frame, a learned share of it (the
 detector's lag) is mixed in. Nothing of the frame synthesis is read: every physical parameter
-starts generic and is fitted by training, so the same model can be trained on measured frames.
+starts generic and is fitted by training, so the same model can be trained on measured frames;
+the one exception is a measured response (``DetectorResponse.start_from``, when the run names
+a kernel file): the response then starts as that kernel, which the generic mixture fitted too
+loosely for the reconstruction (its leaves' motion within a frame is read from the shape of the
+blurred edges, and under a 12 mm wide response a learned kernel a little too narrow or wide
+reads as motion that is not there).
 Latent: the fluence pooled to 4 mm (B, 1, 64, 64).
 
 Inverse model (``LeafEdgeInverseModel``): each frame is normalised by its maximum. Per leaf
@@ -63,6 +68,8 @@ MIN_EXPECTED_SUM = 1.0
 MAX_MU = 200.0
 BROAD_START_WIDTH_MM = 32.0
 """Starting width of the forward model's broad (backscatter) term."""
+MEASURED_START_SHARE = 0.98
+"""Share of a measured kernel in the response at the start (``DetectorResponse.start_from``)."""
 
 
 def column_centres(device: torch.device | None = None) -> Tensor:
@@ -116,6 +123,15 @@ class ApertureFluence(nn.Module):
         self.interleaf_leakage_percent = nn.Parameter(torch.zeros(()))
         self.tongue_groove_mm = nn.Parameter(torch.zeros(()))
 
+    @property
+    def tongue_groove_width(self) -> Tensor:
+        """The tongue-and-groove strip's width, mm: the parameter clamped at 0, its gradient passed
+        through the clamp, so that a step that takes it below 0 early in training does not leave it
+        where a clamp would give it no gradient (a run under a 12 mm wide response stopped at
+        -0.02 mm; the synthesis's strip is 0.8 mm)."""
+        width = self.tongue_groove_mm
+        return width + (width.clamp_min(0.0) - width).detach()
+
     def forward(self, leaf_a: Tensor, leaf_b: Tensor, scalars: Tensor) -> Tensor:
         batch = leaf_a.shape[0]
         jaw_1 = sub_aperture_positions(scalars[:, 1], scalars[:, 2])  # (B, 7)
@@ -127,7 +143,7 @@ class ApertureFluence(nn.Module):
             a, b, jaw_1, jaw_2, weights,
             leaf_end_offset_a=self.edge_shift + self.leaf_end_offset[0],
             leaf_end_offset_b=self.edge_shift + self.leaf_end_offset[1],
-            jaw_edge_offset=self.edge_shift, tongue_groove_mm=self.tongue_groove_mm,
+            jaw_edge_offset=self.edge_shift, tongue_groove_mm=self.tongue_groove_width,
             leaf_transmission=self.leaf_transmission_percent / 100.0,
             interleaf_leakage=self.interleaf_leakage_percent / 100.0,
             jaw_transmission=self.jaw_transmission_percent / 100.0,
@@ -162,7 +178,9 @@ class DetectorResponse(nn.Module):
 
     The kernel is gain x (Ky Kx^T + sum_k c_k G_k G_k^T): a separable mixture (``ResponseProfile``
     per axis) plus isotropic 2-D Gaussians of learned widths and signed weights c_k (starting
-    at 0), so it can be radially symmetric and not separable. The broad term is a wide
+    at 0), so it can be radially symmetric and not separable. Given a measured kernel M
+    (``start_from``), the kernel is gain x (s M + (1 - s) mixture), the learned share s starting
+    at ``MEASURED_START_SHARE``: the mixture is then a learned correction. The broad term is a wide
     isotropic Gaussian blur of the fluence (learned width, starting at 32 mm) weighted per row
     by b0 + b1 (row position, 0 at the top to 1 at the bottom), both starting at 0: backscatter
     from a support arm on one side of the panel.
@@ -177,6 +195,9 @@ class DetectorResponse(nn.Module):
         self.radial_weight = nn.Parameter(torch.zeros(len(widths_mm)))
         self.broad_log_width = nn.Parameter(torch.tensor([math.log(BROAD_START_WIDTH_MM)]))
         self.broad_gain = nn.Parameter(torch.zeros(2))
+        self.measured_logit = nn.Parameter(torch.zeros(()))
+        self.register_buffer("measured", torch.zeros(2 * reach + 1, 2 * reach + 1))
+        self.register_buffer("measured_present", torch.zeros(()))
         self.reach = reach
         self.fft_shape = (scipy.fft.next_fast_len(LEAF_GRID_ROWS + reach, real=True),
                           scipy.fft.next_fast_len(GRID_SIZE + reach, real=True))
@@ -186,7 +207,26 @@ class DetectorResponse(nn.Module):
         offsets = self.profile_y.offsets
         radial = gaussian_taps(self.radial_log_width, offsets)
         isotropic = torch.einsum("k,ki,kj->ij", self.radial_weight, radial, radial)
-        return torch.outer(self.profile_y(), self.profile_x()) + isotropic
+        mixture = torch.outer(self.profile_y(), self.profile_x()) + isotropic
+        share = torch.sigmoid(self.measured_logit) * self.measured_present
+        return share * self.measured + (1 - share) * mixture
+
+    def start_from(self, kernel: Tensor) -> None:
+        """Start the response as a measured kernel (2-D, odd sides, centred, rows along y): cut
+        or zero-padded to the response's reach and normalised to sum 1; its share
+        ``MEASURED_START_SHARE``."""
+        if kernel.ndim != 2 or kernel.shape[0] % 2 == 0 or kernel.shape[1] % 2 == 0:
+            raise ValueError(f"a measured kernel must be 2-D with odd sides, got shape {tuple(kernel.shape)}")
+        size = 2 * self.reach + 1
+        centred = torch.zeros(size, size, dtype=torch.float64)
+        half_y, half_x = min(kernel.shape[0] // 2, self.reach), min(kernel.shape[1] // 2, self.reach)
+        cy, cx = kernel.shape[0] // 2, kernel.shape[1] // 2
+        centred[self.reach - half_y:self.reach + half_y + 1, self.reach - half_x:self.reach + half_x + 1] = (
+            torch.as_tensor(kernel, dtype=torch.float64)[cy - half_y:cy + half_y + 1, cx - half_x:cx + half_x + 1])
+        with torch.no_grad():
+            self.measured.copy_(centred / centred.sum())
+            self.measured_present.fill_(1.0)
+            self.measured_logit.fill_(math.log(MEASURED_START_SHARE / (1 - MEASURED_START_SHARE)))
 
     def _spectrum(self, kernel: Tensor) -> Tensor:
         """rfft2 of a centred kernel, wrapped so that its centre is at index (0, 0)."""
@@ -235,7 +275,8 @@ class ApertureForwardModel(nn.Module):
     ADDED_PARAMETERS = ("aperture.leaf_end_offset", "aperture.leaf_transmission_percent",
                         "aperture.jaw_transmission_percent", "aperture.interleaf_leakage_percent",
                         "aperture.tongue_groove_mm", "lag_percent", "response.radial_log_width",
-                        "response.radial_weight", "response.broad_log_width", "response.broad_gain")
+                        "response.radial_weight", "response.broad_log_width", "response.broad_gain",
+                        "response.measured_logit", "response.measured", "response.measured_present")
     """Parameters that checkpoints written before the realistic physics lack; their initial values
     leave the model as it was."""
 

@@ -11,8 +11,8 @@ point belongs to (the one ending there and the one starting there) fit that row 
 with the start's (``KEEP_START_BELOW``); its jaws likewise, from the two frames' whole misfit. Of
 the fit, the start and that per-leaf merge, each run keeps the one of least total misfit, so the
 result is never worse than the start on the frames. ``Kept.from_start`` reports how often the
-start was kept. The start's rendering (``render_run``) also gives the frames less the response's
-broad term, which the tracking reads (``epid.reconstruction.estimate``).
+start was kept. The start's rendering (``render_run``) also gives the frames' residuals, which
+the tracking reads (``epid.reconstruction.leaves``, ``epid.reconstruction.estimate``).
 """
 
 from __future__ import annotations
@@ -65,34 +65,33 @@ def imager_row_leaves(device: torch.device | str | None = None) -> Tensor:
 class Rendering:
     """What the forward model makes of B runs of F lag-free frames at given control points: the
     squared residual summed over each leaf's imager rows, ``misfits`` (B, F, 52), each frame's
-    least-squares ``mu`` (B, F) and, when asked for, the frames less ``mu`` x the response's broad
-    term, ``without_broad`` (B, F, 256, 256)."""
+    least-squares ``mu`` (B, F) and, when asked for, the frames less ``mu`` x the rendering,
+    ``residuals`` (B, F, 256, 256)."""
 
     misfits: Tensor
     mu: Tensor
-    without_broad: Tensor | None = None
+    residuals: Tensor | None = None
 
 
 def render_run(forward_model: nn.Module, signals: Tensor, points: ControlPointRun, batch_frames: int = BATCH_FRAMES,
-               without_broad: bool = False) -> Rendering:
+               residuals: bool = False) -> Rendering:
     """The ``Rendering`` of ``points`` against ``signals`` (B, F, 256, 256), ``batch_frames`` frames at
-    a time; ``without_broad`` needs a model with ``render_parts`` (else the frames are kept whole)."""
+    a time, with the ``residuals`` when asked for."""
     runs, frames = signals.shape[:2]
     misfits = signals.new_zeros(runs, frames, NUM_LEAF_PAIRS)
     mu = signals.new_zeros(runs, frames)
-    cleaned = signals.clone() if without_broad else None
-    parted = without_broad and hasattr(forward_model, "render_parts")
+    left = torch.empty_like(signals) if residuals else None
     for begin in range(0, frames, batch_frames):
         chunk = slice(begin, min(begin + batch_frames, frames))
         pairs = [torch.stack([value[:, chunk], value[:, chunk.start + 1:chunk.stop + 1]], 2).flatten(0, 1)
                  for value in (points.leaf_a, points.leaf_b, points.jaws)]  # (B x chunk, 2, ...)
         measured = signals[:, chunk].flatten(0, 1)
-        chunk_misfits, chunk_mu, broad = _render_pairs(forward_model, *pairs, measured, parted)
+        chunk_misfits, chunk_mu, chunk_left = _render_pairs(forward_model, *pairs, measured)
         misfits[:, chunk] = chunk_misfits.view(runs, -1, NUM_LEAF_PAIRS)
         mu[:, chunk] = chunk_mu.view(runs, -1)
-        if parted:
-            cleaned[:, chunk] -= (chunk_mu[:, None, None] * broad).view(runs, -1, *broad.shape[1:])
-    return Rendering(misfits, mu, cleaned)
+        if residuals:
+            left[:, chunk] = chunk_left.view(runs, -1, *chunk_left.shape[1:])
+    return Rendering(misfits, mu, left)
 
 
 def rerender(forward_model: nn.Module, signals: Tensor, points: ControlPointRun, rendering: Rendering,
@@ -107,29 +106,23 @@ def rerender(forward_model: nn.Module, signals: Tensor, points: ControlPointRun,
         run, frame = index // frames, index % frames
         pairs = [torch.stack([value[run, frame], value[run, frame + 1]], 1)
                  for value in (points.leaf_a, points.leaf_b, points.jaws)]
-        chunk_misfits, chunk_mu, _ = _render_pairs(forward_model, *pairs, signals[run, frame], parted=False)
+        chunk_misfits, chunk_mu, _ = _render_pairs(forward_model, *pairs, signals[run, frame])
         misfits[run, frame], mu[run, frame] = chunk_misfits, chunk_mu
     return Rendering(misfits, mu)
 
 
-def _render_pairs(forward_model: nn.Module, leaf_a: Tensor, leaf_b: Tensor, jaws: Tensor, measured: Tensor,
-                  parted: bool) -> tuple[Tensor, Tensor, Tensor | None]:
+def _render_pairs(forward_model: nn.Module, leaf_a: Tensor, leaf_b: Tensor, jaws: Tensor,
+                  measured: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """Frames (K, 256, 256) against the motions leaf_a, leaf_b (K, 2, 52), jaws (K, 2, 2) [prev,
-    curr]: the per-leaf misfits (K, 52), the least-squares MU (K,) and, when ``parted``, the
-    broad term per MU (K, 256, 256)."""
+    curr]: the per-leaf misfits (K, 52), the least-squares MU (K,) and the residuals (K, 256, 256)."""
     scalars = torch.cat([jaws.new_ones(len(jaws), 1), jaws[:, :, 0], jaws[:, :, 1]], 1).float()
-    inputs = (leaf_a.flatten(1).float(), leaf_b.flatten(1).float(), scalars)
-    broad = None
-    if parted:
-        kernel_part, broad = forward_model.render_parts(*inputs)
-        rendered = kernel_part + broad
-    else:
-        rendered = forward_model.render(*inputs)[0]
+    rendered = forward_model.render(leaf_a.flatten(1).float(), leaf_b.flatten(1).float(), scalars)[0]
     measured = measured.float()
     mu = (rendered * measured).sum((-2, -1)) / (rendered * rendered).sum((-2, -1)).clamp_min(1e-12)
-    rows = (measured - mu[:, None, None] * rendered).square().sum(-1)  # (K, 256)
+    residuals = measured - mu[:, None, None] * rendered
+    rows = residuals.square().sum(-1)  # (K, 256)
     per_leaf = rows.new_zeros(len(rows), NUM_LEAF_PAIRS).index_add_(1, imager_row_leaves(rows.device), rows)
-    return per_leaf, mu, broad
+    return per_leaf, mu, residuals
 
 
 def keep_better(forward_model: nn.Module, signals: Tensor, start: ControlPointRun, fit: ControlPointRun,

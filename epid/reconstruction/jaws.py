@@ -98,6 +98,13 @@ def jaw_passes(domain: RowDomain, jaws: Tensor) -> Tensor:
     return domain.jaw_transmission + (1 - domain.jaw_transmission) * domain.jaw_openings(jaws).flatten(-2)
 
 
+def start_row_sums(domain: RowDomain, banks: list[Tensor], jaws: Tensor) -> Tensor:
+    """Row sums per MU (B, N, 260) of frames seen through T at control points (leaf banks (B, N +
+    1, 52), jaws (B, N + 1, 2) mm): what ``track_jaws`` models them as."""
+    fluence = leaf_row_fluence(domain, *banks)
+    return _blur_rows(domain, (jaw_passes(domain, jaws) * fluence).mean(-2))
+
+
 def imager_rows(device: torch.device | str) -> Tensor:
     """(260,) 1 on the leaf-grid rows the misfit counts, 0 on the others (``EDGE_ROWS``)."""
     weights = torch.zeros(LEAF_GRID_ROWS, device=device)

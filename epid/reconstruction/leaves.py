@@ -42,6 +42,24 @@ row or a synthesis that rounds edges to the 1 mm grid can favour it. Each mm an 
 a frame therefore costs ``TRAVEL_COST`` of one open-row step's energy: among motions the frames
 cannot tell apart, the one of least travel.
 
+The row domain is a reduction of the forward model: T is reproduced only within a few %, the
+response's broad term is left out, the tongue-and-groove and partly open rows are approximated.
+Under a sharp response that is below what the tracking can see; under a 12 mm wide one it is not
+(a leaf's motion within a frame is read from the shape of its blurred edges, and a shape a few %
+off reads as motion). So the rows are read relative to the start: the forward model renders the
+start's frames, the residuals (measured less rendered) are filtered, and the start's own rows (the
+row model at the start, per MU) are added: D = mu_s M(start) + W (S - mu_s R(start)). Whatever the
+row domain leaves out of R cancels at the start and enters only as it changes between start and
+fit. On the forward model's own noise-free frames of a 12 mm wide response (40 frames of arcs 5,
+85, 165), tracked from the truth without the travel cost, the leaves stayed 0.12 mm from it;
+reading W S itself they moved 0.8 and 1.6 mm (arcs 85, 165).
+
+Each edge is moved with every other edge held; under a broad response T couples neighbouring
+leaves strongly (at 4.6 mm a leaf 5 mm away sees 55 % of the centre tap), and leaves moved all at
+once, each explaining its neighbours' misfit too, overshoot together. The leaves of a bank
+therefore move in groups of every n-th leaf (``leaf_groups``, ``GROUP_COUPLING``): one group of all
+52 under the built-in response, three under a 12 mm wide one.
+
 The jaws decide how much of a leaf row each frame shows, and in a row the jaws have only begun
 to uncover, a few tenths of a mm of jaw error change that several times over: after the first
 stage, with the leaves roughly in place, the jaws are refined from the frames' row sums
@@ -52,6 +70,7 @@ independent runs of frames (a batch of frame pairs, or one arc), on the CPU or a
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -59,7 +78,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from epid.models.aperture import frame_sub_apertures
-from epid.reconstruction.jaws import JAW_STAGES, track_jaws
+from epid.reconstruction.jaws import JAW_STAGES, start_row_sums, track_jaws
 from epid.reconstruction.rows import (
     FIRST_BOUNDARY_MM,
     MAX_MOTION_MM,
@@ -71,6 +90,7 @@ from epid.reconstruction.rows import (
 )
 from epid.synthesis.geometry import (
     GRID_SIZE,
+    LEAF_WIDTH_MM,
     NUM_LEAF_PAIRS,
     SUB_APERTURES,
 )
@@ -88,8 +108,16 @@ curvature falling as width^-3 and the step energy as width^-1): started from the
 noise, the leaves moved 0.2 mm at a 2 mm width and 0.5 mm at 4 mm (0.03 and 0.05 mm without
 the cost). The first stages need the full cost to settle zig-zags; these take the bias out.
 Chosen on arcs 5, 85, 165 (24 frames of a 12 mm wide response): leaf MAE 0.69 -> 0.54 mm."""
-PAIR_ELEMENTS = 2**23
-"""Pair costs evaluated at once (frames x runs x leaves x states^2)."""
+GROUP_COUPLING = 0.05
+"""Largest tap of T along y between leaves that move in the same step, relative to its centre tap.
+The leaves of a bank moved all at once, each with its neighbours held, overshoot together where
+T couples them strongly: on the forward model's own frames of a 12 mm wide response (T 4.6 mm),
+tracked from the network's estimate, 0.70 mm from the truth all at once, 0.55 mm in three groups."""
+PAIR_ELEMENTS = {"cpu": 2**19}
+"""Pair costs evaluated at once (frames x runs x leaves x states^2) per device type, 2**23 on others
+(a GPU). On the CPU the smaller chunks stay in cache: 300 frames of an arc, 2 cores of an AMD
+EPYC, 2**19 against 2**23: 24.1 and 27.6 against 18.2 and 19.7 frames/s (built-in response),
+12.6 and 13.7 against 9.9 and 9.3 (a 12 mm wide one), the same control points."""
 
 
 @dataclass(frozen=True)
@@ -106,14 +134,17 @@ class Tracked:
 
 def track_leaves(domain: RowDomain, signals: Tensor, leaf_a: Tensor, leaf_b: Tensor, jaws: Tensor,
                  stages: tuple[tuple[float, float], ...], chunk_frames: int = 64,
-                 jaw_stages: tuple[tuple[float, float], ...] = JAW_STAGES) -> Tracked:
+                 jaw_stages: tuple[tuple[float, float], ...] = JAW_STAGES, start_mu: Tensor | None = None) -> Tracked:
     """Track the leaf edges of B runs of N lag-free frames ``signals`` (B, N, 256, 256) from their
     start (leaf_a, leaf_b (B, N + 1, 52), jaws (B, N + 1, 2) mm) through ``stages`` ((range, grid
     step) mm each); see the module docstring. After the first stage the jaws are refined with the
     leaves found (``epid.reconstruction.jaws``, ``jaw_stages``; none: the jaws as given). ``chunk_frames``
-    bounds the frames filtered at once."""
+    bounds the frames filtered at once. With ``start_mu`` (B, N), ``signals`` are the residuals of the
+    forward model's rendering of the start at those MU, and the rows read are the filtered
+    residuals plus the start's rows (module docstring)."""
     jaws = jaws.float()
-    observed = _Observed.of(domain, signals, jaws, chunk_frames, row_sums=bool(jaw_stages))
+    start = None if start_mu is None else _Start([leaf_a.float(), leaf_b.float()], jaws, start_mu.float())
+    observed = _Observed.of(domain, signals, jaws, chunk_frames, row_sums=bool(jaw_stages), start=start)
     banks = [leaf_a.float().clone(), leaf_b.float().clone()]
     schedule = [(range_mm, step_mm, 1.0) for range_mm, step_mm in stages]
     if domain.target_sigma_mm > MIN_TARGET_SIGMA_MM:
@@ -123,15 +154,26 @@ def track_leaves(domain: RowDomain, signals: Tensor, leaf_a: Tensor, leaf_b: Ten
         states = round(2 * range_mm / step_mm) + 1
         offsets = torch.linspace(-range_mm, range_mm, states, device=signals.device)
         for bank in (0, 1):
-            banks[bank] = _track_bank(domain, observed.profiles, observed.coupling, observed.seen, banks, bank, offsets,
-                                      travel_scale)
+            for moving in leaf_groups(domain, signals.device):
+                banks[bank] = _track_bank(domain, observed.profiles, observed.coupling, observed.seen, banks, bank,
+                                          offsets, travel_scale, moving)
         if number == 0 and jaw_stages:
             mu = _best_mu(observed.profiles, _model(domain, observed.coupling, banks))
             jaws = track_jaws(domain, observed.row_sums, banks[0], banks[1], jaws, mu, jaw_stages)
             # the frames are filtered again rather than kept: a whole arc's would hold (N, 260, 256) floats
-            observed = _Observed.of(domain, signals, jaws, chunk_frames, row_sums=False)
+            observed = _Observed.of(domain, signals, jaws, chunk_frames, row_sums=False, start=start)
     mu = _best_mu(observed.profiles, _model(domain, observed.coupling, banks))
     return Tracked(banks[0], banks[1], jaws, mu)
+
+
+@dataclass(frozen=True)
+class _Start:
+    """Where residual frames were rendered: both banks (B, N + 1, 52) and jaws (B, N + 1, 2) mm at
+    the control points, and each frame's MU (B, N)."""
+
+    banks: list[Tensor]
+    jaws: Tensor
+    mu: Tensor
 
 
 @dataclass(frozen=True)
@@ -146,7 +188,8 @@ class _Observed:
     row_sums: Tensor | None
 
     @classmethod
-    def of(cls, domain: RowDomain, signals: Tensor, jaws: Tensor, chunk_frames: int, row_sums: bool) -> _Observed:
+    def of(cls, domain: RowDomain, signals: Tensor, jaws: Tensor, chunk_frames: int, row_sums: bool,
+           start: _Start | None = None) -> _Observed:
         openings = domain.jaw_openings(jaws)  # (B, N, 7, 52, 5)
         row_weights = domain.row_weights(openings)
         profiles, sums = [], []
@@ -155,8 +198,15 @@ class _Observed:
             profiles.append(domain.leaf_profiles(rows, row_weights[:, k:k + chunk_frames]))
             if row_sums:
                 sums.append(rows.sum(-1))
-        return cls(torch.cat(profiles, 1), domain.coupling(openings, row_weights), row_weights.sum(-1) > 0,
-                   torch.cat(sums, 1) if row_sums else None)
+        profiles = torch.cat(profiles, 1)
+        sums = torch.cat(sums, 1) if row_sums else None
+        if start is not None:
+            start_openings = domain.jaw_openings(start.jaws) if start.jaws is not jaws else openings
+            start_coupling = domain.coupling(start_openings, row_weights)
+            profiles = profiles + start.mu[..., None, None] * _model(domain, start_coupling, start.banks)
+            if row_sums:
+                sums = sums + start.mu[..., None] * start_row_sums(domain, start.banks, start.jaws)
+        return cls(profiles, domain.coupling(openings, row_weights), row_weights.sum(-1) > 0, sums)
 
 
 def _edges(domain: RowDomain, positions: Tensor, bank: int) -> Tensor:
@@ -192,19 +242,31 @@ def _best_mu(profiles: Tensor, model: Tensor) -> Tensor:
     return (profiles * model).sum((-2, -1)) / model.square().sum((-2, -1)).clamp_min(1e-12)
 
 
+def leaf_groups(domain: RowDomain, device: torch.device | str) -> list[Tensor]:
+    """The leaves (indices) moved together in each step of a stage: every ``n``-th leaf, ``n`` the
+    fewest whose leaves, ``n`` x 5 mm apart, see each other's edges through T along y at no more
+    than ``GROUP_COUPLING`` of the centre tap (one group, all 52 leaves, through a Gaussian of
+    2 mm; three groups through one of 4-6 mm)."""
+    spacing = 1
+    while math.exp(-0.5 * (spacing * LEAF_WIDTH_MM / domain.target_sigma_mm) ** 2) > GROUP_COUPLING:
+        spacing += 1
+    leaves = torch.arange(NUM_LEAF_PAIRS, device=device)
+    return [leaves[first::spacing] for first in range(spacing)]
+
+
 def _track_bank(domain: RowDomain, profiles: Tensor, coupling: tuple[Tensor, Tensor], seen: Tensor,
-                banks: list[Tensor], bank: int, offsets: Tensor, travel_scale: float = 1.0) -> Tensor:
-    """One bank's control points (B, N + 1, 52) of least misfit plus travel (``TRAVEL_COST`` x
-    ``travel_scale``, in the frames where ``seen`` (B, N, 52), the leaf's rows open) within
-    ``offsets`` (S,) of their current positions, the other bank held and each frame's MU refitted
-    (the Viterbi recursion)."""
+                banks: list[Tensor], bank: int, offsets: Tensor, travel_scale: float, moving: Tensor) -> Tensor:
+    """One bank's control points (B, N + 1, 52) with those of the leaves ``moving`` (L,) moved to
+    the positions of least misfit plus travel (``TRAVEL_COST`` x ``travel_scale``, in the frames
+    where ``seen`` (B, N, 52), the leaf's rows open) within ``offsets`` (S,) of where they are,
+    every other edge held and each frame's MU refitted (the Viterbi recursion)."""
     batch, frames = profiles.shape[:2]
     start = banks[bank]
-    states = len(offsets)
+    states, count = len(offsets), len(moving)
     pull = PULL_PER_MM2 * offsets.square()
-    best = pull.expand(batch, NUM_LEAF_PAIRS, states).clone()
-    choices = torch.empty(frames, batch, NUM_LEAF_PAIRS, states, dtype=torch.long, device=profiles.device)
-    per_chunk = max(1, PAIR_ELEMENTS // (batch * NUM_LEAF_PAIRS * states * states))
+    best = pull.expand(batch, count, states).clone()
+    choices = torch.empty(frames, batch, count, states, dtype=torch.long, device=profiles.device)
+    per_chunk = max(1, PAIR_ELEMENTS.get(profiles.device.type, 2**23) // (batch * count * states * states))
     sign = 1.0 if bank == 0 else -1.0
     for k in range(0, frames, per_chunk):
         part = slice(k, min(k + per_chunk, frames))
@@ -212,27 +274,31 @@ def _track_bank(domain: RowDomain, profiles: Tensor, coupling: tuple[Tensor, Ten
         chunk_coupling = tuple(c[:, part] for c in coupling)
         model = _model(domain, chunk_coupling, points)
         frame_mu = _best_mu(profiles[:, part], model)
-        weights = _own_weights(domain, chunk_coupling, points[bank], bank) * frame_mu[..., None, None] / SUB_APERTURES
-        edges = _edges(domain, frame_sub_apertures(points[bank]), bank).transpose(-2, -1)
-        own = domain.blur(domain.splat(edges, weights.transpose(-2, -1)))
-        residual = profiles[:, part] - frame_mu[..., None, None] * model
-        correlation = domain.correlate(sign * residual + own)  # (B, F, 52, lattice)
-        costs = _pair_costs(domain, correlation, weights.transpose(-2, -1), points[bank], offsets, bank)
-        motion = (points[bank][:, 1:] - points[bank][:, :-1])[..., None, None] + offsets - offsets[:, None]
+        weights = (_own_weights(domain, chunk_coupling, points[bank], bank)[..., moving]
+                   * frame_mu[..., None, None] / SUB_APERTURES).transpose(-2, -1)  # (B, F, L, 7)
+        moved = points[bank][..., moving]
+        edges = _edges(domain, frame_sub_apertures(moved), bank).transpose(-2, -1)
+        own = domain.blur(domain.splat(edges, weights))
+        residual = (profiles[:, part] - frame_mu[..., None, None] * model)[:, :, moving]
+        correlation = domain.correlate(sign * residual + own)  # (B, F, L, lattice)
+        costs = _pair_costs(domain, correlation, weights, moved, offsets, bank)
+        motion = (moved[:, 1:] - moved[:, :-1])[..., None, None] + offsets - offsets[:, None]
         step_energy = (frame_mu * (1 - domain.leaf_transmission)).square() * domain.gram[2 * domain.reach]
-        travel = TRAVEL_COST * travel_scale * step_energy[..., None] * seen[:, part]  # (B, F, 52) per mm
+        travel = TRAVEL_COST * travel_scale * step_energy[..., None] * seen[:, part][..., moving]  # (B, F, L) per mm
         costs = costs + travel[..., None, None] * motion.abs()  # motion [i, i']: v - u
         for frame in range(costs.shape[1]):
             total = best[..., :, None] + costs[:, frame]
             best, choices[k + frame] = total.min(-2)
             best = best + pull
             best = best - best.amin(-1, keepdim=True)
-    index = best.argmin(-1)  # (B, 52) at the last control point
+    index = best.argmin(-1)  # (B, L) at the last control point
     chosen = [index]
     for frame in range(frames - 1, -1, -1):
         index = choices[frame].gather(-1, index[..., None])[..., 0]
         chosen.append(index)
-    return start + offsets[torch.stack(chosen[::-1], 1)]
+    result = start.clone()
+    result[..., moving] = start[..., moving] + offsets[torch.stack(chosen[::-1], 1)]
+    return result
 
 
 def _own_weights(domain: RowDomain, coupling: tuple[Tensor, Tensor], points: Tensor, bank: int) -> Tensor:

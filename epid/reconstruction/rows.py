@@ -96,7 +96,8 @@ class RowDomain:
     positive widens); leaf, jaw and interleaf transmission (fractions); groove_share: the share
     of each 1 mm row beside a boundary between leaves that the tongue-and-groove strip covers;
     phase_error: (PHASES + 1, 2 M + 1) the cell-phase part of the step products
-    (``step_products``); target_sigma_mm: the width of T (``target_sigma``).
+    (``step_products``); target_sigma_mm: the width of T (``target_sigma``); blur_matrix: (lattice,
+    255) t applied along the lattice of ``splat`` (``blur``, ``correlate``).
     """
 
     wiener: Tensor
@@ -113,6 +114,7 @@ class RowDomain:
     interleaf_leakage: float
     groove_share: float
     target_sigma_mm: float
+    blur_matrix: Tensor
 
     @property
     def reach(self) -> int:
@@ -145,8 +147,8 @@ class RowDomain:
                 leaf_transmission=float(aperture.leaf_transmission_percent) / 100.0,
                 jaw_transmission=float(aperture.jaw_transmission_percent) / 100.0,
                 interleaf_leakage=float(aperture.interleaf_leakage_percent) / 100.0,
-                groove_share=min(max(float(aperture.tongue_groove_mm) / 2.0, 0.0), 1.0),
-                target_sigma_mm=sigma_mm,
+                groove_share=min(float(aperture.tongue_groove_width) / 2.0, 1.0),
+                target_sigma_mm=sigma_mm, blur_matrix=_blur_matrix(taps.float()).to(device),
             )
 
     def filtered_rows(self, signals: Tensor) -> Tensor:
@@ -230,14 +232,11 @@ class RowDomain:
 
     def blur(self, splats: Tensor) -> Tensor:
         """Splats (..., lattice) -> differenced profiles (..., 255): the taps applied."""
-        flat = splats.reshape(-1, 1, splats.shape[-1])
-        return F.conv1d(flat, self.taps[None, None]).view(*splats.shape[:-1], GRID_SIZE - 1)
+        return splats @ self.blur_matrix
 
     def correlate(self, rows: Tensor) -> Tensor:
         """Differenced rows (..., 255) -> their correlation Y with the taps on the lattice (..., lattice)."""
-        reach = self.reach
-        flat = F.pad(rows.reshape(-1, 1, rows.shape[-1]), (2 * reach, 2 * reach))
-        return F.conv1d(flat, self.taps[None, None]).view(*rows.shape[:-1], self.lattice)
+        return rows @ self.blur_matrix.T
 
 
 def target_sigma(spectrum: Tensor, fft_shape: tuple[int, int]) -> float:
@@ -283,6 +282,15 @@ def _wiener(spectrum: Tensor, target_spectrum: Tensor) -> Tensor:
     """The Wiener filter from the response ``spectrum`` to ``target_spectrum`` (floor ``WIENER_FLOOR``)."""
     power = spectrum.abs().square()
     return target_spectrum * spectrum.conj() / (power + WIENER_FLOOR * power.max())
+
+
+def _blur_matrix(taps: Tensor) -> Tensor:
+    """(lattice, 255): the taps applied along a splat's lattice as one matrix product (a banded
+    Toeplitz matrix: several times faster on a CPU than a one-channel convolution). Row i is lattice
+    point i blurred."""
+    reach = (len(taps) - 1) // 2
+    identity = torch.eye(GRID_SIZE - 1 + 2 * reach, dtype=taps.dtype)
+    return F.conv1d(identity[:, None], taps[None, None])[:, 0].contiguous()
 
 
 def _row_taps(taps: Tensor) -> Tensor:

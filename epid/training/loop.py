@@ -53,6 +53,7 @@ from epid.core.files import remove_stale_temporaries
 from epid.models.checkpoint import best_path, build_models_from_checkpoint, load_checkpoint, save_checkpoint
 from epid.models.families import CrossModel, build_models
 from epid.models.losses import LOSS_TERMS, batch_losses
+from epid.synthesis.kernel import kernel_from_config
 from epid.training import distributed, metrics_log, preflight, side_by_side
 from epid.training.distributed import RankContext, StopSignal
 from epid.training.optimizer import build_optimizer, optimizer_step
@@ -117,6 +118,20 @@ def run_rank(context: RankContext, config: Config, observer: EpochObserver | Non
         return Trainer(context, config, stop, observer).run()
     finally:
         stop.restore()
+
+
+def starting_models(config: Config, checkpoint: dict[str, Any] | None) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """The (forward, inverse) models a run starts from: the checkpoint's it resumes, else fresh
+    ones of the configured family and size, a forward model with a learned response starting as
+    the kernel file EPID_KERNEL names (``DetectorResponse.start_from``; the built-in kernel is
+    not given to it)."""
+    if checkpoint is not None:
+        return build_models_from_checkpoint(checkpoint)
+    forward_model, inverse_model = build_models(config.model_size, config.model)
+    if config.kernel_path and hasattr(forward_model, "response"):
+        kernel = kernel_from_config(config.kernel_path, config.kernel_variable)
+        forward_model.response.start_from(torch.from_numpy(kernel))
+    return forward_model, inverse_model
 
 
 @dataclass
@@ -185,9 +200,7 @@ class Trainer:
             torch.backends.cudnn.benchmark = True
         checkpoint = load_checkpoint(config.checkpoint_path) if config.resume else None
         seed_rngs(config.seed)
-        models = (build_models(config.model_size, config.model) if checkpoint is None
-                  else build_models_from_checkpoint(checkpoint))
-        self.model = CrossModel(*models).place(self.device)
+        self.model = CrossModel(*starting_models(config, checkpoint)).place(self.device)
         self.runner = ModelRunner(self.model, context, config.compile)
         self.optimizer = build_optimizer(self.model, config.effective_lr, config.weight_decay)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.amp_dtype == torch.float16)

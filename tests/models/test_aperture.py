@@ -129,3 +129,21 @@ def test_a_config_stored_before_leaf_tracking_refines_as_its_fit_did():
         assert config.inverse.track_stages == stages
     with pytest.raises(ValueError, match="track_stages"):
         aperture_module.LeafEdgeInverseConfig(track_stages=((8.0, 0.0),))
+
+
+def test_a_tongue_and_groove_width_below_zero_still_learns_its_way_back():
+    """The strip's width renders clamped at 0 mm, yet a parameter a step took below 0 keeps a
+    gradient towards the width the frames show (a clamp alone would hold it there for good)."""
+    target, learner = aperture_module.ApertureFluence(), aperture_module.ApertureFluence()
+    with torch.no_grad():
+        target.tongue_groove_mm.fill_(0.8)
+        learner.tongue_groove_mm.fill_(-0.3)
+    leaf_a = torch.cat([torch.linspace(-30.0, 0.0, 52)] * 2)[None]  # neighbouring leaves at different positions
+    leaf_b = leaf_a + 20.0
+    scalars = torch.tensor([[1.0, -60.0, -60.0, 60.0, 60.0]])
+    assert float(learner.tongue_groove_width.detach()) == 0.0
+    without_strip = aperture_module.ApertureFluence()(leaf_a, leaf_b, scalars)
+    torch.testing.assert_close(learner(leaf_a, leaf_b, scalars), without_strip)
+    loss = (learner(leaf_a, leaf_b, scalars) - target(leaf_a, leaf_b, scalars).detach()).square().sum()
+    loss.backward()
+    assert float(learner.tongue_groove_mm.grad) < 0  # a gradient step widens the strip

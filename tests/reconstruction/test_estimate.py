@@ -240,7 +240,7 @@ def test_an_arc_is_reconstructed_with_the_lag_taken_out():
     assert estimate.leaf_a.shape == (points, 52) and estimate.jaws.shape == (points, 2) and estimate.mu.shape == (8,)
     for fitted, truth in ((estimate.leaf_a, leaf_a), (estimate.leaf_b, leaf_b)):
         error = (fitted - truth)[:, OPEN_ROWS].abs()
-        assert error.max() < 0.35, error.amax(1)
+        assert error.max() < 0.45, error.amax(1)
     assert (estimate.jaws - jaws).abs().mean() < 0.05 < jaw_errors(points).abs().mean()  # refined
     torch.testing.assert_close(estimate.mu, mu, rtol=0.005, atol=0.0)  # the lag is out of every frame
 
