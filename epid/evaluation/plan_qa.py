@@ -77,8 +77,12 @@ LEAF_PASS_PERCENT = 95.0
 """Share of the in-band leaf positions that must lie within the TG-142 tolerance: the
 reconstruction has an error of its own, so single positions beyond 1 mm are expected."""
 
+BANK_NAMES = ("A = X1 (IEC 61217: the -x side, the first half of each MLCX LeafJawPositions; Varian's bank B), "
+              "B = X2 (+x, the second half; Varian's bank A)")
+"""How the report's banks A and B map onto IEC 61217 and a vendor's names (``qa_summary.json``'s ``banks``)."""
+
 SUMMARY_KEYS = (
-    "plan", "beam", "beam_name", "machine", "mlc", "control_points", "beam_mu", "gantry_start_deg",
+    "plan", "beam", "beam_name", "machine", "mlc", "banks", "control_points", "beam_mu", "gantry_start_deg",
     "gantry_stop_deg", "collimator_deg", "measured_frames", "frames", "first_control_point",
     "last_control_point", "gamma_cutoff_percent",
     "gamma_3_2mm_mean", "gamma_3_2mm_min", "gamma_3_2mm_integrated", "frames_passing_3_2mm",
@@ -309,7 +313,7 @@ def summarise(qa: PlanQA) -> dict[str, Any]:
     mu_relative = np.abs(mu_reconstructed - mu_planned)[delivering] / mu_planned[delivering]
     summary: dict[str, Any] = {
         "plan": beam.path, "beam": beam.beam_number, "beam_name": beam.beam_name, "machine": beam.machine,
-        "mlc": beam.mlc, "control_points": len(beam), "beam_mu": beam.beam_mu,
+        "mlc": beam.mlc, "banks": BANK_NAMES, "control_points": len(beam), "beam_mu": beam.beam_mu,
         "gantry_start_deg": float(beam.gantry_deg[0]), "gantry_stop_deg": float(beam.gantry_deg[-1]),
         "collimator_deg": beam.collimator_deg, "measured_frames": qa.measured.path, "frames": len(qa.points),
         "first_control_point": int(qa.points[0]), "last_control_point": int(qa.points[-1]),

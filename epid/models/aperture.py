@@ -303,14 +303,6 @@ class ApertureForwardModel(nn.Module):
         fluence = self.aperture(leaf_a.float(), leaf_b.float(), scalars.float())
         return self.response(fluence), fluence
 
-    def render_parts(self, leaf_a: Tensor, leaf_b: Tensor, scalars: Tensor) -> tuple[Tensor, Tensor]:
-        """The signal per MU without lag in its two parts, (B, 256, 256) each: through the response's
-        kernel, and its broad term (the part the reconstruction's row domain leaves out); ``render``
-        gives their sum."""
-        fluence = self.aperture(leaf_a.float(), leaf_b.float(), scalars.float())
-        parts = self.response.parts(fluence)
-        return parts[:, 0], parts[:, 1]
-
     def forward(self, leaf_a: Tensor, leaf_b: Tensor, scalars: Tensor,
                 epid_prev: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """Predict ``(epid (B,1,256,256), latent (B,1,64,64))`` from leaves (B,104) mm and scalars (B,5).

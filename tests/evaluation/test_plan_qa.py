@@ -153,6 +153,7 @@ def test_plan_with_measured_frames_writes_the_report(report):
     output = report["output"]
     summary = json.loads((output / "qa_summary.json").read_text())
     assert set(plan_qa.SUMMARY_KEYS) <= set(summary) and {"checkpoint", "epoch"} <= set(summary)
+    assert summary["banks"].startswith("A = X1 (IEC 61217: the -x side") and "Varian's bank B" in summary["banks"]
     assert (summary["beam"], summary["control_points"], summary["frames"]) == (1, 12, 11)
     assert (summary["first_control_point"], summary["last_control_point"]) == (1, 11)
     for key in ("gamma_3_2mm_mean", "gamma_3_2mm_min", "gamma_3_2mm_integrated", "gamma_2_2mm_mean"):
