@@ -55,6 +55,7 @@ from pydicom.tag import Tag
 from epid.core.errors import InputError
 from epid.dicom.files import check_sop_class, new_dataset, read_dataset, save_dataset
 from epid.synthesis.geometry import LEAF_WIDTH_MM, MLC_Y_MIN_MM, NUM_LEAF_PAIRS
+from epid.synthesis.mlc import identify
 from epid.synthesis.sequences import ControlPoints, leaf_weights
 
 RT_PLAN_STORAGE = "1.2.840.10008.5.1.4.1.1.481.5"
@@ -68,8 +69,9 @@ JAW_TYPES = {"ASYMY": "y", "Y": "y", "ASYMX": "x", "X": "x"}
 MLC_TYPE = "MLCX"
 LEAF_JAW_POSITIONS = Tag("LeafJawPositions")
 MAX_TRAVEL_MM = 200.0
-"""Farthest a leaf or jaw of any clinical MLC reaches from the beam axis at isocentre, mm: a plan
-position beyond it is an error in the file, never clamped."""
+"""Farthest a leaf or jaw of any clinical MLC reaches from the beam axis at isocentre, mm (the
+leaves of a known MLC: its own ``MlcGeometry.travel_mm``): a plan position beyond it is an error in
+the file, never clamped."""
 CROSSED_TOLERANCE_MM = 0.01
 """How far a bank A leaf may lie past its bank B leaf (a closed pair written with rounding), mm."""
 ANGLE_TOLERANCE_DEG = 1e-3
@@ -192,6 +194,7 @@ class _Mlc:
     pairs: int
     row_leaf: np.ndarray
     description: str
+    travel_mm: float
 
 
 def _widths_text(boundaries: np.ndarray) -> str:
@@ -212,6 +215,11 @@ def _mlc(where: str, devices: dict[str, Dataset]) -> _Mlc:
     if MLC_TYPE not in devices:
         others = sorted(devices)
         mlcs = [name for name in others if name.startswith("MLC")]
+        layers = [_numbers(devices[name], "LeafPositionBoundaries") for name in mlcs if name.startswith(MLC_TYPE)]
+        known = identify(layers) if layers and all(b is not None for b in layers) else None
+        if known is not None:
+            raise PlanError(f"{where}: unsupported MLC: {known.name} ({known.description}; devices "
+                            f"{', '.join(mlcs)}): only a single-layer MLCX on the legacy grid's 5 mm rows is read")
         if mlcs:
             raise PlanError(f"{where}: unsupported MLC {', '.join(mlcs)} (only MLCX, leaves moving along x, is read)")
         raise PlanError(f"{where}: no MLC (beam limiting devices: {', '.join(others) or 'none'})")
@@ -225,8 +233,10 @@ def _mlc(where: str, devices: dict[str, Dataset]) -> _Mlc:
                         f"{len(boundaries)} LeafPositionBoundaries (expected {int(pairs) + 1})")
     if len(boundaries) < 2 or np.any(np.diff(boundaries) <= 0):
         raise PlanError(f"{where}: MLCX LeafPositionBoundaries are not increasing")
-    description = f"MLCX {len(boundaries) - 1} leaf pairs: {_widths_text(boundaries)}"
-    span = f"from {boundaries[0]:g} to {boundaries[-1]:g} mm: {_widths_text(boundaries)}"
+    known = identify([boundaries])
+    named = f" ({known.name})" if known is not None else ""
+    description = f"MLCX{named} {len(boundaries) - 1} leaf pairs: {_widths_text(boundaries)}"
+    span = f"{named.strip()} from {boundaries[0]:g} to {boundaries[-1]:g} mm: {_widths_text(boundaries)}".strip()
     rows = f"the project's 5 mm rows over y in [{MLC_Y_MIN_MM:g}, {MLC_Y_MAX_MM:g}) mm"
     inside = boundaries[(boundaries > MLC_Y_MIN_MM + BOUNDARY_TOLERANCE_MM)
                         & (boundaries < MLC_Y_MAX_MM - BOUNDARY_TOLERANCE_MM)]
@@ -239,7 +249,7 @@ def _mlc(where: str, devices: dict[str, Dataset]) -> _Mlc:
         raise PlanError(f"{where}: unsupported MLC: MLCX leaf boundaries {span} do not cover {rows}")
     lower = MLC_Y_MIN_MM + LEAF_WIDTH_MM * np.arange(NUM_LEAF_PAIRS)
     row_leaf = np.searchsorted(boundaries, lower + BOUNDARY_TOLERANCE_MM, side="right") - 1
-    return _Mlc(len(boundaries) - 1, row_leaf, description)
+    return _Mlc(len(boundaries) - 1, row_leaf, description, known.travel_mm if known is not None else MAX_TRAVEL_MM)
 
 
 def _read_beam(path: str, beam: Dataset, metersets: dict[int, float], dataset_id: int) -> PlanBeam:
@@ -291,7 +301,8 @@ def _read_beam(path: str, beam: Dataset, metersets: dict[int, float], dataset_id
         if len(positions) != 2 * mlc.pairs:
             raise PlanError(f"{where}: inconsistent leaf counts: control point {index} gives {len(positions)} MLCX "
                             f"positions for {mlc.pairs} leaf pairs (expected {2 * mlc.pairs})")
-        leaves[index] = _checked_leaves(f"{where}: control point {index}", positions.reshape(2, mlc.pairs))
+        leaves[index] = _checked_leaves(f"{where}: control point {index}", positions.reshape(2, mlc.pairs),
+                                        mlc.travel_mm)
         for device, axis in JAW_TYPES.items():
             if device in latest and device in devices:
                 values = latest[device]
@@ -320,15 +331,15 @@ def _read_beam(path: str, beam: Dataset, metersets: dict[int, float], dataset_id
     )
 
 
-def _checked_leaves(where: str, leaves: np.ndarray) -> np.ndarray:
+def _checked_leaves(where: str, leaves: np.ndarray, travel_mm: float) -> np.ndarray:
     """A control point's leaf positions (2, pairs) [bank A, bank B] mm; PlanError naming the pair
-    and the value for a position that is not finite, beyond ``MAX_TRAVEL_MM``, or a pair whose
+    and the value for a position that is not finite, beyond the MLC's ``travel_mm``, or a pair whose
     bank A leaf is past its bank B leaf by more than ``CROSSED_TOLERANCE_MM``."""
-    bad = ~np.isfinite(leaves) | (np.abs(leaves) > MAX_TRAVEL_MM)
+    bad = ~np.isfinite(leaves) | (np.abs(leaves) > travel_mm)
     if np.any(bad):
         bank, pair = (int(v) for v in np.argwhere(bad)[0])
         raise PlanError(f"{where}: leaf pair {pair + 1} bank {'AB'[bank]} at {leaves[bank, pair]:g} mm "
-                        f"(expected finite, within +-{MAX_TRAVEL_MM:g} mm)")
+                        f"(expected finite, within +-{travel_mm:g} mm)")
     crossed = leaves[0] - leaves[1] > CROSSED_TOLERANCE_MM
     if np.any(crossed):
         pair = int(np.argmax(crossed))

@@ -143,7 +143,7 @@ def test_synthetic_arc_round_trips_through_an_rt_plan(tmp_path, dataset_id):
         np.testing.assert_allclose(getattr(read, name), getattr(arc, name), atol=1e-4, err_msg=name)
     np.testing.assert_allclose(read.mu[1:], arc.mu[1:], atol=1e-4)
     assert read.mu[0] == 0
-    assert beam.beam_number == 1 and beam.machine == "Agility" and beam.mlc == "MLCX 80 leaf pairs: 80 x 5 mm"
+    assert beam.beam_number == 1 and beam.machine == "Agility" and beam.mlc == "MLCX (agility) 80 leaf pairs: 80 x 5 mm"
     assert beam.beam_mu == pytest.approx(float(np.sum(arc.mu[1:])), abs=0.05)
     assert beam.collimator_deg == 0
     turned = np.unwrap(np.radians(beam.gantry_deg))
@@ -217,7 +217,7 @@ def test_millennium_like_plan_maps_5_mm_leaves_one_to_one_and_10_mm_leaves_to_tw
     expected_b = np.maximum(np.clip(leaf_b[:, rows], jaws_x[:, :1], jaws_x[:, 1:]), expected_a)
     np.testing.assert_allclose(beam.control_points.leaf_a, expected_a, atol=1e-4)
     np.testing.assert_allclose(beam.control_points.leaf_b, expected_b, atol=1e-4)
-    assert beam.mlc == "MLCX 60 leaf pairs: 10 x 10 mm, 40 x 5 mm, 10 x 10 mm"
+    assert beam.mlc == "MLCX (millennium120) 60 leaf pairs: 10 x 10 mm, 40 x 5 mm, 10 x 10 mm"
 
 
 def test_hd120_like_plan_is_refused_naming_the_device_and_its_boundaries(tmp_path):
@@ -225,8 +225,34 @@ def test_hd120_like_plan_is_refused_naming_the_device_and_its_boundaries(tmp_pat
     path = saved(tmp_path, hand_plan(hd120_boundaries(), leaf_a, leaf_b, jaws_y=np.array([[-50.0, 50.0]] * 3)))
     with pytest.raises(PlanError) as error:
         read_plan(path)
-    assert_one_line(error, str(path), "beam 1", "unsupported MLC", "MLCX", "14 x 5 mm, 32 x 2.5 mm, 14 x 5 mm",
+    assert_one_line(error, str(path), "beam 1", "unsupported MLC", "MLCX", "hd120", "14 x 5 mm, 32 x 2.5 mm, 14 x 5 mm",
                     "-37.5")
+
+
+def test_mlci2_plan_maps_each_10_mm_leaf_to_two_rows(tmp_path):
+    leaf_a, leaf_b = random_leaves(np.random.default_rng(4), 3, 40)
+    path = saved(tmp_path, hand_plan(np.linspace(-200, 200, 41), leaf_a, leaf_b, jaws_y=np.array([[-60.0, 60.0]] * 3)))
+    (beam,) = read_plan(path)
+    rows = np.repeat(np.arange(7, 33), 2)  # rows over [-130, 130): leaves 7..32, two 5 mm rows each
+    np.testing.assert_allclose(beam.control_points.leaf_a, leaf_a[:, rows], atol=1e-4)
+    assert beam.mlc == "MLCX (mlci2) 40 leaf pairs: 40 x 10 mm"
+
+
+def test_halcyon_plan_is_refused_naming_the_mlc_found_from_its_layers(tmp_path):
+    plan = good_plan()
+    beam = plan.BeamSequence[0]
+    layers = []
+    for device_type, first, pairs in (("MLCX2", -145.0, 29), ("MLCX1", -140.0, 28)):
+        device = Dataset()
+        device.RTBeamLimitingDeviceType = device_type
+        device.NumberOfLeafJawPairs = pairs
+        device.LeafPositionBoundaries = [f"{first + 10 * k:g}" for k in range(pairs + 1)]
+        layers.append(device)
+    beam.BeamLimitingDeviceSequence = Sequence(layers)
+    path = saved(tmp_path, plan)
+    with pytest.raises(PlanError) as error:
+        read_plan(path)
+    assert_one_line(error, str(path), "beam 1", "unsupported MLC: halcyon", "MLCX1, MLCX2")
 
 
 def test_positions_a_control_point_omits_carry_over(tmp_path):
