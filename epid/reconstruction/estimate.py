@@ -35,7 +35,7 @@ from torch import Tensor, nn
 
 from epid.reconstruction.fallback import BATCH_FRAMES, ControlPointRun, Kept, keep_better, render_run
 from epid.reconstruction.leaves import track_leaves
-from epid.reconstruction.rows import MIN_TARGET_SIGMA_MM, RowDomain
+from epid.reconstruction.rows import RowDomain
 from epid.synthesis.geometry import NUM_LEAF_PAIRS
 
 METHODS = ("network", "pair", "arc")
@@ -44,12 +44,11 @@ refined jointly over consecutive frames (``reconstruct_arc``)."""
 Stages = tuple[tuple[float, float], ...]
 """A tracking schedule: (range, grid step) mm of each stage (``epid.reconstruction.leaves``)."""
 RELINEARISED_STAGES: Stages = ((2.0, 0.2), (1.0, 0.1))
-"""Stages of a second pass under a broad response (a filter target wider than
-``MIN_TARGET_SIGMA_MM``), the rows read relative to the first pass's fit instead of the start:
-the rows are exact at the point they are read from, and a start 2 to 3 mm off (the network on
-irregular arcs) is too far for the first. Chosen on 40 frames of arcs 5, 85, 165, 325, 405 (12 mm
-wide response, realistic physics, noise): leaf MAE 0.55 -> 0.47 mm, 88.7 -> 92.2 % within 1 mm;
-arc 165 1.05 -> 0.67 mm."""
+"""Stages of a second pass under a broad response (``RowDomain.broad``), the rows read relative
+to the first pass's fit instead of the start: the rows are exact at the point they are read
+from, and a start 2 to 3 mm off (the network on irregular arcs) is too far for the first.
+Chosen on 40 frames of arcs 5, 85, 165, 325, 405 (12 mm wide response, realistic physics,
+noise): leaf MAE 0.55 -> 0.47 mm, 88.7 -> 92.2 % within 1 mm; arc 165 1.05 -> 0.67 mm."""
 
 
 @dataclass(frozen=True)
@@ -171,7 +170,7 @@ def _tracked_from(forward_model: nn.Module, signals: Tensor, start: ControlPoint
                            chunk_frames=batch_frames, start_mu=prepared.mu)
     prepared = dataclasses.replace(prepared, residuals=None)  # a whole arc's frames, no longer needed
     fit = ControlPointRun(tracked.leaf_a, tracked.leaf_b, tracked.jaws)
-    if domain.target_sigma_mm > MIN_TARGET_SIGMA_MM:
+    if domain.broad:
         again = render_run(forward_model, signals, fit, batch_frames, residuals=True)
         tracked = track_leaves(domain, again.residuals, fit.leaf_a, fit.leaf_b, fit.jaws, RELINEARISED_STAGES,
                                chunk_frames=batch_frames, jaw_stages=(), start_mu=again.mu)

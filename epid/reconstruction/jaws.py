@@ -101,8 +101,13 @@ def jaw_passes(domain: RowDomain, jaws: Tensor) -> Tensor:
 def start_row_sums(domain: RowDomain, banks: list[Tensor], jaws: Tensor) -> Tensor:
     """Row sums per MU (B, N, 260) of frames seen through T at control points (leaf banks (B, N +
     1, 52), jaws (B, N + 1, 2) mm): what ``track_jaws`` models them as."""
-    fluence = leaf_row_fluence(domain, *banks)
-    return _blur_rows(domain, (jaw_passes(domain, jaws) * fluence).mean(-2))
+    return _seen_row_sums(domain, jaw_passes(domain, jaws), leaf_row_fluence(domain, *banks))
+
+
+def _seen_row_sums(domain: RowDomain, passes: Tensor, fluence: Tensor) -> Tensor:
+    """Row sums per MU (..., F, 260) seen through T: the jaws' ``passes`` (..., F, 7, 260) of the
+    leaves' row fluence (..., F, 7, 260), averaged over the sub-apertures, blurred along y."""
+    return _blur_rows(domain, (passes * fluence).mean(-2))
 
 
 def imager_rows(device: torch.device | str) -> Tensor:
@@ -169,8 +174,7 @@ def _frame_costs(domain: RowDomain, measured: Tensor, fluence: Tensor, candidate
     for k in range(0, frames, per_chunk):
         stop = min(k + per_chunk, frames)
         passes = jaw_passes(domain, candidates[:, :, k:stop + 1])  # (S, B, F, 7, 260)
-        model = (passes * fluence[:, k:stop]).mean(-2)  # (S, B, F, 260)
-        seen = torch.diff(_blur_rows(domain, model), dim=-1) * weights
+        seen = torch.diff(_seen_row_sums(domain, passes, fluence[:, k:stop]), dim=-1) * weights  # (S, B, F, 259)
         seen = seen - (seen.sum(-1, keepdim=True) / weights.sum()) * weights  # the constant projected out
         cross = (seen * measured[:, k:stop]).sum(-1)
         costs.append(-cross.square() / seen.square().sum(-1).clamp_min(1e-12))

@@ -147,14 +147,15 @@ def track_leaves(domain: RowDomain, signals: Tensor, leaf_a: Tensor, leaf_b: Ten
     observed = _Observed.of(domain, signals, jaws, chunk_frames, row_sums=bool(jaw_stages), start=start)
     banks = [leaf_a.float().clone(), leaf_b.float().clone()]
     schedule = [(range_mm, step_mm, 1.0) for range_mm, step_mm in stages]
-    if domain.target_sigma_mm > MIN_TARGET_SIGMA_MM:
+    if domain.broad:
         scale = (MIN_TARGET_SIGMA_MM / domain.target_sigma_mm) ** 2
         schedule += [(range_mm, step_mm, scale) for range_mm, step_mm in POLISH_STAGES]
+    groups = leaf_groups(domain, signals.device)
     for number, (range_mm, step_mm, travel_scale) in enumerate(schedule):
         states = round(2 * range_mm / step_mm) + 1
         offsets = torch.linspace(-range_mm, range_mm, states, device=signals.device)
         for bank in (0, 1):
-            for moving in leaf_groups(domain, signals.device):
+            for moving in groups:
                 banks[bank] = _track_bank(domain, observed.profiles, observed.coupling, observed.seen, banks, bank,
                                           offsets, travel_scale, moving)
         if number == 0 and jaw_stages:

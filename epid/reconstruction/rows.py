@@ -117,6 +117,13 @@ class RowDomain:
     blur_matrix: Tensor
 
     @property
+    def broad(self) -> bool:
+        """Whether the frames are seen through a Gaussian wider than ``MIN_TARGET_SIGMA_MM`` (a
+        response broader than the tracking was tuned with: polishing stages, leaf groups and a
+        second pass apply)."""
+        return self.target_sigma_mm > MIN_TARGET_SIGMA_MM
+
+    @property
     def reach(self) -> int:
         return (len(self.taps) - 1) // 2
 
