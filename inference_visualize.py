@@ -17,8 +17,9 @@ point, the trajectories of the worst leaves, jaws and MU; arcs.csv holds the fig
 
 Real plans and images (DICOM): --plan predicts every frame of an RT Plan's beam (--beam N when
 the plan has several treatment beams) and draws plan_frames.png; --export-frames writes the
-prediction as a multi-frame RT Image. With --frames (RT Images of the delivery, one frame per
-control-point interval) it also writes the delivery QA report (epid.evaluation.plan_qa): gamma per frame
+prediction as a multi-frame RT Image. With --frames (RT Images of the delivery: a cine series placed
+on the arc by gantry angle, one integrated image, or frames naming their control points; measured
+units calibrated by --calibration) it also writes the delivery QA report (epid.evaluation.plan_qa): gamma per frame
 (3 %/2 mm and 2 %/2 mm), the control points reconstructed from the measured frames (--reconstruction,
 default arc) against the plan, TG-218 and TG-142 pass/fail, qa_summary.json, qa_frames.csv,
 qa_leaves.csv and figures. Without --plan, --export-plan and --export-frames write the synthetic
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import math
 import os
 import sys
@@ -56,6 +58,7 @@ from epid.core.errors import InputError
 from epid.core.tables import format_table
 from epid.data.sharding import select_dataset_ids
 from epid.evaluation.gamma import GammaCriteria, gamma_maps
+from epid.synthesis.geometry import FRAME_SHAPE
 from epid.synthesis.sequences import NUM_DATASETS, PATTERNS, pattern_for
 
 if TYPE_CHECKING:
@@ -107,8 +110,13 @@ def parse_arguments(argv: Sequence[str] | None, config: Config) -> argparse.Name
     dicom.add_argument("--beam", type=_positive_int, metavar="N",
                        help="beam number in --plan (needed when the plan has several treatment beams)")
     dicom.add_argument("--frames", nargs="+", metavar="RTIMAGE",
-                       help="measured frames of the delivery of --plan: RT Images, one frame per control-point "
-                            "interval (single-frame files or multi-frame ones)")
+                       help="measured images of the delivery of --plan: RT Image files, folders or glob patterns: "
+                            "a cine series (frames placed on the arc by gantry angle or meterset weights), one "
+                            "integrated image of the beam, or frames naming their control points")
+    dicom.add_argument("--calibration", choices=("auto", "none", "fit"), default="auto",
+                       help="measured units to the models' units: none (frames already in them), fit (one "
+                            "least-squares scale per delivery; it absorbs a global MU error), auto: none for "
+                            "frames naming their control points, else fit (default %(default)s)")
     dicom.add_argument("--export-plan", metavar="FILE",
                        help="write the synthetic arc of the one selected dataset ID (--dataset-ids N) as an RT Plan")
     dicom.add_argument("--export-frames", metavar="FILE",
@@ -364,13 +372,16 @@ def select_beam(path: str, beam: int | None) -> PlanBeam:
 
 def review_plan(args: argparse.Namespace) -> int:
     """--plan: predict the beam's frames; with --frames, the delivery QA report (epid.evaluation.plan_qa)."""
-    from epid.dicom.image import read_frames, write_frames
-    from epid.evaluation import plan_qa
+    from epid.dicom.image import write_frames
+    from epid.dicom.series import read_series
+    from epid.evaluation import plan_qa, timeline
     from epid.training.preflight import check_writable
 
     beam = select_beam(args.plan, args.beam)
-    measured = read_frames(args.frames) if args.frames else None
-    points = plan_qa.match_frames(beam, measured) if measured is not None else None
+    series = read_series(args.frames) if args.frames else None
+    placement = timeline.place_frames(beam, series) if series is not None else None
+    measured = None if series is None or series.integrated else plan_qa.placed_frames(series, placement)
+    points = plan_qa.match_frames(placement.beam, measured) if measured is not None else None
     if not os.path.isfile(args.checkpoint):
         raise InputError(f"--checkpoint {args.checkpoint!r}: no such file (train first, or pass --checkpoint)")
     check_writable(Path(args.output_dir).absolute(), "--output-dir")
@@ -393,28 +404,66 @@ def review_plan(args: argparse.Namespace) -> int:
         write_frames(args.export_frames, predicted, plan_path=args.plan, beam=beam.beam_number,
                      description="predicted")
         _stage(f"  wrote the {frames} predicted frames as an RT Image: {args.export_frames}")
-    if measured is None:
+    if series is None:
         _stage(f"wrote plan_frames.png to {output_dir}; done in {time.perf_counter() - started:.1f} s")
         return 0
 
-    compared = predicted[points[0] - 1:points[-1]]  # the frames ending on the measured frames' control points
-    measured_frames = torch.from_numpy(np.array(measured.frames))
-    _stage(f"gamma of {len(points)} measured frames (control points {points[0]}-{points[-1]}): 3 %/2 mm and "
-           "2 %/2 mm global, cutoff 10 %")
+    _stage(f"  {series.path}: {placement.describe()}")
+    outside = float(series.outside_percent.max())
+    if outside > plan_qa.OUTSIDE_WARNING_PERCENT:
+        _stage(f"  warning: up to {outside:.1f} % of a measured frame's field signal lies outside the "
+               f"{FRAME_SHAPE[0]} mm grid and is not compared")
+    if placement.placed_by == "control points":
+        compared = predicted[points - 1]
+    else:
+        _stage(f"predicting the {len(placement.boundaries_mu) - 1} measured span(s) exactly")
+        with _counter(None, "piece") as advance:
+            spans = timeline.predict_spans(models[0], placement, device, args.batch_size, advance)
+        compared = spans if series.integrated else spans[points - 1]
+    measured_frames = torch.from_numpy(np.array(series.frames))
+    calibration = plan_qa.calibrate(args.calibration, placement, measured_frames, compared)
+    measured_frames.mul_(calibration["scale"])
+    _stage(f"  calibration: {calibration['method']}, scale {calibration['scale']:.6g}")
+    context = {"checkpoint": str(args.checkpoint), "epoch": checkpoint["epoch"], "placement": placement.describe(),
+               "dropped_frames": placement.dropped, "calibration": calibration,
+               "outside_grid_percent": round(outside, 3)}
+    if series.integrated:
+        return integrated_report(args, beam, series, measured_frames, compared, context, output_dir, started)
+    _stage(f"gamma of {len(points)} measured frames: 3 %/2 mm and 2 %/2 mm global, cutoff 10 %")
     with _counter(len(points), "frame") as advance:
         gamma = plan_qa.frame_gamma(measured_frames, compared, device, args.batch_size, advance)
-    segment = plan_qa.plan_segment(beam, points, measured_frames)
+    run = plan_qa.longest_run(points)
+    segment = plan_qa.plan_segment(placement.beam, points[run], measured_frames[run])
     method = args.reconstruction or "arc"
-    _stage(f"reconstructing control points {segment.first}-{segment.first + len(segment) - 1} from the measured "
-           f"frames ({method})")
+    _stage(f"reconstructing control points {segment.first}-{segment.first + len(segment) - 1} of the "
+           f"{'plan' if placement.placed_by == 'control points' else 'timeline'} from the measured frames ({method})")
     with _counter(None if method == "arc" else len(segment), "frame") as advance:
         estimate = plan_qa.reconstruct(models, segment, method, device, advance)
-    qa = plan_qa.PlanQA(beam, measured, points, compared, gamma, segment, estimate)
-    summary = plan_qa.write_report(qa, output_dir, run_label, checkpoint=str(args.checkpoint),
-                                   epoch=checkpoint["epoch"])
+    qa = plan_qa.PlanQA(placement.beam, measured, points, compared, gamma, segment, estimate)
+    summary = plan_qa.write_report(qa, output_dir, run_label, **context)
     print(plan_qa.verdict_table(summary))
     _stage(f"wrote plan_frames.png, qa_summary.json, qa_frames.csv, qa_leaves.csv, qa_gamma.png, qa_leaves.png and "
            f"qa_worst_frame.png to {output_dir}; done in {time.perf_counter() - started:.1f} s")
+    return 0
+
+
+def integrated_report(args: argparse.Namespace, beam: PlanBeam, series, measured: torch.Tensor,
+                      predicted: torch.Tensor, context: dict, output_dir: Path, started: float) -> int:
+    """The QA of an integrated image: gamma against the beam's predicted integrated image,
+    qa_summary.json and qa_integrated.png."""
+    from epid.evaluation import plan_qa
+
+    gamma = plan_qa.frame_gamma(measured, predicted, "cpu")
+    summary = {**context, **plan_qa.integrated_summary(beam, series.path, gamma)}
+    (output_dir / "qa_summary.json").write_text(json.dumps(summary, indent=2, allow_nan=False) + "\n")
+    plan_qa.write_integrated_figure(measured[0].numpy(), predicted[0].numpy(), gamma, beam,
+                                    output_dir / "qa_integrated.png", f"{Path(args.checkpoint).name}")
+    rate = summary["gamma_3_2mm_integrated"]
+    print(f"Integrated-image QA of beam {beam.beam_number}: 3 %/2 mm {rate:.2f} % (TG-218 tolerance "
+          f"{plan_qa.TG218_TOLERANCE_PERCENT:g} %), 2 %/2 mm {summary['gamma_2_2mm_integrated']:.2f} %: "
+          f"{'PASS' if summary['pass'] else 'FAIL'}")
+    _stage(f"wrote plan_frames.png, qa_summary.json and qa_integrated.png to {output_dir}; done in "
+           f"{time.perf_counter() - started:.1f} s")
     return 0
 
 

@@ -12,6 +12,9 @@ import re
 from collections.abc import Iterable
 from pathlib import Path
 
+GLOB_CHARACTERS = re.compile(r"[*?[]")
+"""A path holding one of these is a glob pattern."""
+
 
 def fsync_directory(directory: Path) -> None:
     """Flush a directory entry (after a rename) to disk; a no-op where directories cannot be opened."""

@@ -15,7 +15,7 @@ import pydicom
 from pydicom.datadict import keyword_for_tag
 from pydicom.dataset import Dataset, FileMetaDataset
 from pydicom.errors import InvalidDicomError
-from pydicom.uid import ExplicitVRLittleEndian, generate_uid
+from pydicom.uid import ExplicitVRBigEndian, ExplicitVRLittleEndian, ImplicitVRLittleEndian, generate_uid
 
 from epid.core.errors import InputError
 from epid.core.files import fsync_directory, temporary_path
@@ -53,8 +53,9 @@ def read_dataset(path: str | Path, error: type[InputError], what: str) -> Datase
 
 def _without_preamble(path: str | Path) -> Dataset | None:
     """A data set written without the 128-byte preamble and file meta (as Monaco writes plans),
-    read by pydicom with ``force``; None unless it names its SOP class or modality. The first such
-    file of a process is reported once on stderr."""
+    read by pydicom with ``force`` (its transfer syntax the encoding pydicom found, so that its pixels
+    decode); None unless it names its SOP class or modality. The first such file of a process is
+    reported once on stderr."""
     try:
         dataset = pydicom.dcmread(path, force=True)
         named = bool(str(dataset.get("SOPClassUID", "")) or str(dataset.get("Modality", "")))
@@ -62,6 +63,10 @@ def _without_preamble(path: str | Path) -> Dataset | None:
         return None
     if not named:
         return None
+    if "TransferSyntaxUID" not in dataset.file_meta:
+        implicit, little = dataset.original_encoding
+        dataset.file_meta.TransferSyntaxUID = (ImplicitVRLittleEndian if implicit else
+                                               ExplicitVRLittleEndian if little else ExplicitVRBigEndian)
     if not _PREAMBLE_NOTED:
         _PREAMBLE_NOTED.append(str(path))
         print(f"note: {path} has no DICOM preamble or file meta; read as a bare data set "

@@ -36,6 +36,7 @@ from pathlib import Path
 import numpy as np
 import pydicom.pixels
 import scipy.ndimage
+import scipy.sparse
 import torch
 from pydicom.dataset import Dataset
 from pydicom.sequence import Sequence as DicomSequence
@@ -276,6 +277,36 @@ def _read_image(path: str) -> tuple[np.ndarray, np.ndarray, float]:
 
 
 def _image_frames(path: str, dataset: Dataset) -> tuple[np.ndarray, np.ndarray, float]:
+    pixels = grid_frames(path, dataset)
+    indices = _control_points(path, dataset, len(pixels.frames))
+    return pixels.frames, indices, pixels.sid_mm
+
+
+@dataclass(frozen=True)
+class GridFrames:
+    """The frames of one RT Image on the project's grid.
+
+    frames: (F, 256, 256) float32, 1 mm pixels at the isocentre, in the image's own units (after its
+    rescale slope and intercept). outside_percent: (F,) share of each frame's field signal (pixels
+    at or above 10 % of the frame's maximum) that falls outside the grid, percent.
+    sid_mm: the image's source-to-imager distance; pixel_mm: its pixel at the isocentre (the
+    larger of row and column spacing x SAD / SID).
+    """
+
+    frames: np.ndarray
+    outside_percent: np.ndarray
+    sid_mm: float
+    pixel_mm: float
+
+
+FIELD_LEVEL = 0.1
+"""Share of a frame's maximum above which its pixels count as the field (``GridFrames.outside_percent``)."""
+
+
+def grid_frames(path: str, dataset: Dataset) -> GridFrames:
+    """Every frame of the RT Image ``dataset`` (read from ``path``) resampled onto the grid
+    (``read_frames`` says how); ImageError (one line naming the file) for an image without pixel
+    data, spacing, SID or SAD, or whose pixels are not integrated signal."""
     if "PixelData" not in dataset:
         raise ImageError(f"{path}: RT Image without pixel data")
     if int(dataset.get("SamplesPerPixel", 1)) != 1:
@@ -284,23 +315,39 @@ def _image_frames(path: str, dataset: Dataset) -> tuple[np.ndarray, np.ndarray, 
         raise ImageError(f"{path}: pixel values fall as the intensity rises (PixelIntensityRelationshipSign -1); "
                          "expected frames of integrated signal")
     count = int(dataset.get("NumberOfFrames", 1) or 1)
-    indices = _control_points(path, dataset, count)
     geometry = _geometry(path, dataset)
     slope = float(dataset.get("RescaleSlope", 1) or 1)
     intercept = float(dataset.get("RescaleIntercept", 0) or 0)
     resample = _Resampler(geometry, int(dataset.Rows), int(dataset.Columns))
     stored = pydicom.pixels.iter_pixels(dataset)
     frames = np.empty((count, GRID_SIZE, GRID_SIZE), dtype=np.float32)
+    outside = np.zeros(count)
     for start in range(0, count, FRAMES_PER_CHUNK):
         chunk = list(itertools.islice(stored, FRAMES_PER_CHUNK))
         if not chunk:
             raise ImageError(f"{path}: pixel data for {start} frames, NumberOfFrames {count}")
-        frames[start:start + len(chunk)] = resample(np.stack(chunk) * slope + intercept)
-    return frames, indices, geometry.sid_mm
+        values = np.stack(chunk).astype(np.float32) * slope + intercept
+        frames[start:start + len(chunk)] = resample(values)
+        outside[start:start + len(chunk)] = resample.outside_percent(values)
+    scale = geometry.sad_mm / geometry.sid_mm
+    return GridFrames(frames=frames, outside_percent=outside, sid_mm=geometry.sid_mm,
+                      pixel_mm=max(geometry.spacing) * scale)
 
 
 def _control_points(path: str, dataset: Dataset, count: int) -> np.ndarray:
     """The control point k of each of the ``count`` frames (frame integrates k - 1 -> k)."""
+    indices = frame_control_points(path, dataset, count)
+    if indices is None:
+        raise ImageError(f"{path}: no control-point reference: each frame must integrate one control-point interval "
+                         "and name it (ReferencedControlPointIndex in its ExposureSequence item, or the frames' "
+                         "control-point element that epid writes); measured cine frames and integrated images "
+                         "are read by epid.dicom.series")
+    return indices
+
+
+def frame_control_points(path: str, dataset: Dataset, count: int) -> np.ndarray | None:
+    """The control point k (``count``,) each frame of ``dataset`` names (it integrates k - 1 -> k),
+    or None when the image names none; ImageError for references that are partial or below 1."""
     indices = None
     try:
         block = dataset.private_block(PRIVATE_GROUP, PRIVATE_CREATOR)
@@ -310,6 +357,8 @@ def _control_points(path: str, dataset: Dataset, count: int) -> np.ndarray:
         indices = None
     if indices is None:
         indices = _exposure_control_points(path, dataset, count)
+    if indices is None:
+        return None
     if len(indices) != count:
         raise ImageError(f"{path}: {len(indices)} control-point references for {count} frames")
     if np.any(indices < 1):
@@ -318,26 +367,33 @@ def _control_points(path: str, dataset: Dataset, count: int) -> np.ndarray:
     return indices
 
 
-def _exposure_control_points(path: str, dataset: Dataset, count: int) -> np.ndarray:
-    """Control points from ``ExposureSequence`` items with ReferencedControlPointIndex."""
-    missing = (f"{path}: no control-point reference: each frame must integrate one control-point interval and "
-               "name it (ReferencedControlPointIndex in its ExposureSequence item, or the frames' control-point "
-               "element that epid writes)")
+def exposure_items(path: str, dataset: Dataset, count: int) -> list[Dataset | None]:
+    """The ``ExposureSequence`` item of each of the ``count`` frames (None where a frame has
+    none): a one-frame image's only item, else the items by ReferencedFrameNumber."""
     items = list(dataset.get("ExposureSequence", []))
-    if not items or any("ReferencedControlPointIndex" not in item for item in items):
-        raise ImageError(missing)
     if count == 1 and len(items) == 1:
-        return np.array([int(items[0].ReferencedControlPointIndex)], dtype=np.int64)
-    indices = np.zeros(count, dtype=np.int64)
+        return items
+    by_frame: list[Dataset | None] = [None] * count
     for item in items:
         frame = int(item.get("ReferencedFrameNumber", 0) or 0)
         if not 1 <= frame <= count:
             raise ImageError(f"{path}: ExposureSequence item with ReferencedFrameNumber {frame or 'missing'} "
                              f"in an image of {count} frames")
-        indices[frame - 1] = int(item.ReferencedControlPointIndex)
-    if np.any(indices == 0):
-        raise ImageError(f"{path}: frame {int(np.argmax(indices == 0)) + 1} has no control-point reference")
-    return indices
+        by_frame[frame - 1] = item
+    return by_frame
+
+
+def _exposure_control_points(path: str, dataset: Dataset, count: int) -> np.ndarray | None:
+    """Control points from ``ExposureSequence`` items with ReferencedControlPointIndex, or None
+    when no item names one."""
+    items = exposure_items(path, dataset, count)
+    named = [item is not None and "ReferencedControlPointIndex" in item for item in items]
+    if not any(named):
+        return None
+    if not all(named):
+        raise ImageError(f"{path}: frame {named.index(False) + 1} has no control-point reference "
+                         "(ReferencedControlPointIndex) where other frames have one")
+    return np.array([int(item.ReferencedControlPointIndex) for item in items], dtype=np.int64)
 
 
 def _number(path: str, dataset: Dataset, keyword: str, count: int) -> list[float]:
@@ -417,7 +473,13 @@ class _Resampler:
         self.weights_x = _normalised(_box_weights(pixel_x_edges, _edges(cell_x)))
         # rows run toward -y: weigh on increasing y, then put cells and pixels back in row order
         weights_y = _box_weights(pixel_y_edges[::-1], _edges(cell_y[::-1]))[::-1, ::-1]
-        self.weights_y = _normalised(np.ascontiguousarray(weights_y))
+        self.weights_y = scipy.sparse.csr_array(_normalised(np.ascontiguousarray(weights_y)))
+        self.weights_x = scipy.sparse.csr_array(self.weights_x)
+        pixel_x = first_x + np.arange(columns) * column_pitch
+        pixel_y = first_y - np.arange(rows) * row_pitch
+        grid_x, grid_y = self._collimator(pixel_x[None, :], pixel_y[:, None])
+        half = GRID_SIZE / 2 * PIXEL_MM
+        self.outside = (np.abs(grid_x) > half) | (np.abs(grid_y) > half)
 
     def _receptor(self, x: np.ndarray | float, y: np.ndarray | float) -> tuple[np.ndarray | float, np.ndarray | float]:
         """Receptor coordinates q (mm at the isocentre) of collimator points (x, y)."""
@@ -425,8 +487,23 @@ class _Resampler:
         shifted_x, shifted_y = x - self.offset[0], y - self.offset[1]
         return cos * shifted_x + sin * shifted_y, -sin * shifted_x + cos * shifted_y
 
+    def _collimator(self, x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Collimator points (x, y) of receptor coordinates (mm at the isocentre): ``_receptor`` undone."""
+        cos, sin = math.cos(self.angle), math.sin(self.angle)
+        return cos * x - sin * y + self.offset[0], sin * x + cos * y + self.offset[1]
+
+    def outside_percent(self, frames: np.ndarray) -> np.ndarray:
+        """(B,) share of each frame's field signal (pixels at or above ``FIELD_LEVEL`` of its
+        maximum) on detector pixels whose centres fall outside the grid, percent."""
+        flat = frames.reshape(len(frames), -1)
+        field = np.where(flat >= FIELD_LEVEL * flat.max(axis=1, keepdims=True), flat, 0.0)
+        total = field.sum(axis=1)
+        outside = field[:, self.outside.ravel()].sum(axis=1) if self.outside.any() else np.zeros(len(frames))
+        return np.divide(100.0 * outside, total, out=np.zeros(len(frames)), where=total > 0)
+
     def __call__(self, frames: np.ndarray) -> np.ndarray:
-        averaged = self.weights_y @ frames.astype(np.float64) @ self.weights_x.T
+        frames = frames.astype(np.float64)
+        averaged = np.stack([(self.weights_y @ (self.weights_x @ frame.T).T) for frame in frames])
         if not self.turned:
             return averaged.astype(np.float32)
         centres = (np.arange(GRID_SIZE) - (GRID_SIZE - 1) / 2) * PIXEL_MM

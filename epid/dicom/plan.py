@@ -104,6 +104,8 @@ class PlanBeam:
     gantry_deg: np.ndarray
     collimator_deg: float
     control_points: ControlPoints
+    final_meterset_weight: float = 1.0
+    """The beam's final cumulative meterset weight: a weight w lies at beam_mu x w / it MU."""
 
     def __len__(self) -> int:
         return len(self.control_points)
@@ -314,7 +316,9 @@ def _read_beam(path: str, beam: Dataset, metersets: dict[int, float], dataset_id
                                     f"{values[0]:g}, {values[1]:g} mm (expected finite, within "
                                     f"+-{MAX_TRAVEL_MM:g} mm)")
                 jaws[axis][index] = [max(jaws[axis][index, 0], values[0]), min(jaws[axis][index, 1], values[1])]
-    mu = _frame_mu(where, cumulative, metersets[number], beam.get("FinalCumulativeMetersetWeight"))
+    final = beam.get("FinalCumulativeMetersetWeight")
+    final_weight = float(final) if final not in (None, "") else float(cumulative[-1])
+    mu = _frame_mu(where, cumulative, metersets[number], final_weight)
     leaf_a, leaf_b = leaves[:, 0, mlc.row_leaf], leaves[:, 1, mlc.row_leaf]
     x_jaws = jaws["x"]
     leaf_a = np.clip(leaf_a, x_jaws[:, :1], x_jaws[:, 1:])
@@ -328,6 +332,7 @@ def _read_beam(path: str, beam: Dataset, metersets: dict[int, float], dataset_id
         path=path, beam_number=int(number), beam_name=name,
         machine=str(beam.get("TreatmentMachineName", "")), mlc=mlc.description, beam_mu=float(metersets[number]),
         gantry_deg=_read_only(gantry.astype(np.float32)), collimator_deg=float(collimator[0]), control_points=control,
+        final_meterset_weight=final_weight,
     )
 
 
@@ -358,14 +363,13 @@ def _gantry_angle(where: str, index: int, point: Dataset, earlier: np.ndarray) -
     return float(earlier[index - 1])
 
 
-def _frame_mu(where: str, cumulative: np.ndarray, beam_mu: float, final: object) -> np.ndarray:
+def _frame_mu(where: str, cumulative: np.ndarray, beam_mu: float, final_weight: float) -> np.ndarray:
     """MU (N,) of each frame: beam MU x the rise of the cumulative meterset weight; 0 at CP 0."""
     steps = np.diff(cumulative)
     if np.any(steps < 0):
         index = int(np.argmax(steps < 0)) + 1
         raise PlanError(f"{where}: CumulativeMetersetWeight decreases at control point {index} "
                         f"({cumulative[index - 1]:g} -> {cumulative[index]:g})")
-    final_weight = float(final) if final not in (None, "") else float(cumulative[-1])
     if final_weight <= 0:
         raise PlanError(f"{where}: final cumulative meterset weight is {final_weight:g}; the beam delivers no MU")
     return np.concatenate([[0.0], beam_mu * steps / final_weight])

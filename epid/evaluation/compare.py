@@ -29,7 +29,6 @@ import glob
 import json
 import math
 import os
-import re
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -43,6 +42,7 @@ from epid.config.load import Config, load_config
 from epid.core.cli import prepare_output_dir
 from epid.core.devices import resolve_device
 from epid.core.errors import InputError
+from epid.core.files import GLOB_CHARACTERS
 from epid.core.tables import format_number, format_table
 from epid.data.sharding import select_dataset_ids
 from epid.evaluation import comparison_plots, inference, plots, quality
@@ -66,7 +66,6 @@ from epid.models.checkpoint import CheckpointError, build_models_from_checkpoint
 
 UNCOMPARED_KEYS = ("optimizer", "schedule", "scaler", "rng")  # dropped after loading: memory
 DEFAULT_DATASET_RANGE = "0:640:80"
-GLOB_CHARACTERS = re.compile(r"[*?[]")
 
 
 # --------------------------------------------------------------------------- input

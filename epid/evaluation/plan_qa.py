@@ -12,7 +12,10 @@ every frame from its two control points; a model that learned the detector's lag
 own previous predicted frame into each frame (nothing before frame 1).
 
 QA (``match_frames``, ``frame_gamma``, ``reconstruct``, ``summarise``): measured frames are
-matched to the plan by their control point and must be consecutive frames of the beam. Gamma
+matched to the plan by their control point; measured cine frames and integrated images, which
+name none, are first placed on the plan's timeline (``epid.evaluation.timeline``), whose frames
+then play the control-point intervals' part. Frames missing between others are dropped frames,
+reported; the reconstruction takes the longest run of consecutive frames. Gamma
 is global with a 10 % lower cutoff of the measured frame's maximum, the measured frame the
 reference, at 3 %/2 mm (TG-218: 95 % tolerance, 90 % action) and 2 %/2 mm, per frame and on
 the arc-integrated image (the sum of the compared frames). The control points the measured
@@ -22,8 +25,12 @@ alone); when the first measured frame is not frame 1, it serves as the recorded 
 the others and its own control point is not reconstructed. Leaves are scored inside the jaw
 band (leaf pairs whose rows the plan's jaws leave open at that control point).
 
-Measured frames are compared in their own units: they must be calibrated like the frames the
-models were trained on (signal of the synthesis, proportional to MU).
+Measured frames are compared in the models' units (signal of the synthesis, proportional to
+MU): the project's own frames are, and measured ones are brought there by one least-squares scale
+per delivery (``timeline.calibration_scale``, reported; it absorbs a global MU error).
+
+An integrated image (one per beam) gets gamma only (``integrated_summary``): no control point
+can be reconstructed from it.
 
 ``write_report`` writes to a folder:
 
@@ -54,11 +61,11 @@ from epid.core.errors import InputError
 from epid.core.tables import format_table
 from epid.dicom.image import MeasuredFrames
 from epid.dicom.plan import PlanBeam
-from epid.evaluation import arc_review, plots
+from epid.dicom.series import MeasuredSeries
+from epid.evaluation import arc_review, plots, timeline
 from epid.evaluation.gamma import GammaCriteria, gamma_maps, gamma_pass_rate
-from epid.models.families import predict_frames
 from epid.reconstruction.estimate import Stages
-from epid.synthesis.geometry import FRAME_SHAPE, LEAF_WIDTH_MM, MLC_Y_MIN_MM, NUM_LEAF_PAIRS
+from epid.synthesis.geometry import LEAF_WIDTH_MM, MLC_Y_MIN_MM, NUM_LEAF_PAIRS
 from epid.synthesis.sequences import ControlPoints
 
 Progress = Callable[[int], None]
@@ -73,6 +80,8 @@ TG218_CRITERION = "3_2mm"
 TG218_TOLERANCE_PERCENT = 95.0
 TG218_ACTION_PERCENT = 90.0
 TG142_LEAF_TOLERANCE_MM = 1.0
+OUTSIDE_WARNING_PERCENT = 1.0
+"""Share of a measured frame's field signal outside the grid above which the run warns, percent."""
 LEAF_PASS_PERCENT = 95.0
 """Share of the in-band leaf positions that must lie within the TG-142 tolerance: the
 reconstruction has an error of its own, so single positions beyond 1 mm are expected."""
@@ -123,29 +132,10 @@ def frame_inputs(control_points: ControlPoints) -> tuple[Tensor, Tensor, Tensor]
 def predict_plan_frames(forward_model: nn.Module, control_points: ControlPoints, device: torch.device | str = "cpu",
                         batch_size: int = 64, progress: Progress | None = None) -> Tensor:
     """Frames 1..N-1 of the plan (N - 1, 256, 256) float32 on the CPU, predicted by
-    ``forward_model`` (on ``device``, switched to eval mode) ``batch_size`` frames at a time.
-
-    A model that learned the detector's lag (``takes_prev_frame``) is linear in the recorded
-    frame before: each frame is its prediction after no frame plus the lag times the frame
-    before as predicted (frame 0 dark)."""
+    ``forward_model`` (on ``device``, switched to eval mode) ``batch_size`` frames at a time, with
+    the model's own lag carried from frame to frame (``timeline.predict_intervals``)."""
     leaf_a, leaf_b, scalars = frame_inputs(control_points)
-    count = len(scalars)
-    forward_model.eval()
-    frames = torch.empty((count, *FRAME_SHAPE))
-    with torch.inference_mode():
-        for start in range(0, count, batch_size):
-            stop = min(start + batch_size, count)
-            dark = torch.zeros((stop - start, 1, *FRAME_SHAPE), device=device)
-            epid, _ = predict_frames(forward_model, leaf_a[start:stop].to(device), leaf_b[start:stop].to(device),
-                                     scalars[start:stop].to(device), dark)
-            frames[start:stop] = epid[:, 0].float().cpu()
-            if progress is not None:
-                progress(stop - start)
-        if getattr(forward_model, "takes_prev_frame", False):
-            lag = float(forward_model.lag_fraction)
-            for k in range(1, count):
-                frames[k].add_(frames[k - 1], alpha=lag)
-    return frames
+    return timeline.predict_intervals(forward_model, leaf_a, leaf_b, scalars, device, batch_size, progress)
 
 
 # --------------------------------------------------------------------------- matching
@@ -153,9 +143,10 @@ def predict_plan_frames(forward_model: nn.Module, control_points: ControlPoints,
 
 def match_frames(beam: PlanBeam, measured: MeasuredFrames) -> np.ndarray:
     """The control point (K,) each measured frame ends on, checked against the beam: every frame
-    inside 1..N-1, consecutive, finite, and enough of them to reconstruct control points from
-    (2 after the frame before, which is the dark frame 0 when the first is frame 1). InputError
-    (one line naming the image files and the plan) otherwise."""
+    inside 1..N-1, increasing, finite, and a run of consecutive frames long enough to reconstruct
+    control points from (2 after the frame before, which is the dark frame 0 when the run starts
+    at frame 1); frames missing between others are dropped frames, tolerated. InputError (one line
+    naming the image files and the plan) otherwise."""
     points = np.asarray(measured.control_point_index, dtype=np.int64)
     last = len(beam) - 1
     where = f"{measured.path}: measured frames of control points {points[0]}..{points[-1]}"
@@ -164,19 +155,46 @@ def match_frames(beam: PlanBeam, measured: MeasuredFrames) -> np.ndarray:
         raise InputError(f"{where}: {len(points)} frames for the {last} control-point intervals of {plan}")
     if points[0] < 1 or points[-1] > last:
         raise InputError(f"{where}: outside the frames 1..{last} of {plan} (frame k ends on control point k)")
-    gaps = np.flatnonzero(np.diff(points) != 1)
-    if gaps.size:
-        raise InputError(f"{where}: not consecutive (no frame of control point {points[gaps[0]] + 1}); "
-                         f"the reconstruction needs consecutive frames of {plan}")
-    needed = 2 if points[0] == 1 else 3
-    if len(points) < needed:
-        raise InputError(f"{where}: {len(points)} frame(s); at least {needed} are needed to reconstruct control "
-                         f"points of {plan} (2, after the frame before them)")
+    if np.any(np.diff(points) < 1):
+        raise InputError(f"{where}: two frames of one control point; each control-point interval may have one frame")
+    run = points[longest_run(points)]
+    needed = 2 if run[0] == 1 else 3
+    if len(run) < needed:
+        raise InputError(f"{where}: the longest run of consecutive frames has {len(run)}; at least {needed} are "
+                         f"needed to reconstruct control points of {plan} (2, after the frame before them)")
     bad = np.flatnonzero(~np.isfinite(measured.frames).reshape(len(points), -1).all(axis=1))
     if bad.size:
         raise InputError(f"{measured.path}: the frame of control point {points[bad[0]]} holds values that are not "
                          "finite")
     return points
+
+
+def longest_run(points: np.ndarray) -> slice:
+    """The slice of ``points`` (increasing) holding its longest run of consecutive values (the first
+    of equal length)."""
+    breaks = np.concatenate([[0], np.flatnonzero(np.diff(points) != 1) + 1, [len(points)]])
+    lengths = np.diff(breaks)
+    longest = int(np.argmax(lengths))
+    return slice(int(breaks[longest]), int(breaks[longest + 1]))
+
+
+def placed_frames(series: MeasuredSeries, placement: timeline.Placement) -> MeasuredFrames:
+    """The frames of ``series`` as frames of ``placement``'s timeline (their control point k: the
+    timeline frame each integrates)."""
+    return MeasuredFrames(path=series.path, frames=series.frames, control_point_index=placement.frame_of,
+                          sid_mm=series.sid_mm)
+
+
+def calibrate(mode: str, placement: timeline.Placement, measured: Tensor, predicted: Tensor) -> dict[str, Any]:
+    """How measured frames come to the models' units, for the report: ``mode`` none (scale 1), fit
+    (``timeline.calibration_scale``) or auto (none for frames placed by their control points, the
+    project's own, else fit). Returns {method, scale}."""
+    if mode == "auto":
+        mode = "none" if placement.placed_by == "control points" else "fit"
+    if mode == "none":
+        return {"method": "none: the measured frames are taken in the models' units", "scale": 1.0}
+    return {"method": "least-squares scale per delivery (it absorbs a global MU error of the delivery)",
+            "scale": timeline.calibration_scale(measured, predicted)}
 
 
 # --------------------------------------------------------------------------- gamma
@@ -343,6 +361,24 @@ def summarise(qa: PlanQA) -> dict[str, Any]:
     return {key: _finite(value) if isinstance(value, float) else value for key, value in summary.items()}
 
 
+def integrated_summary(beam: PlanBeam, measured: str, gamma: FrameGamma) -> dict[str, Any]:
+    """The report's figures for an integrated image of the beam: the beam (as ``summarise``),
+    ``measured_image``, gamma_<key>_integrated per criterion, criteria (TG-218 on the image) and pass."""
+    summary: dict[str, Any] = {
+        "plan": beam.path, "beam": beam.beam_number, "beam_name": beam.beam_name, "machine": beam.machine,
+        "mlc": beam.mlc, "control_points": len(beam), "beam_mu": beam.beam_mu, "measured_image": measured,
+        "gamma_cutoff_percent": GAMMA_CRITERIA[TG218_CRITERION].cutoff_percent,
+    }
+    summary.update({f"gamma_{key}_integrated": gamma.integrated[key] for key in GAMMA_CRITERIA})
+    value = summary[f"gamma_{TG218_CRITERION}_integrated"]
+    summary["criteria"] = {"gamma_3_2mm_integrated": {
+        "rule": f"TG-218: 3 %/2 mm pass rate of the integrated image >= {TG218_TOLERANCE_PERCENT:g} %",
+        "value": _finite(value), "limit": TG218_TOLERANCE_PERCENT,
+        "pass": bool(math.isfinite(value) and value >= TG218_TOLERANCE_PERCENT)}}
+    summary["pass"] = summary["criteria"]["gamma_3_2mm_integrated"]["pass"]
+    return {key: _finite(value) if isinstance(value, float) else value for key, value in summary.items()}
+
+
 def _criteria(summary: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     """Pass/fail of TG-218 gamma (frames and integrated image) and TG-142 leaf position."""
     tolerance = TG218_TOLERANCE_PERCENT
@@ -438,6 +474,17 @@ def write_report(qa: PlanQA, output_dir: str | Path, run_label: str, **context: 
         f"Frame of lowest 3 %/2 mm pass rate: control point {int(qa.points[worst])} "
         f"({qa.gamma.pass_rates[TG218_CRITERION][worst]:.1f} % pass), {label}"), output / "qa_worst_frame.png")
     return summary
+
+
+def write_integrated_figure(measured: np.ndarray, predicted: np.ndarray, gamma: FrameGamma, beam: PlanBeam,
+                            path: Path, run_label: str) -> None:
+    """``qa_integrated.png``: the measured and predicted integrated images of the beam, their gamma
+    map (3 %/2 mm) and difference."""
+    rate = gamma.integrated[TG218_CRITERION]
+    plots.save_figure(plots.qa_frame_figure(
+        measured, predicted, gamma.worst_map, GAMMA_CRITERIA[TG218_CRITERION],
+        f"Integrated image of beam {beam.beam_number} ({beam.beam_name}) of {Path(beam.path).name}: {rate:.1f} % "
+        f"pass at 3 %/2 mm; {run_label}"), path)
 
 
 def write_plan_frames(predicted: Tensor, beam: PlanBeam, path: str | Path, run_label: str) -> None:

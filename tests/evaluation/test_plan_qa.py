@@ -10,6 +10,7 @@ RT Image of the synthesised frames.
 from __future__ import annotations
 
 import csv
+import datetime
 import json
 import math
 import subprocess
@@ -17,6 +18,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pydicom
 import pytest
 import torch
 
@@ -29,12 +31,13 @@ from epid.data.dataset import EpidData
 from epid.data.plans import scan_plans
 from epid.dicom.image import read_frames, write_frames
 from epid.dicom.plan import read_plan, write_plan
-from epid.evaluation import arc_review, plan_qa
+from epid.evaluation import arc_review, plan_qa, timeline
 from epid.models.checkpoint import load_checkpoint
 from epid.models.families import build_models, predict_frames
 from epid.synthesis.frames import render_frames
 from epid.synthesis.kernel import default_kernel
-from epid.synthesis.sequences import generate_control_points
+from epid.synthesis.sequences import ControlPoints, generate_control_points
+from tests.evaluation.test_timeline import direct_integral, series_of
 from tests.support import ROOT, TINY_RUN, clean_environment
 
 ARCS = {5: 12, 200: 16}  # dataset ID -> control points of the arcs written as plans
@@ -217,8 +220,8 @@ def test_bad_arguments_and_frames_are_refused_before_anything_is_written(tmp_pat
         write_frames(images, frames, control_point_index=range(2, 13))
         expected = r"frames\.dcm: measured frames of control points 2\.\.12: outside the frames 1\.\.11"
     elif case == "gap":
-        write_frames(images, frames[:4], control_point_index=[1, 2, 4, 5])
-        expected = "not consecutive \\(no frame of control point 3\\)"
+        write_frames(images, frames[:3], control_point_index=[1, 3, 5])
+        expected = "the longest run of consecutive frames has 1; at least 2 are needed"
     elif case == "beam":
         arguments = arguments[:6] + ["--beam", "3"]
         expected = "arc_005.dcm: no beam 3"
@@ -305,3 +308,126 @@ def test_arc_fit_from_a_later_frame_scores_the_control_points_after_it(tmp_path)
         rows = list(csv.DictReader(handle))
     assert rows[0]["control_point"] == "3" and rows[0]["mu_reconstructed"] == "" and rows[1]["mu_reconstructed"]
     assert json.loads((tmp_path / "qa_summary.json").read_text())["first_control_point"] == 3
+
+
+# --------------------------------------------------------------------------- measured cine series and integrated images
+
+
+def cine_delivery(beam, ends: np.ndarray, steps: int = 6, leaf_shift_mm: float = 0.0) -> np.ndarray:
+    """The frames a panel records over the spans between consecutive ``ends`` (cumulative MU, the
+    first from 0): each span cut into ``steps`` parts whose positions are the plan's, interpolated
+    per leaf with numpy (bank A shifted by ``leaf_shift_mm``), rendered by the synthesis and summed."""
+    cp = beam.control_points
+    cumulative = np.concatenate([[0.0], np.cumsum(cp.mu[1:].astype(np.float64))])
+    cuts = np.concatenate([[0.0], np.concatenate([np.linspace(a, b, steps + 1)[1:] for a, b in
+                                                  zip(np.concatenate([[0.0], ends[:-1]]), ends, strict=True)])])
+
+    def at(name):
+        values = getattr(cp, name).astype(np.float64)
+        if values.ndim == 1:
+            return np.interp(cuts, cumulative, values).astype(np.float32)
+        return np.stack([np.interp(cuts, cumulative, values[:, leaf]) for leaf in range(values.shape[1])],
+                        -1).astype(np.float32)
+
+    leaf_a = at("leaf_a") + np.float32(leaf_shift_mm)
+    fine = ControlPoints(leaf_a=leaf_a, leaf_b=np.maximum(at("leaf_b"), leaf_a), jaw_1=at("jaw_1"),
+                         jaw_2=at("jaw_2"), mu=np.concatenate([[0.0], np.diff(cuts)]).astype(np.float32),
+                         leaf_weight=np.ones((len(cuts), 52), np.float32), dataset_id=0, pattern="plan")
+    frames = render_frames(fine, range(1, len(cuts)), default_kernel(), dataset_id=0, noise_std=0.0).numpy()
+    return frames.reshape(len(ends), steps, 256, 256).sum(1)
+
+
+def write_cine(folder: Path, frames: np.ndarray, angles: np.ndarray, units: float, keep=None) -> list[Path]:
+    """Single-frame RT Images in measured units (x ``units``) carrying only a gantry angle (none where
+    NaN), an acquisition time at 9.5 frames/s and an instance number (frames not in ``keep`` dropped)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for index, (frame, angle) in enumerate(zip(frames, angles, strict=True)):
+        if keep is not None and index not in keep:
+            continue
+        path = folder / f"cine_{index:04d}.dcm"
+        write_frames(path, frame[None] * units)
+        dataset = pydicom.dcmread(path)
+        for tag in [element.tag for element in dataset if element.tag.group == 0x0011]:
+            del dataset[tag]
+        del dataset.FrameIncrementPointer
+        if math.isfinite(angle):
+            dataset.GantryAngle = f"{angle:.3f}"
+        acquired = datetime.datetime(2026, 11, 26, 10, 15) + datetime.timedelta(seconds=index / 9.5)
+        dataset.AcquisitionDateTime = acquired.strftime("%Y%m%d%H%M%S.%f")
+        dataset.InstanceNumber = index + 1
+        dataset.save_as(path, enforce_file_format=True)
+        paths.append(path)
+    return paths
+
+
+@pytest.fixture(scope="module")
+def cine(trained) -> dict[str, object]:
+    """Arc 200's plan delivered as 2.4 cine frames per control-point interval (one dropped), and as
+    one integrated image, both in measured units; the QA run of each."""
+    (beam,) = read_plan(trained["plan_200"])
+    total = float(np.sum(beam.control_points.mu))
+    ends = np.linspace(0.0, total, 37)[1:]
+    unwrapped = np.rad2deg(np.unwrap(np.deg2rad(beam.gantry_deg.astype(np.float64))))
+    angles = np.interp(ends, np.concatenate([[0.0], np.cumsum(beam.control_points.mu[1:])]), unwrapped) % 360
+    frames = cine_delivery(beam, ends)
+    folder = trained["root"] / "cine"
+    write_cine(folder / "series", frames, angles, units=37.0, keep=set(range(36)) - {17})
+    (integrated,) = write_cine(folder / "integrated", frames.sum(0, keepdims=True), [math.nan], units=37.0)
+    runs = {}
+    for name, given in (("cine", str(folder / "series")), ("integrated", str(integrated))):
+        output = folder / f"report_{name}"
+        result = run("inference_visualize.py", "--checkpoint", str(trained["checkpoint"]), "--plan",
+                     str(trained["plan_200"]), "--frames", given, "--output-dir", str(output), "--device", "cpu")
+        assert result.returncode == 0, result.stderr[-3000:]
+        runs[name] = {"output": output, "stdout": result.stdout, "stderr": result.stderr,
+                      "summary": json.loads((output / "qa_summary.json").read_text())}
+    return runs
+
+
+def test_a_cine_series_is_placed_by_gantry_angle_calibrated_and_reported(cine):
+    summary = cine["cine"]["summary"]
+    assert summary["placement"].startswith("35 measured frames placed by gantry angles")
+    assert summary["dropped_frames"] == 1 and summary["frames"] == 35
+    assert summary["calibration"]["scale"] > 0, "the tiny model predicts its own units (timeline tests: exact)"
+    assert "global MU error" in summary["calibration"]["method"]
+    assert summary["reconstructed_control_points"] == 17, "the longest run (18 frames, after the dropped one)"
+    assert math.isfinite(summary["gamma_3_2mm_mean"]) and math.isfinite(summary["leaf_mae_mm"])
+    with open(cine["cine"]["output"] / "qa_frames.csv", newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    assert len(rows) == 35 and rows[17]["control_point"] == "19", "frame 18 of the timeline is the dropped one"
+    for name in ("qa_gamma.png", "qa_leaves.png", "qa_worst_frame.png", "qa_leaves.csv"):
+        assert (cine["cine"]["output"] / name).stat().st_size > 0
+
+
+def test_an_integrated_image_gets_gamma_against_the_beams_integral(cine):
+    summary = cine["integrated"]["summary"]
+    assert "the whole beam" in summary["placement"] and summary["calibration"]["scale"] > 0
+    assert set(summary["criteria"]) == {"gamma_3_2mm_integrated"}
+    assert math.isfinite(summary["gamma_3_2mm_integrated"])
+    assert (cine["integrated"]["output"] / "qa_integrated.png").stat().st_size > 0
+    assert "Integrated-image QA of beam 1" in cine["integrated"]["stdout"]
+
+
+def test_a_faulty_delivery_fails_where_the_error_free_one_passes(tmp_path):
+    """Cine frames of arc 200 integrated directly (48 parts per frame, numpy's interpolation) by a
+    forward model in measured units; the QA chain (placement by gantry angle, the plan integrated
+    over each frame's span, calibration, gamma) passes the error-free delivery and fails one whose
+    leaves all lie 5 mm off, frame by frame and on the integrated image."""
+    plan = write_arcs(tmp_path / "plans")[200]
+    (beam,) = read_plan(plan)
+    total = float(np.sum(beam.control_points.mu))
+    ends = np.linspace(0.0, total, 31)[1:]
+    torch.manual_seed(0)
+    forward = build_models("tiny", "aperture")[0].eval()
+    placement = timeline.place_frames(beam, series_of(beam, ends))
+    predicted = timeline.predict_spans(forward, placement)
+    # the frames integrate the timeline's spans (the first frame's start is read from the step after it)
+    spans = np.stack([placement.boundaries_mu[:-1], placement.boundaries_mu[1:]], 1)
+    rates = {}
+    for shift in (0.0, 5.0):
+        measured = direct_integral(forward, beam, spans, steps=16, leaf_shift_mm=shift) * 37.0
+        measured *= timeline.calibration_scale(measured, predicted)
+        gamma = plan_qa.frame_gamma(measured, predicted)
+        rates[shift] = (float(np.nanmean(gamma.pass_rates["3_2mm"])), gamma.integrated["3_2mm"])
+    assert min(rates[0.0]) >= plan_qa.TG218_TOLERANCE_PERCENT > max(rates[5.0]), rates

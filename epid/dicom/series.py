@@ -1,0 +1,258 @@
+"""Measured EPID images as clinics record them: one integrated image of a beam (portal dosimetry),
+or a cine series whose frames carry a gantry angle and a time rather than a control point.
+
+``read_series`` reads RT Images (files, folders of files, glob patterns; single- or multi-frame;
+with or without the DICOM preamble) onto the project's grid (``epid.dicom.image.grid_frames``:
+each image's own rescale, pixel spacing, SID and receptor offsets) and keeps, per frame, what
+places it in the delivery:
+
+- ``StartCumulativeMetersetWeight`` / ``EndCumulativeMetersetWeight`` (300C,0008 / 0009) of a
+  one-frame image: the span of the beam's meterset it integrates, exact;
+- a control point (the frames ``epid.dicom.image.write_frames`` writes, or
+  ``ReferencedControlPointIndex`` in an ``ExposureSequence`` item);
+- the gantry angle: ``GantryAngle`` of the frame's ``ExposureSequence`` item, else of the image;
+- the time: ``AcquisitionDateTime`` (else ``AcquisitionDate`` + ``AcquisitionTime``, else
+  ``ContentDate`` + ``ContentTime``) of the image, plus ``FrameTime`` (ms) per frame of a multi-frame
+  image;
+- ``MetersetExposure`` of the frame's ``ExposureSequence`` item (the MU it integrated).
+
+Frames are ordered by control point where every frame names one, else by time where every frame
+has one, else by ``InstanceNumber`` and the order given. A series is one beam: images naming
+different ``ReferencedBeamNumber`` are refused. ``epid.evaluation.timeline`` places the frames on a
+plan's arc.
+"""
+
+from __future__ import annotations
+
+import datetime
+import glob
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from pydicom.dataset import Dataset
+
+from epid.core.files import GLOB_CHARACTERS
+from epid.dicom.files import check_sop_class, read_dataset
+from epid.dicom.image import RT_IMAGE_STORAGE, ImageError, exposure_items, frame_control_points, grid_frames
+
+TIMESTAMP = re.compile(r"^(\d{8}(?:\d{2}){0,3})(?:\.(\d{1,6}))?")
+"""A DICOM DT (date, then hours, minutes, seconds, fraction; any UTC offset after it ignored)."""
+
+
+@dataclass(frozen=True)
+class MeasuredSeries:
+    """Frames of measured RT Images on the project's grid, in delivery order (F frames).
+
+    frames: (F, 256, 256) float32, 1 mm pixels at the isocentre, in the images' own units.
+    sources: the file of each frame. gantry_deg: (F,) NaN where a frame has no angle. time_s: (F,)
+    seconds after the series' first frame, NaN where a frame has no time. meterset_weight: (F, 2)
+    start and end cumulative meterset weight of each frame's span, NaN where not given.
+    meterset_exposure: (F,) MU each frame integrated, NaN where not given. control_point_index:
+    (F,) the control point k a frame names (it integrates k - 1 -> k), 0 where none.
+    outside_percent: (F,) share of each frame's field signal outside the grid, percent.
+    beam_number: the ``ReferencedBeamNumber`` the images name, None where none does.
+    sid_mm, pixel_mm: the first image's SID and pixel at the isocentre. image_type: its ImageType.
+    """
+
+    path: str
+    frames: np.ndarray
+    sources: tuple[str, ...]
+    gantry_deg: np.ndarray
+    time_s: np.ndarray
+    meterset_weight: np.ndarray
+    meterset_exposure: np.ndarray
+    control_point_index: np.ndarray
+    outside_percent: np.ndarray
+    beam_number: int | None
+    sid_mm: float
+    pixel_mm: float
+    image_type: str
+
+    def __len__(self) -> int:
+        return int(self.frames.shape[0])
+
+    @property
+    def integrated(self) -> bool:
+        """One image that names no control point: the integrated image of the whole beam (or of
+        its meterset span, where it gives one)."""
+        return len(self) == 1 and not self.control_point_index[0]
+
+
+def expand_paths(given: str | Path | Sequence[str | Path]) -> list[str]:
+    """The files ``given`` names: files as they are, every file of a folder (sorted, hidden ones
+    left out), the sorted matches of a glob pattern. ImageError for a name that matches nothing."""
+    names = [given] if isinstance(given, str | Path) else list(given)
+    if not names:
+        raise ImageError("no RT Image files given")
+    files: list[str] = []
+    for name in map(str, names):
+        if Path(name).is_dir():
+            found = sorted(str(p) for p in Path(name).iterdir() if p.is_file() and not p.name.startswith("."))
+            if not found:
+                raise ImageError(f"{name}: a folder without files; expected RT Images")
+            files.extend(found)
+        elif GLOB_CHARACTERS.search(name) and not Path(name).exists():
+            found = sorted(p for p in glob.glob(name) if Path(p).is_file())
+            if not found:
+                raise ImageError(f"{name}: no file matches this pattern")
+            files.extend(found)
+        else:
+            files.append(name)
+    return files
+
+
+def read_series(given: str | Path | Sequence[str | Path]) -> MeasuredSeries:
+    """The measured frames of one beam's delivery (module docstring) from ``given``: RT Image
+    files, folders or glob patterns. ImageError, one line naming the file, for a file that is
+    not a readable RT Image, lacks what its pixels need (spacing, SID, SAD), or names another
+    beam than the files before it; or for a series that mixes frames naming control points with
+    frames that do not."""
+    files = expand_paths(given)
+    parts = [_read_image(path) for path in files]
+    beams = {part.beam_number for part in parts if part.beam_number is not None}
+    if len(beams) > 1:
+        first = next(part for part in parts if part.beam_number is not None)
+        other = next(part for part in parts if part.beam_number not in (None, first.beam_number))
+        raise ImageError(f"{other.path}: an image of beam {other.beam_number}, but {first.path} is of beam "
+                         f"{first.beam_number}; a series is the delivery of one beam")
+    control_points = np.concatenate([part.control_point_index for part in parts])
+    named = control_points > 0
+    if named.any() and not named.all():
+        without = parts[[bool((part.control_point_index == 0).any()) for part in parts].index(True)].path
+        raise ImageError(f"{without}: frames without a control-point reference in a series whose other frames "
+                         "name their control points")
+    frame_sources = [part.path for part in parts for _ in range(len(part.frames))]
+    times = _series_times(parts)
+    if named.all():
+        order = np.argsort(control_points, kind="stable")
+    elif np.isfinite(times).all():
+        order = np.argsort(times, kind="stable")
+    else:
+        instances = np.concatenate([np.full(len(part.frames), part.instance) for part in parts])
+        order = np.lexsort((np.arange(len(instances)), instances))
+    if np.isfinite(times).any():
+        times = times - np.nanmin(times)
+
+    def ordered(name: str) -> np.ndarray:
+        values = np.concatenate([getattr(part, name) for part in parts])[order]
+        values.flags.writeable = False
+        return values
+
+    first = parts[int(np.searchsorted(np.cumsum([len(part.frames) for part in parts]), order[0], side="right"))]
+    frames = np.concatenate([part.frames for part in parts])[order]
+    frames.flags.writeable = False
+    times = times[order]
+    times.flags.writeable = False
+    return MeasuredSeries(
+        path=", ".join(files) if len(files) <= 3 else f"{files[0]} ... {files[-1]} ({len(files)} files)",
+        frames=frames, sources=tuple(frame_sources[i] for i in order), gantry_deg=ordered("gantry_deg"),
+        time_s=times, meterset_weight=ordered("meterset_weight"), meterset_exposure=ordered("meterset_exposure"),
+        control_point_index=ordered("control_point_index"), outside_percent=ordered("outside_percent"),
+        beam_number=beams.pop() if beams else None, sid_mm=first.sid_mm, pixel_mm=first.pixel_mm,
+        image_type=first.image_type,
+    )
+
+
+@dataclass(frozen=True)
+class _Image:
+    """One RT Image's frames and what places them (``MeasuredSeries``'s fields, per image)."""
+
+    path: str
+    frames: np.ndarray
+    gantry_deg: np.ndarray
+    start_s: float
+    frame_s: np.ndarray
+    meterset_weight: np.ndarray
+    meterset_exposure: np.ndarray
+    control_point_index: np.ndarray
+    outside_percent: np.ndarray
+    beam_number: int | None
+    instance: int
+    sid_mm: float
+    pixel_mm: float
+    image_type: str
+
+
+def _read_image(path: str) -> _Image:
+    dataset = read_dataset(path, ImageError, "an RT Image")
+    check_sop_class(path, dataset, RT_IMAGE_STORAGE, "RTIMAGE", "an RT Image", ImageError)
+    try:
+        return _image(path, dataset)
+    except ImageError:
+        raise
+    except (ValueError, TypeError, KeyError, AttributeError, IndexError, RuntimeError, NotImplementedError) as problem:
+        reason = (str(problem).strip().splitlines() or [type(problem).__name__])[0]
+        raise ImageError(f"{path}: malformed RT Image or undecodable pixel data ({reason})") from None
+
+
+def _image(path: str, dataset: Dataset) -> _Image:
+    pixels = grid_frames(path, dataset)
+    count = len(pixels.frames)
+    items = exposure_items(path, dataset, count)
+    control_points = frame_control_points(path, dataset, count)
+    own_angle = _number(dataset, "GantryAngle") if count == 1 else math.nan
+    gantry = np.array([_number(item, "GantryAngle") if item is not None and "GantryAngle" in item else own_angle
+                       for item in items])
+    exposure = np.array([_number(item, "MetersetExposure") if item is not None else math.nan for item in items])
+    weights = np.full((count, 2), math.nan)
+    if count == 1:
+        weights[0] = (_number(dataset, "StartCumulativeMetersetWeight"),
+                      _number(dataset, "EndCumulativeMetersetWeight"))
+    beam = dataset.get("ReferencedBeamNumber")
+    image_type = dataset.get("ImageType", "")
+    return _Image(
+        path=path, frames=pixels.frames, gantry_deg=gantry, start_s=_acquired_s(dataset),
+        frame_s=_frame_offsets_s(dataset, count), meterset_weight=weights, meterset_exposure=exposure,
+        control_point_index=np.zeros(count, np.int64) if control_points is None else control_points,
+        outside_percent=pixels.outside_percent, beam_number=int(beam) if beam not in (None, "") else None,
+        instance=int(dataset.get("InstanceNumber", 0) or 0), sid_mm=pixels.sid_mm, pixel_mm=pixels.pixel_mm,
+        image_type="\\".join(image_type) if not isinstance(image_type, str) else image_type,
+    )
+
+
+def _number(item: Dataset, keyword: str) -> float:
+    """``item``'s ``keyword`` as a float (its first value), NaN where absent or empty."""
+    value = item.get(keyword)
+    if value in (None, ""):
+        return math.nan
+    return float(np.atleast_1d(value)[0])
+
+
+def _acquired_s(dataset: Dataset) -> float:
+    """The image's acquisition time, seconds since the epoch (the clock as written), NaN if none."""
+    stamp = str(dataset.get("AcquisitionDateTime", "") or "")
+    if not stamp:
+        for date, time in (("AcquisitionDate", "AcquisitionTime"), ("ContentDate", "ContentTime")):
+            if dataset.get(time):
+                stamp = str(dataset.get(date, "") or "19700101") + str(dataset.get(time)).replace(":", "")
+                break
+    match = TIMESTAMP.match(stamp)
+    if match is None:
+        return math.nan
+    whole, fraction = match.groups()
+    moment = datetime.datetime.strptime(whole.ljust(14, "0"), "%Y%m%d%H%M%S").replace(tzinfo=datetime.UTC)
+    return moment.timestamp() + (float("0." + fraction) if fraction else 0.0)
+
+
+def _frame_offsets_s(dataset: Dataset, count: int) -> np.ndarray:
+    """(count,) seconds of each frame after the image's acquisition: ``FrameTime`` (ms) apart, or
+    the cumulated ``FrameTimeVector``; NaN for the frames after the first without either."""
+    offsets = np.full(count, math.nan)
+    offsets[0] = 0.0
+    if count == 1:
+        return offsets
+    if dataset.get("FrameTime") not in (None, ""):
+        return np.arange(count) * float(dataset.FrameTime) / 1000.0
+    vector = dataset.get("FrameTimeVector")
+    if vector not in (None, "") and len(vector) == count:
+        return np.cumsum(np.asarray(vector, dtype=np.float64)) / 1000.0
+    return offsets
+
+
+def _series_times(parts: list[_Image]) -> np.ndarray:
+    """Every frame's time, seconds since the epoch as written (NaN where unknown)."""
+    return np.concatenate([part.start_s + part.frame_s for part in parts])
