@@ -113,10 +113,19 @@ def parse_arguments(argv: Sequence[str] | None, config: Config) -> argparse.Name
                        help="measured images of the delivery of --plan: RT Image files, folders or glob patterns: "
                             "a cine series (frames placed on the arc by gantry angle or meterset weights), one "
                             "integrated image of the beam, or frames naming their control points")
-    dicom.add_argument("--calibration", choices=("auto", "none", "fit"), default="auto",
+    dicom.add_argument("--calibration", choices=("auto", "none", "fit", "commissioned"), default="auto",
                        help="measured units to the models' units: none (frames already in them), fit (one "
-                            "least-squares scale per delivery; it absorbs a global MU error), auto: none for "
-                            "frames naming their control points, else fit (default %(default)s)")
+                            "least-squares scale per delivery; it absorbs a global MU error), commissioned (the "
+                            "scale a --commission run stored in the checkpoint), auto: none for frames naming "
+                            "their control points, else commissioned where the checkpoint has it, else fit "
+                            "(default %(default)s)")
+    dicom.add_argument("--commission", nargs="+", metavar="PLAN FRAMES",
+                       help="commission the forward model: fit its physics and the panel's calibration to the "
+                            "measured images of these plans (pairs of an RT Plan and its cine series: a folder, "
+                            "glob or file); writes commissioned.pth, commissioning.json and commissioning.png "
+                            "to --output-dir")
+    dicom.add_argument("--commission-steps", type=_positive_int, default=150, metavar="N",
+                       help="optimizer steps of --commission (default %(default)s)")
     dicom.add_argument("--export-plan", metavar="FILE",
                        help="write the synthetic arc of the one selected dataset ID (--dataset-ids N) as an RT Plan")
     dicom.add_argument("--export-frames", metavar="FILE",
@@ -217,6 +226,8 @@ def _counter(total: int | None, unit: str) -> Iterator[Callable[[int], None] | N
 def main(argv: Sequence[str] | None = None) -> int:
     config = load_config()
     args = parse_arguments(argv, config)
+    if args.commission:
+        return commission_run(args)
     if args.plan or args.frames or args.beam is not None or args.export_plan or args.export_frames:
         return real_plans(args, config)
     dataset_ids = requested_dataset_ids(args, config)
@@ -350,6 +361,61 @@ def real_plans(args: argparse.Namespace, config: Config) -> int:
     return export_arc(args, config)
 
 
+def commission_run(args: argparse.Namespace) -> int:
+    """--commission: the forward model's physics and the panel's calibration fitted to measured
+    images of plans (epid.evaluation.commission), written as a commissioned checkpoint."""
+    from epid.dicom.series import read_series
+    from epid.evaluation import commission, plots
+    from epid.models.checkpoint import save_checkpoint
+    from epid.training.preflight import check_writable
+
+    pairs = args.commission
+    if len(pairs) % 2:
+        raise InputError(f"--commission: {len(pairs)} names; expected pairs of an RT Plan and its measured images")
+    given = [name for name, value in (("--plan", args.plan), ("--frames", args.frames), ("--arc", args.arc)) if value]
+    if given:
+        raise InputError(f"{given[0]}: not with --commission (its plans and images are given in pairs)")
+    measurements = []
+    for plan, frames in zip(pairs[::2], pairs[1::2], strict=True):
+        measurements.append(commission.Measurement.of(select_beam(plan, None), read_series(frames)))
+    if not os.path.isfile(args.checkpoint):
+        raise InputError(f"--checkpoint {args.checkpoint!r}: no such file (train first, or pass --checkpoint)")
+    check_writable(Path(args.output_dir).absolute(), "--output-dir")
+    started = time.perf_counter()
+    _stage(f"loading checkpoint {args.checkpoint}")
+    checkpoint, (forward_model, inverse_model) = load_models(args.checkpoint, "cpu")
+    output_dir = prepare_output_dir(args.output_dir)
+    for measurement in measurements:
+        _stage(f"  beam {measurement.beam.beam_number} of {measurement.beam.path}: "
+               f"{measurement.placement.describe()}")
+    _stage(f"commissioning the forward model on {len(measurements)} plan(s): {args.commission_steps} steps")
+
+    def report(step: int, loss: float) -> None:
+        if step % 25 == 0 or step == args.commission_steps:
+            _stage(f"  step {step}/{args.commission_steps}: loss {loss:.4g}")
+
+    result = commission.commission(forward_model, measurements, args.commission_steps, progress=report)
+    if hasattr(inverse_model, "lag_percent"):
+        inverse_model.lag_percent.data.copy_(result.model.lag_percent.data)
+    payload = {**checkpoint, "forward_model": result.model.state_dict(), "inverse_model": inverse_model.state_dict(),
+               "commissioning": {"calibration_scale": result.scale, "source": str(args.checkpoint),
+                                 **{key: value for key, value in result.summary.items() if key != "parameters"}}}
+    save_checkpoint(output_dir / "commissioned.pth", payload)
+    summary = {"checkpoint": str(args.checkpoint), **result.summary}
+    (output_dir / "commissioning.json").write_text(json.dumps(summary, indent=2) + "\n")
+    plots.save_figure(plots.commissioning_figure(result.losses, result.summary), output_dir / "commissioning.png")
+    rows = [[name, ", ".join(f"{v:.4g}" for v in item["before"]), ", ".join(f"{v:.4g}" for v in item["after"])]
+            for name, item in result.summary["parameters"].items()]
+    print(format_table(["parameter", "before", "after"], rows))
+    for plan, before, after in zip(result.summary["plans"], result.summary["gamma_before"],
+                                   result.summary["gamma_after"], strict=True):
+        print(f"{plan}: gamma 3 %/2 mm {before['3_2mm']:.2f} -> {after['3_2mm']:.2f} %, 2 %/2 mm "
+              f"{before['2_2mm']:.2f} -> {after['2_2mm']:.2f} %")
+    _stage(f"wrote commissioned.pth, commissioning.json and commissioning.png to {output_dir}; done in "
+           f"{time.perf_counter() - started:.1f} s")
+    return 0
+
+
 def _check_output_file(path: str, argument: str) -> None:
     """``path`` is not a folder and its folder can be made and written in; nothing is created."""
     from epid.training.preflight import check_writable
@@ -380,8 +446,8 @@ def review_plan(args: argparse.Namespace) -> int:
     beam = select_beam(args.plan, args.beam)
     series = read_series(args.frames) if args.frames else None
     placement = timeline.place_frames(beam, series) if series is not None else None
-    measured = None if series is None or series.integrated else plan_qa.placed_frames(series, placement)
-    points = plan_qa.match_frames(placement.beam, measured) if measured is not None else None
+    if series is not None and not series.integrated:
+        plan_qa.match_frames(placement.beam, plan_qa.placed_frames(series, placement))
     if not os.path.isfile(args.checkpoint):
         raise InputError(f"--checkpoint {args.checkpoint!r}: no such file (train first, or pass --checkpoint)")
     check_writable(Path(args.output_dir).absolute(), "--output-dir")
@@ -413,37 +479,24 @@ def review_plan(args: argparse.Namespace) -> int:
     if outside > plan_qa.OUTSIDE_WARNING_PERCENT:
         _stage(f"  warning: up to {outside:.1f} % of a measured frame's field signal lies outside the "
                f"{FRAME_SHAPE[0]} mm grid and is not compared")
-    if placement.placed_by == "control points":
-        compared = predicted[points - 1]
-    else:
-        _stage(f"predicting the {len(placement.boundaries_mu) - 1} measured span(s) exactly")
-        with _counter(None, "piece") as advance:
-            spans = timeline.predict_spans(models[0], placement, device, args.batch_size, advance)
-        compared = spans if series.integrated else spans[points - 1]
-    measured_frames = torch.from_numpy(np.array(series.frames))
-    calibration = plan_qa.calibrate(args.calibration, placement, measured_frames, compared)
-    measured_frames.mul_(calibration["scale"])
-    _stage(f"  calibration: {calibration['method']}, scale {calibration['scale']:.6g}")
+    commissioned = (checkpoint.get("commissioning") or {}).get("calibration_scale")
     context = {"checkpoint": str(args.checkpoint), "epoch": checkpoint["epoch"], "placement": placement.describe(),
-               "dropped_frames": placement.dropped, "calibration": calibration,
-               "outside_grid_percent": round(outside, 3)}
+               "dropped_frames": placement.dropped, "outside_grid_percent": round(outside, 3)}
     if series.integrated:
-        return integrated_report(args, beam, series, measured_frames, compared, context, output_dir, started)
-    _stage(f"gamma of {len(points)} measured frames: 3 %/2 mm and 2 %/2 mm global, cutoff 10 %")
-    with _counter(len(points), "frame") as advance:
-        gamma = plan_qa.frame_gamma(measured_frames, compared, device, args.batch_size, advance)
-    run = plan_qa.longest_run(points)
-    segment = plan_qa.plan_segment(placement.beam, points[run], measured_frames[run])
-    method = args.reconstruction or "arc"
-    _stage(f"reconstructing control points {segment.first}-{segment.first + len(segment) - 1} of the "
-           f"{'plan' if placement.placed_by == 'control points' else 'timeline'} from the measured frames ({method})")
-    with _counter(None if method == "arc" else len(segment), "frame") as advance:
-        estimate = plan_qa.reconstruct(models, segment, method, device, advance)
-    qa = plan_qa.PlanQA(placement.beam, measured, points, compared, gamma, segment, estimate)
-    summary = plan_qa.write_report(qa, output_dir, run_label, **context)
+        _stage("predicting the beam's integrated image")
+        compared = timeline.predict_spans(models[0], placement, device, args.batch_size)
+        measured_frames = torch.from_numpy(np.array(series.frames))
+        calibration = plan_qa.calibrate(args.calibration, placement, measured_frames, compared, commissioned)
+        measured_frames.mul_(calibration["scale"])
+        _stage(f"  calibration: {calibration['method']}, scale {calibration['scale']:.6g}")
+        return integrated_report(args, beam, series, measured_frames, compared, {**context, "calibration": calibration},
+                                 output_dir, started)
+    qa, calibration = plan_qa.measured_qa(models, series, placement, args.calibration, commissioned,
+                                          args.reconstruction or "arc", device, args.batch_size, _stage)
+    summary = plan_qa.write_report(qa, output_dir, run_label, **context, calibration=calibration)
     print(plan_qa.verdict_table(summary))
-    _stage(f"wrote plan_frames.png, qa_summary.json, qa_frames.csv, qa_leaves.csv, qa_gamma.png, qa_leaves.png and "
-           f"qa_worst_frame.png to {output_dir}; done in {time.perf_counter() - started:.1f} s")
+    _stage(f"wrote plan_frames.png, qa_summary.json, qa_frames.csv, qa_leaves.csv, qa_leaf_errors.csv, qa_gamma.png, "
+           f"qa_leaves.png and qa_worst_frame.png to {output_dir}; done in {time.perf_counter() - started:.1f} s")
     return 0
 
 

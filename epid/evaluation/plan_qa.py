@@ -62,7 +62,7 @@ from epid.core.tables import format_table
 from epid.dicom.image import MeasuredFrames
 from epid.dicom.plan import PlanBeam
 from epid.dicom.series import MeasuredSeries
-from epid.evaluation import arc_review, plots, timeline
+from epid.evaluation import arc_review, delivery_errors, plots, timeline
 from epid.evaluation.gamma import GammaCriteria, gamma_maps, gamma_pass_rate
 from epid.reconstruction.estimate import Stages
 from epid.synthesis.geometry import LEAF_WIDTH_MM, MLC_Y_MIN_MM, NUM_LEAF_PAIRS
@@ -99,7 +99,7 @@ SUMMARY_KEYS = (
     "worst_frame_control_point", "reconstruction", "reconstructed_control_points", "leaves_scored",
     "leaf_mae_mm", "leaf_rms_mm", "leaf_bias_mm", "leaf_max_mm", "leaf_within_1mm_percent", "worst_leaf",
     "jaw_mae_mm", "jaw_max_mm", "mu_error_percent", "mu_planned", "mu_reconstructed", "mu_total_error_percent",
-    "criteria", "pass",
+    "criteria", "pass", "delivery_errors",
 )
 FRAME_COLUMNS = (
     "control_point", "gantry_deg", "mu_planned", "mu_reconstructed", "gamma_3_2mm_percent", "gamma_2_2mm_percent",
@@ -185,14 +185,23 @@ def placed_frames(series: MeasuredSeries, placement: timeline.Placement) -> Meas
                           sid_mm=series.sid_mm)
 
 
-def calibrate(mode: str, placement: timeline.Placement, measured: Tensor, predicted: Tensor) -> dict[str, Any]:
+def calibrate(mode: str, placement: timeline.Placement, measured: Tensor, predicted: Tensor,
+              commissioned: float | None = None) -> dict[str, Any]:
     """How measured frames come to the models' units, for the report: ``mode`` none (scale 1), fit
-    (``timeline.calibration_scale``) or auto (none for frames placed by their control points, the
-    project's own, else fit). Returns {method, scale}."""
+    (``timeline.calibration_scale``), commissioned (the scale ``commissioned`` a commissioned
+    checkpoint holds) or auto (none for frames placed by their control points, the project's own;
+    else commissioned where there is a scale, else fit). Returns {method, scale}."""
     if mode == "auto":
-        mode = "none" if placement.placed_by == "control points" else "fit"
+        mode = "none" if placement.placed_by == "control points" else "fit" if commissioned is None else \
+            "commissioned"
     if mode == "none":
         return {"method": "none: the measured frames are taken in the models' units", "scale": 1.0}
+    if mode == "commissioned":
+        if commissioned is None:
+            raise InputError("--calibration commissioned: the checkpoint is not commissioned (inference_visualize.py "
+                             "--commission writes one)")
+        return {"method": "the commissioned panel calibration (a global MU error of the delivery shows)",
+                "scale": float(commissioned)}
     return {"method": "least-squares scale per delivery (it absorbs a global MU error of the delivery)",
             "scale": timeline.calibration_scale(measured, predicted)}
 
@@ -265,6 +274,33 @@ def reconstruct(models: tuple[nn.Module, nn.Module], segment: arc_review.ArcSegm
     for model in models:
         model.eval()
     return arc_review.reconstruct_segment(method, models, segment, device, stages=stages, progress=progress)
+
+
+def measured_qa(models: tuple[nn.Module, nn.Module], series: MeasuredSeries, placement: timeline.Placement,
+                calibration_mode: str = "auto", commissioned: float | None = None, method: str = "arc",
+                device: torch.device | str = "cpu", batch_size: int = 16,
+                stage: Callable[[str], None] | None = None) -> tuple[PlanQA, dict[str, Any]]:
+    """The QA of measured frames (not an integrated image) placed on a beam: every frame of the
+    timeline predicted over its span, the measured frames calibrated (``calibrate``), gamma per
+    frame, the longest run of consecutive frames reconstructed by ``method``. Returns the
+    ``PlanQA`` and the calibration {method, scale}; ``stage`` is told each step."""
+    say = stage or (lambda message: None)
+    measured = placed_frames(series, placement)
+    points = match_frames(placement.beam, measured)
+    say(f"predicting the {len(placement.boundaries_mu) - 1} frame(s) of the timeline over their spans")
+    compared = timeline.predict_spans(models[0], placement, device, batch_size)[points - 1]
+    frames = torch.from_numpy(np.array(series.frames, dtype=np.float32))
+    calibration = calibrate(calibration_mode, placement, frames, compared, commissioned)
+    frames.mul_(calibration["scale"])
+    say(f"  calibration: {calibration['method']}, scale {calibration['scale']:.6g}")
+    say(f"gamma of {len(points)} measured frames: 3 %/2 mm and 2 %/2 mm global, cutoff 10 %")
+    gamma = frame_gamma(frames, compared, device, batch_size)
+    run = longest_run(points)
+    segment = plan_segment(placement.beam, points[run], frames[run])
+    say(f"reconstructing control points {segment.first}-{segment.first + len(segment) - 1} of the "
+        f"{'plan' if placement.placed_by == 'control points' else 'timeline'} from the measured frames ({method})")
+    estimate = reconstruct(models, segment, method, device)
+    return PlanQA(placement.beam, measured, points, compared, gamma, segment, estimate), calibration
 
 
 # --------------------------------------------------------------------------- summary
@@ -358,7 +394,18 @@ def summarise(qa: PlanQA) -> dict[str, Any]:
     })
     summary["criteria"] = _criteria(summary)
     summary["pass"] = all(item["pass"] for item in summary["criteria"].values())
+    summary["delivery_errors"] = delivery_errors.error_summary(
+        {"A": error_a, "B": error_b}, band, leaf_error_rows(qa), summary["mu_total_error_percent"],
+        gamma.pass_rates[TG218_CRITERION], qa.points, qa.beam.gantry_deg[qa.points], TG218_TOLERANCE_PERCENT)
     return {key: _finite(value) if isinstance(value, float) else value for key, value in summary.items()}
+
+
+def leaf_error_rows(qa: PlanQA) -> list[dict[str, Any]]:
+    """Per bank and leaf, the reconstructed-minus-planned figures and flags (``delivery_errors.leaf_table``)."""
+    error_a, error_b, band = (t.numpy() for t in arc_review.leaf_errors(qa.estimate, qa.segment))
+    points = qa.scored_points()
+    return delivery_errors.leaf_table({"A": error_a, "B": error_b}, band, points, qa.beam.gantry_deg[points],
+                                      LEAF_CENTRES_MM)
 
 
 def integrated_summary(beam: PlanBeam, measured: str, gamma: FrameGamma) -> dict[str, Any]:
@@ -463,6 +510,7 @@ def write_report(qa: PlanQA, output_dir: str | Path, run_label: str, **context: 
     (output / "qa_summary.json").write_text(json.dumps(summary, indent=2, allow_nan=False) + "\n")
     write_csv(output / "qa_frames.csv", FRAME_COLUMNS, frame_rows(qa))
     write_leaves_csv(output / "qa_leaves.csv", qa)
+    delivery_errors.write_leaf_table(output / "qa_leaf_errors.csv", leaf_error_rows(qa))
     label = f"beam {qa.beam.beam_number} ({qa.beam.beam_name}) of {Path(qa.beam.path).name}; {run_label}"
     plots.save_figure(plots.qa_gamma_figure(qa.points, qa.gamma.pass_rates, qa.gamma.integrated,
                                             (TG218_TOLERANCE_PERCENT, TG218_ACTION_PERCENT),
@@ -507,7 +555,20 @@ def verdict_table(summary: Mapping[str, Any]) -> str:
             f"{summary['reconstruction']}):\n{format_table(['criterion', 'rule', 'value', 'result'], rows)}\n"
             f"  leaf MAE {shown(summary['leaf_mae_mm'])} mm, max {shown(summary['leaf_max_mm'])} mm; jaw MAE "
             f"{shown(summary['jaw_mae_mm'])} mm; total MU {shown(summary['mu_total_error_percent'], '{:+.2f} %')}\n"
+            f"  {_flags_line(summary['delivery_errors'])}\n"
             f"  overall: {'PASS' if summary['pass'] else 'FAIL'}")
+
+
+def _flags_line(errors: Mapping[str, Any]) -> str:
+    """The delivery errors in one line: each bank's mean and spread, the flagged leaves, MU and frames."""
+    banks = "; ".join(f"bank {name} {item['mean_mm']:+.2f} +- {item['sd_mm']:.2f} mm"
+                      f"{' FLAGGED' if item['flagged'] else ''}" for name, item in errors["banks"].items()
+                      if item["mean_mm"] is not None and math.isfinite(item["mean_mm"]))
+    leaves = ", ".join(f"{leaf['bank']}{leaf['leaf']} (control points {leaf['flagged_control_points']})"
+                       for leaf in errors["leaves"][:5])
+    return (f"delivery errors: {banks or 'no leaf scored'}; flagged leaves: {errors['flagged_leaves']}"
+            f"{' (' + leaves + ')' if leaves else ''}; MU {'FLAGGED' if errors['mu_flagged'] else 'ok'}; frames below "
+            f"the gamma tolerance: {errors['flagged_frames']}")
 
 
 def _write_leaf_figure(qa: PlanQA, summary: Mapping[str, Any], path: Path, label: str) -> None:

@@ -531,3 +531,31 @@ def qa_frame_figure(measured: np.ndarray, predicted: np.ndarray, gamma: np.ndarr
     _image_row(figure, figure.subplots(1, 4), measured, predicted, gamma, criteria,
                ("Measured frame", "Predicted frame", f"Gamma {criteria.describe()}"))
     return figure
+
+
+def commissioning_figure(losses: Sequence[float], summary: Mapping[str, Any]) -> Figure:
+    """Commissioning at a glance: the loss of every step (log scale) and, per commissioning plan,
+    the mean gamma pass rates before and after (``epid.evaluation.commission``'s summary)."""
+    figure = new_figure((13, 4.5))
+    figure.suptitle(f"Commissioning on {len(summary['plans'])} plan(s), {summary['steps']} steps; calibration "
+                    f"{summary['calibration_scale']['before']:.4g} -> {summary['calibration_scale']['after']:.4g} "
+                    "model units per panel unit", fontsize=12)
+    loss_axes, gamma_axes = figure.subplots(1, 2)
+    loss_axes.semilogy(np.arange(1, len(losses) + 1), losses, linewidth=1)
+    loss_axes.set_xlabel("step")
+    loss_axes.set_ylabel("relative squared difference")
+    loss_axes.grid(alpha=0.3)
+    keys = list(summary["gamma_before"][0]) if summary["gamma_before"] else []
+    positions = np.arange(len(summary["plans"]))
+    width = 0.8 / max(1, 2 * len(keys))
+    for k, key in enumerate(keys):
+        for j, (moment, values) in enumerate((("before", summary["gamma_before"]), ("after", summary["gamma_after"]))):
+            offset = (2 * k + j - (2 * len(keys) - 1) / 2) * width
+            gamma_axes.bar(positions + offset, [item[key] for item in values], width,
+                           label=f"{key.replace('_', ' %/', 1).replace('mm', ' mm')} {moment}",
+                           alpha=0.5 if moment == "before" else 1.0)
+    gamma_axes.set_xticks(positions, [f"plan {i + 1}" for i in positions])
+    gamma_axes.set_ylabel("mean gamma pass rate over the frames (%)")
+    gamma_axes.set_ylim(0, 101)
+    gamma_axes.legend(fontsize=8, loc="lower right")
+    return figure

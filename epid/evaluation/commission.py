@@ -1,0 +1,189 @@
+"""Commissioning: the forward model's physics fitted to a clinic's own measured images.
+
+A model trained on synthetic frames knows the synthesis's physics, not the clinic's linac and
+panel. ``commission`` fits every physical parameter of an aperture-family forward model (its
+detector response and response mixture, leaf and jaw transmission, leaf-end offset, interleaf
+leakage, tongue and groove, lag; ``epid.models.aperture``) and one calibration scale (panel
+units per model unit) to the measured images of a few plans (RT Plan and its cine series or
+frames), placed on each plan's timeline (``epid.evaluation.timeline``) and predicted over exactly
+their spans:
+
+- each step draws one delivery and a window of ``WINDOW`` consecutive measured frames, predicts
+  them piece by piece with gradients, carries the lag from the measured frame before each (the
+  model's form (1 - lag) S + lag x recorded prev), and takes an Adam step on the mean squared
+  difference to the calibrated measured frames, relative to the window's peak;
+- the calibration scale starts at the least-squares scale of the model before commissioning and
+  is fitted with the physics; once the physics is fitted, it is set to the least-squares scale of
+  the commissioned model over every commissioning frame (``timeline.calibration_scale``), so that
+  it holds across plans: stored in the commissioned checkpoint, it lets the QA see a global MU
+  error that a per-delivery scale would absorb. The response's overall gain is held (the scale
+  stands for it).
+
+``summary`` lists each parameter before and after and the gamma (3 %/2 mm, 2 %/2 mm) of the
+commissioning plans before and after.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from epid.core.errors import InputError
+from epid.dicom.plan import PlanBeam
+from epid.dicom.series import MeasuredSeries
+from epid.evaluation import plan_qa, timeline
+
+WINDOW = 6
+"""Consecutive measured frames per commissioning step."""
+DEFAULT_STEPS = 150
+LEARNING_RATE = 0.02
+PERCENT_LR_FACTOR = 10.0
+"""Parameters in percent (transmissions, lag) move this many times faster: a step of 0.2 % where
+widths and offsets move 0.02 mm or 0.02 in log."""
+FIELD_LEVEL = 0.1
+"""Share of a window's predicted peak above which pixels count in the loss (where the field is),
+with the rest weighted ``OUT_OF_FIELD_WEIGHT``."""
+OUT_OF_FIELD_WEIGHT = 0.3
+HELD = ("response.log_gain",)
+"""Parameters commissioning leaves as they are: the response's overall gain, which the calibration
+scale stands for (fitting both would leave their product alone defined)."""
+LISTED_SIZE = 3
+"""Parameters of at most this many numbers are listed in the report (before and after)."""
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """One commissioning plan: its beam, the frames' placement on it and the measured frames (F,
+    256, 256) in panel units."""
+
+    beam: PlanBeam
+    placement: timeline.Placement
+    frames: Tensor
+
+    @classmethod
+    def of(cls, beam: PlanBeam, series: MeasuredSeries) -> Measurement:
+        placement = timeline.place_frames(beam, series)
+        if series.integrated:
+            raise InputError(f"{series.path}: one integrated image; commissioning needs frames over the arc "
+                             "(a cine series or frames naming their control points)")
+        return cls(beam, placement, torch.from_numpy(np.array(series.frames, dtype=np.float32)))
+
+
+@dataclass(frozen=True)
+class Commissioned:
+    """The commissioned forward model, the calibration scale (panel units per model unit), the
+    loss of every step and the report (``summary``)."""
+
+    model: nn.Module
+    scale: float
+    losses: list[float]
+    summary: dict
+
+
+def listed_parameters(model: nn.Module) -> dict[str, list[float]]:
+    """The model's physical parameters of at most ``LISTED_SIZE`` numbers, by name."""
+    return {name: [round(float(v), 6) for v in parameter.detach().reshape(-1)]
+            for name, parameter in model.named_parameters() if parameter.numel() <= LISTED_SIZE}
+
+
+def _window_prediction(model: nn.Module, measurement: Measurement, first: int, scale: Tensor) -> tuple[Tensor, Tensor]:
+    """(predicted (W, 256, 256), calibrated measured (W, 256, 256)) of measured frames first..first+W-1,
+    differentiable in the model's parameters and ``scale`` (log of model units per panel unit)."""
+    frame_of = measurement.placement.frame_of[first:first + WINDOW]
+    boundaries = measurement.placement.boundaries_mu
+    starts, ends, frames = timeline.pieces(measurement.placement.plan, boundaries)
+    wanted = np.isin(frames, frame_of)
+    leaf_a, leaf_b, scalars = timeline.piece_inputs(measurement.placement.plan, starts[wanted], ends[wanted])
+    signal, _ = model(leaf_a, leaf_b, scalars)
+    index = torch.from_numpy(np.searchsorted(frame_of, frames[wanted]))
+    summed = torch.zeros((len(frame_of), *signal.shape[-2:])).index_add(0, index, signal[:, 0])
+    measured = measurement.frames[first:first + len(frame_of)] * torch.exp(scale)
+    if getattr(model, "takes_prev_frame", False):
+        previous = torch.zeros_like(measured)
+        for row, point in enumerate(frame_of):
+            before = np.flatnonzero(measurement.placement.frame_of == point - 1)
+            if before.size:
+                previous[row] = measurement.frames[int(before[0])] * torch.exp(scale)
+        lag = model.lag_fraction
+        summed = (1.0 - lag) * summed + lag * previous
+    return summed, measured
+
+
+def _loss(predicted: Tensor, measured: Tensor) -> Tensor:
+    peak = predicted.detach().amax().clamp_min(1e-6)
+    weight = torch.where(predicted.detach() >= FIELD_LEVEL * peak, 1.0, OUT_OF_FIELD_WEIGHT)
+    return (weight * (predicted - measured) ** 2).mean() / peak**2
+
+
+def plan_gamma(model: nn.Module, measurement: Measurement, scale: float) -> dict[str, float]:
+    """Mean gamma pass rates over the measured frames of ``measurement`` (calibrated by ``scale``,
+    model units per panel unit) against the model's predictions, by criterion key."""
+    predicted = timeline.predict_spans(model, measurement.placement)[measurement.placement.frame_of - 1]
+    gamma = plan_qa.frame_gamma(measurement.frames * scale, predicted)
+    return {key: float(np.nanmean(rates)) for key, rates in gamma.pass_rates.items()}
+
+
+def commission(forward_model: nn.Module, measurements: Sequence[Measurement], steps: int = DEFAULT_STEPS,
+               seed: int = 0, progress: Callable[[int, float], None] | None = None) -> Commissioned:
+    """The forward model commissioned on ``measurements`` (module docstring); ``progress(step, loss)``
+    after each step. The model given is not changed."""
+    if not hasattr(forward_model, "aperture"):
+        raise InputError("commissioning fits an aperture-family forward model's physics; this checkpoint's "
+                         "forward model has none (train with EPID_MODEL=aperture)")
+    if not measurements:
+        raise InputError("commissioning needs at least one plan with its measured frames")
+    model = copy.deepcopy(forward_model).float().train()
+    before = listed_parameters(model)
+    start_scale = _least_squares_scale(model, measurements)
+    gamma_before = [plan_gamma(model.eval(), m, start_scale) for m in measurements]
+    log_scale = torch.tensor(math.log(start_scale), requires_grad=True)
+    fitted = {name: parameter for name, parameter in model.named_parameters() if name not in HELD}
+    percent = [parameter for name, parameter in fitted.items() if name.endswith("percent")]
+    optimizer = torch.optim.Adam([
+        {"params": [p for name, p in fitted.items() if not name.endswith("percent")] + [log_scale],
+         "lr": LEARNING_RATE},
+        {"params": percent, "lr": LEARNING_RATE * PERCENT_LR_FACTOR},
+    ])
+    rng = np.random.default_rng(seed)
+    losses = []
+    model.train()
+    for step in range(steps):
+        measurement = measurements[int(rng.integers(len(measurements)))]
+        first = int(rng.integers(max(1, len(measurement.frames) - WINDOW + 1)))
+        predicted, measured = _window_prediction(model, measurement, first, log_scale)
+        loss = _loss(predicted, measured)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss.detach()))
+        if progress is not None:
+            progress(step + 1, float(loss))
+    model.eval()
+    scale = _least_squares_scale(model, measurements)
+    gamma_after = [plan_gamma(model, m, scale) for m in measurements]
+    after = listed_parameters(model)
+    summary = {
+        "plans": [f"beam {m.beam.beam_number} of {m.beam.path}" for m in measurements],
+        "frames": [len(m.frames) for m in measurements], "steps": steps, "window": WINDOW, "seed": seed,
+        "calibration_scale": {"before": start_scale, "after": scale,
+                              "meaning": "model units per panel unit (measured frames x scale)"},
+        "parameters": {name: {"before": before[name], "after": after[name]} for name in before},
+        "gamma_before": gamma_before, "gamma_after": gamma_after,
+        "loss_first": float(np.mean(losses[:10])) if losses else math.nan,
+        "loss_last": float(np.mean(losses[-10:])) if losses else math.nan,
+    }
+    return Commissioned(model, scale, losses, summary)
+
+
+def _least_squares_scale(model: nn.Module, measurements: Sequence[Measurement]) -> float:
+    """One scale (model units per panel unit) for all measurements, least squares over the field."""
+    model.eval()
+    predicted = torch.cat([timeline.predict_spans(model, m.placement)[m.placement.frame_of - 1]
+                           for m in measurements])
+    return timeline.calibration_scale(torch.cat([m.frames for m in measurements]), predicted)

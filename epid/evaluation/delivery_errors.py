@@ -1,0 +1,117 @@
+"""Delivery errors found in a reconstruction: the figures and flags of the QA report beside gamma.
+
+From the leaves reconstructed at a beam's control points (the plan's, or a measured series'
+timeline's) against the plan, inside the jaw band:
+
+- per bank: the mean and spread of reconstructed minus planned; the bank is flagged when its
+  mean lies ``BANK_FLAG_MM`` or more from 0 (a systematic shift of the bank);
+- per leaf: mean, spread, largest error; a leaf is flagged where its error exceeds
+  ``LEAF_FLAG_MM`` at ``LEAF_FLAG_RUN`` or more consecutive control points (a stuck or
+  lagging leaf), with the control points and gantry angles of each such run;
+- MU: the total delivered against planned, flagged beyond ``MU_FLAG_PERCENT`` (meaningful only
+  when the frames' calibration does not absorb it: a commissioned checkpoint's);
+- frames: those whose 3 %/2 mm gamma pass rate is below the TG-218 tolerance, with their gantry
+  angle.
+
+A single position beyond 1 mm is not flagged: the reconstruction has an error of its own
+(``leaf_within_1mm_percent`` reports it); the flags look for what persists.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+BANK_FLAG_MM = 0.5
+LEAF_FLAG_MM = 2.0
+LEAF_FLAG_RUN = 8
+MU_FLAG_PERCENT = 1.0
+LISTED = 20
+"""At most this many flagged leaves or frames are listed in the summary (all are counted)."""
+LEAF_ERROR_COLUMNS = ("bank", "leaf", "leaf_y_mm", "positions", "mean_mm", "sd_mm", "max_abs_mm", "flagged",
+                      "flagged_control_points", "flagged_gantry_deg")
+
+
+def _runs(mask: np.ndarray) -> list[tuple[int, int]]:
+    """(first, last) index of every run of True in ``mask`` (1-D)."""
+    padded = np.concatenate([[False], mask, [False]])
+    changes = np.flatnonzero(np.diff(padded.astype(np.int8)))
+    return [(int(start), int(stop) - 1) for start, stop in zip(changes[::2], changes[1::2], strict=True)]
+
+
+def _stats(values: np.ndarray) -> tuple[float, float]:
+    return (float(values.mean()), float(values.std())) if values.size else (math.nan, math.nan)
+
+
+def leaf_table(errors: dict[str, np.ndarray], band: np.ndarray, points: np.ndarray, gantry_deg: np.ndarray,
+               leaf_y_mm: np.ndarray) -> list[dict[str, Any]]:
+    """One row per bank and leaf (``LEAF_ERROR_COLUMNS``): errors (S, 52) per bank name, ``band``
+    (S, 52), the S control points and their gantry angles."""
+    rows = []
+    for bank, error in errors.items():
+        for leaf in range(error.shape[1]):
+            scored = band[:, leaf]
+            values = error[scored, leaf]
+            mean, spread = _stats(values)
+            large = scored & (np.abs(error[:, leaf]) > LEAF_FLAG_MM)
+            runs = [(a, b) for a, b in _runs(large) if b - a + 1 >= LEAF_FLAG_RUN]
+            rows.append({
+                "bank": bank, "leaf": leaf, "leaf_y_mm": float(leaf_y_mm[leaf]), "positions": int(values.size),
+                "mean_mm": mean, "sd_mm": spread,
+                "max_abs_mm": float(np.abs(values).max()) if values.size else math.nan,
+                "flagged": int(bool(runs)),
+                "flagged_control_points": " ".join(f"{points[a]}-{points[b]}" for a, b in runs),
+                "flagged_gantry_deg": " ".join(f"{gantry_deg[a]:.1f}-{gantry_deg[b]:.1f}" for a, b in runs),
+            })
+    return rows
+
+
+def error_summary(errors: dict[str, np.ndarray], band: np.ndarray, leaves: list[dict[str, Any]],
+                  mu_total_error_percent: float, frame_rates: np.ndarray, frame_points: np.ndarray,
+                  frame_gantry_deg: np.ndarray, tolerance_percent: float) -> dict[str, Any]:
+    """The report's ``delivery_errors``: per bank {mean_mm, sd_mm, positions, flagged}, the flagged
+    leaves (at most ``LISTED``, with ``flagged_leaves`` counting all), the MU flag, the frames below
+    the gamma tolerance (at most ``LISTED``, ``flagged_frames`` counting all) and ``flagged``: any."""
+    banks = {}
+    for bank, error in errors.items():
+        mean, spread = _stats(error[band])
+        banks[bank] = {"mean_mm": mean, "sd_mm": spread, "positions": int(band.sum()),
+                       "flagged": bool(math.isfinite(mean) and abs(mean) >= BANK_FLAG_MM)}
+    flagged_leaves = [{key: row[key] for key in ("bank", "leaf", "mean_mm", "flagged_control_points",
+                                                 "flagged_gantry_deg")} for row in leaves if row["flagged"]]
+    low = np.flatnonzero(np.isfinite(frame_rates) & (frame_rates < tolerance_percent))
+    frames = [{"control_point": int(frame_points[i]), "gantry_deg": round(float(frame_gantry_deg[i]), 2),
+               "gamma_3_2mm_percent": round(float(frame_rates[i]), 2)} for i in low[:LISTED]]
+    mu_flag = bool(math.isfinite(mu_total_error_percent) and abs(mu_total_error_percent) > MU_FLAG_PERCENT)
+    return _json_safe({
+        "thresholds": {"bank_mean_mm": BANK_FLAG_MM, "leaf_mm": LEAF_FLAG_MM, "leaf_run_control_points": LEAF_FLAG_RUN,
+                       "mu_total_percent": MU_FLAG_PERCENT, "frame_gamma_3_2mm_percent": tolerance_percent},
+        "banks": banks, "flagged_leaves": len(flagged_leaves), "leaves": flagged_leaves[:LISTED],
+        "mu_total_error_percent": mu_total_error_percent, "mu_flagged": mu_flag,
+        "flagged_frames": int(low.size), "frames": frames,
+        "flagged": bool(any(item["flagged"] for item in banks.values()) or flagged_leaves or mu_flag),
+    })
+
+
+def _json_safe(value: Any) -> Any:
+    """``value`` with every float that is not finite (nested in dicts and lists) as None."""
+    if isinstance(value, dict):
+        return {key: _json_safe(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_json_safe(item) for item in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def write_leaf_table(path: Path, rows: list[dict[str, Any]]) -> None:
+    """``qa_leaf_errors.csv``: ``leaf_table``'s rows (floats with 4 decimals)."""
+    with open(path, "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=LEAF_ERROR_COLUMNS)
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({key: f"{value:.4f}" if isinstance(value, float) else value for key, value in row.items()})
