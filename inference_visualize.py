@@ -384,6 +384,7 @@ def commission_run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     _stage(f"loading checkpoint {args.checkpoint}")
     checkpoint, (forward_model, inverse_model) = load_models(args.checkpoint, "cpu")
+    commission.check_commissionable(forward_model, args.checkpoint)
     output_dir = prepare_output_dir(args.output_dir)
     for measurement in measurements:
         _stage(f"  beam {measurement.beam.beam_number} of {measurement.beam.path}: "

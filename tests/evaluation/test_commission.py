@@ -74,3 +74,16 @@ def test_an_integrated_image_or_a_legacy_model_cannot_be_commissioned(measuremen
     whole = series_of(beam, np.array([float(np.sum(beam.control_points.mu))]), angles=np.array([np.nan]))
     with pytest.raises(InputError, match="one integrated image"):
         commission.Measurement.of(beam, whole)
+
+
+def test_commissioning_that_lowers_the_gamma_keeps_the_physics_it_was_given(measurements, monkeypatch):
+    _, measured = measurements
+    rates = iter([{"3_2mm": 99.0, "2_2mm": 98.0}] * 2 + [{"3_2mm": 97.0, "2_2mm": 90.0}] * 2)
+    monkeypatch.setattr(commission, "plan_gamma", lambda model, measurement, scale: next(rates))
+    torch.manual_seed(0)
+    start = build_models("tiny", "aperture")[0].eval()
+    result = commission.commission(start, measured[:2], steps=5)
+    assert "as it was" in result.summary["kept"] and "98.00 -> 90.00" in result.summary["kept"]
+    for name, value in start.state_dict().items():
+        torch.testing.assert_close(result.model.state_dict()[name], value)
+    assert result.scale == pytest.approx(1 / UNITS, rel=0.2)

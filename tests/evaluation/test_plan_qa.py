@@ -431,3 +431,15 @@ def test_a_faulty_delivery_fails_where_the_error_free_one_passes(tmp_path):
         gamma = plan_qa.frame_gamma(measured, predicted)
         rates[shift] = (float(np.nanmean(gamma.pass_rates["3_2mm"])), gamma.integrated["3_2mm"])
     assert min(rates[0.0]) >= plan_qa.TG218_TOLERANCE_PERCENT > max(rates[5.0]), rates
+
+
+@pytest.mark.parametrize("case", ["odd", "legacy"])
+def test_commissioning_refuses_bad_input_before_writing(cine, trained, tmp_path, case):
+    output = tmp_path / "commissioned"
+    pairs = [str(trained["plan_200"]), str(trained["root"] / "cine" / "series")]
+    arguments = ["--checkpoint", str(trained["checkpoint"]), "--commission", *(pairs[:1] if case == "odd" else pairs),
+                 "--output-dir", str(output), "--commission-steps", "2"]
+    result = run("inference_visualize.py", *arguments)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    expected = "expected pairs of an RT Plan" if case == "odd" else "aperture-family"
+    assert expected in result.stderr and not output.exists()
