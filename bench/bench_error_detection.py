@@ -115,12 +115,15 @@ def main(argv: list[str] | None = None) -> int:
             for name in args.errors.split(","):
                 delivery = panel.deliver(beam, ERRORS[name])
                 paths = write_cine(delivery, folder / f"judged_{dataset_id}_{name}", physics)
+                timer = time.perf_counter()
                 series = read_series(paths)
                 placement = timeline.place_frames(beam, series)
                 qa, calibration = plan_qa.measured_qa(models, series, placement, "commissioned", commissioned.scale)
                 summary = plan_qa.summarise(qa)
+                seconds = time.perf_counter() - timer
                 errors = summary["delivery_errors"]
-                entry = {"plan": dataset_id, "error": name, "frames": len(paths), "calibration": calibration,
+                entry = {"plan": dataset_id, "error": name, "frames": len(paths), "qa_seconds": seconds,
+                         "calibration": calibration,
                          **{key: summary[key] for key in ("gamma_3_2mm_mean", "gamma_2_2mm_mean",
                                                           "gamma_3_2mm_integrated", "leaf_mae_mm",
                                                           "leaf_within_1mm_percent", "mu_total_error_percent",

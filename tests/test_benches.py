@@ -12,8 +12,8 @@ BENCHES = sorted(path.stem for path in (ROOT / "bench").glob("bench_*.py"))
 
 
 def test_every_bench_answers_help_as_a_module():
-    assert BENCHES == ["bench_dicom", "bench_gamma", "bench_memory", "bench_models", "bench_quality",
-                       "bench_reconstruct", "bench_synthesis", "bench_train"]
+    assert BENCHES == ["bench_dicom", "bench_error_detection", "bench_gamma", "bench_memory", "bench_models",
+                       "bench_quality", "bench_reconstruct", "bench_synthesis", "bench_train"]
     processes = {
         name: subprocess.Popen([sys.executable, "-m", f"bench.{name}", "--help"], cwd=ROOT, env=clean_environment(),
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -23,3 +23,35 @@ def test_every_bench_answers_help_as_a_module():
         out, err = process.communicate(timeout=120)
         assert process.returncode == 0, f"{name}: {err[-2000:]}"
         assert out.startswith("usage: python -m bench.") and "--" in out, (name, out[:300])
+
+
+def test_clinic_panel_integrates_leaf_motion_exactly_and_records_the_delivered_mu(tmp_path):
+    """bench.clinic_delivery: the share of a piece's time each point lies between two moving banks
+    against a 20,000-step count, and a delivery's frames covering the beam's MU, its signal
+    scaled with an MU error."""
+    import dataclasses
+
+    import numpy as np
+
+    from bench.clinic_delivery import ClinicPanel, DeliveryErrors, PanelPhysics, _open_share
+    from epid.dicom.plan import read_plan, write_plan
+    from epid.synthesis.sequences import generate_control_points
+
+    rng = np.random.default_rng(1)
+    x = np.linspace(-50, 50, 401)[None, :]
+    a0, a1, b0, b1 = (rng.uniform(-40, 40, (6, 1)) for _ in range(4))
+    b0, b1 = np.maximum(b0, a0), np.maximum(b1, a1)
+    steps = (np.arange(20000) + 0.5) / 20000
+    counted = np.mean([(a0 + (a1 - a0) * t < x) & (b0 + (b1 - b0) * t > x) for t in steps], axis=0)
+    np.testing.assert_allclose(_open_share(x, a0, a1, b0, b1), counted, atol=1e-4)
+    write_plan(tmp_path / "arc.dcm", generate_control_points(86, 6), beam_mu=40.0, gantry_start_deg=181.0,
+               gantry_stop_deg=211.0, label="arc 86")
+    (beam,) = read_plan(tmp_path / "arc.dcm")
+    physics = dataclasses.replace(PanelPhysics(), noise_per_sqrt_unit=0.0, lag=(), nonlinearity=0.0)
+    panel = ClinicPanel(physics)
+    delivered = panel.deliver(beam)
+    assert delivered.spans_mu[0, 0] == 0.0 and np.all(np.diff(delivered.spans_mu, axis=1) > 0)
+    assert delivered.spans_mu[-1, 1] <= 40.0 + 1e-6 and delivered.spans_mu[-1, 1] > 40.0 - 40.0 / len(delivered.frames)
+    more = panel.deliver(beam, DeliveryErrors(mu_scale=1.03))
+    ratio = more.frames.sum() / delivered.frames.sum()
+    assert abs(ratio - 1.03) < 0.01, ratio

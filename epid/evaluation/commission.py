@@ -38,6 +38,7 @@ import torch
 from torch import Tensor, nn
 
 from epid.core.errors import InputError
+from epid.dicom.image import FIELD_LEVEL
 from epid.dicom.plan import PlanBeam
 from epid.dicom.series import MeasuredSeries
 from epid.evaluation import plan_qa, timeline
@@ -49,10 +50,8 @@ LEARNING_RATE = 0.02
 PERCENT_LR_FACTOR = 10.0
 """Parameters in percent (transmissions, lag) move this many times faster: a step of 0.2 % where
 widths and offsets move 0.02 mm or 0.02 in log."""
-FIELD_LEVEL = 0.1
-"""Share of a window's predicted peak above which pixels count in the loss (where the field is),
-with the rest weighted ``OUT_OF_FIELD_WEIGHT``."""
 OUT_OF_FIELD_WEIGHT = 0.3
+"""Weight in the loss of the pixels below ``FIELD_LEVEL`` of a window's predicted peak (out of the field)."""
 HELD = ("response.log_gain",)
 """Parameters commissioning leaves as they are: the response's overall gain, which the calibration
 scale stands for (fitting both would leave their product alone defined)."""

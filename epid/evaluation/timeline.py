@@ -41,6 +41,7 @@ import torch
 from torch import Tensor, nn
 
 from epid.core.errors import InputError
+from epid.dicom.image import FIELD_LEVEL
 from epid.dicom.plan import PlanBeam
 from epid.dicom.series import MeasuredSeries
 from epid.models.families import predict_frames
@@ -336,7 +337,7 @@ def predict_spans(forward_model: nn.Module, placement: Placement, device: torch.
                              frames=len(placement.boundaries_mu) - 1)
 
 
-def calibration_scale(measured: Tensor, predicted: Tensor, level: float = 0.1) -> float:
+def calibration_scale(measured: Tensor, predicted: Tensor, level: float = FIELD_LEVEL) -> float:
     """The one factor s that brings ``measured`` frames closest to ``predicted`` ones (K, 256, 256) in
     least squares over the field (pixels where the prediction reaches ``level`` of its maximum):
     s = sum(m p) / sum(m m). It absorbs any global MU error of the delivery."""
