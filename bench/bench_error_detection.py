@@ -12,8 +12,9 @@ series read from its files, placed by gantry angle, calibrated by the commission
 gamma per frame and integrated, the arc reconstruction, the report's flags
 (``epid.evaluation.delivery_errors``). Prints per delivery the measured size of the error (each
 bank's mean reconstructed-minus-planned position, the total MU error), the flags and gamma's
-verdict beside them, and the false-alarm rate on the error-free deliveries. Run from the
-repository root:
+verdict beside them (a series the QA refuses outright, as frames at angles outside the arc, counts
+as found), the seconds of each QA (read, place, predict, gamma, reconstruct, summarise) in the
+JSON, and the false-alarm rate on the error-free deliveries. Run from the repository root:
 
     python -m bench.bench_error_detection --checkpoint quality_sharp/checkpoint.pth
     python -m bench.bench_error_detection --checkpoint quality_sharp/checkpoint.pth --plans 1 --errors none,bank_a_1mm
@@ -32,6 +33,7 @@ import torch
 
 from bench.bench_quality import machine as describe_machine
 from bench.clinic_delivery import ClinicPanel, DeliveryErrors, PanelPhysics, write_cine
+from epid.core.errors import InputError
 from epid.core.tables import format_table
 from epid.dicom.plan import read_plan, write_plan
 from epid.dicom.series import read_series
@@ -116,8 +118,16 @@ def main(argv: list[str] | None = None) -> int:
                 delivery = panel.deliver(beam, ERRORS[name])
                 paths = write_cine(delivery, folder / f"judged_{dataset_id}_{name}", physics)
                 timer = time.perf_counter()
-                series = read_series(paths)
-                placement = timeline.place_frames(beam, series)
+                try:
+                    series = read_series(paths)
+                    placement = timeline.place_frames(beam, series)
+                except InputError as refusal:
+                    # the QA refuses the series outright (e.g. frames at angles outside the arc): found
+                    results["deliveries"].append({"plan": dataset_id, "error": name, "frames": len(paths),
+                                                  "refused": str(refusal)})
+                    rows.append([str(dataset_id), name, str(len(paths)), "-", "-", "-", "refused", "-", "-", "refused"])
+                    print(f"plan {dataset_id}, {name}: refused: {refusal}", flush=True)
+                    continue
                 qa, calibration = plan_qa.measured_qa(models, series, placement, "commissioned", commissioned.scale)
                 summary = plan_qa.summarise(qa)
                 seconds = time.perf_counter() - timer
@@ -140,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
                              "PASS" if summary["pass"] else "FAIL"])
                 print(format_table(["plan", "error", "frames", "bank A (mm)", "bank B (mm)", "MU (%)", "flagged",
                                     "gamma 3/2, 2/2 (%)", "leaf MAE / 1 mm", "QA"], rows[-1:]), flush=True)
-    clean = [entry for entry in results["deliveries"] if entry["error"] == "none"]
+                Path(args.output).write_text(json.dumps(results, indent=2, default=float) + "\n")
+    clean = [entry for entry in results["deliveries"] if entry["error"] == "none" and "refused" not in entry]
     results["false_alarm_rate"] = (sum(entry["delivery_errors"]["flagged"] for entry in clean) / len(clean)
                                    if clean else None)
     results["seconds"] = time.perf_counter() - started
