@@ -113,12 +113,21 @@ def parse_arguments(argv: Sequence[str] | None, config: Config) -> argparse.Name
                        help="measured images of the delivery of --plan: RT Image files, folders or glob patterns: "
                             "a cine series (frames placed on the arc by gantry angle or meterset weights), one "
                             "integrated image of the beam, or frames naming their control points")
-    dicom.add_argument("--calibration", choices=("auto", "none", "fit", "commissioned"), default="auto",
+    dicom.add_argument("--calibration", choices=("auto", "none", "fit", "commissioned", "image"), default="auto",
                        help="measured units to the models' units: none (frames already in them), fit (one "
                             "least-squares scale per delivery; it absorbs a global MU error), commissioned (the "
-                            "scale a --commission run stored in the checkpoint), auto: none for frames naming "
-                            "their control points, else commissioned where the checkpoint has it, else fit "
+                            "scale a --commission run stored in the checkpoint), image (--calibration-image), "
+                            "auto: none for frames naming their control points, else the calibration image where "
+                            "one is given, else commissioned where the checkpoint has it, else fit "
                             "(default %(default)s)")
+    dicom.add_argument("--calibration-image", metavar="RTIMAGE",
+                       help="a measured image of an open reference field (--calibration-field, --calibration-mu) "
+                            "on the same panel: the scale from the panel's units to the models'")
+    dicom.add_argument("--calibration-field", type=_field_size, default=(100.0, 100.0), metavar="WxL",
+                       help="the calibration field in mm at the isocentre, along the leaves x across them "
+                            "(default 100x100)")
+    dicom.add_argument("--calibration-mu", type=_positive_float, default=100.0, metavar="MU",
+                       help="MU of the calibration image (default %(default)s)")
     dicom.add_argument("--commission", nargs="+", metavar="PLAN FRAMES",
                        help="commission the forward model: fit its physics and the panel's calibration to the "
                             "measured images of these plans (pairs of an RT Plan and its cine series: a folder, "
@@ -143,6 +152,18 @@ def parse_arguments(argv: Sequence[str] | None, config: Config) -> argparse.Name
     gamma.add_argument("--gamma-local", action="store_true",
                        help="local gamma (dose criterion relative to the local measured dose)")
     return parser.parse_args(argv)
+
+
+def _field_size(text: str) -> tuple[float, float]:
+    """``WxL`` in mm, each in (0, 260]."""
+    parts = text.lower().split("x")
+    try:
+        width, length = (float(part) for part in parts)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected WIDTHxLENGTH in mm, e.g. 100x100") from None
+    if not (0 < width <= 260 and 0 < length <= 260):
+        raise argparse.ArgumentTypeError(f"{text!r}: each side in (0, 260] mm")
+    return width, length
 
 
 def _bounded(kind: type, minimum: float, inclusive: bool = True) -> Callable[[str], float]:
@@ -449,6 +470,10 @@ def review_plan(args: argparse.Namespace) -> int:
     placement = timeline.place_frames(beam, series) if series is not None else None
     if series is not None and not series.integrated:
         plan_qa.match_frames(placement.beam, plan_qa.placed_frames(series, placement))
+    reference = read_series(args.calibration_image) if args.calibration_image else None
+    if reference is not None and len(reference) != 1:
+        raise InputError(f"--calibration-image {args.calibration_image}: {len(reference)} frames; expected one image "
+                         "of an open field")
     if not os.path.isfile(args.checkpoint):
         raise InputError(f"--checkpoint {args.checkpoint!r}: no such file (train first, or pass --checkpoint)")
     check_writable(Path(args.output_dir).absolute(), "--output-dir")
@@ -481,19 +506,21 @@ def review_plan(args: argparse.Namespace) -> int:
         _stage(f"  warning: up to {outside:.1f} % of a measured frame's field signal lies outside the "
                f"{FRAME_SHAPE[0]} mm grid and is not compared")
     commissioned = (checkpoint.get("commissioning") or {}).get("calibration_scale")
+    image = None if reference is None else plan_qa.calibration_image(models[0], reference, *args.calibration_field,
+                                                                      args.calibration_mu, device)
     context = {"checkpoint": str(args.checkpoint), "epoch": checkpoint["epoch"], "placement": placement.describe(),
                "dropped_frames": placement.dropped, "outside_grid_percent": round(outside, 3)}
     if series.integrated:
         _stage("predicting the beam's integrated image")
         compared = timeline.predict_spans(models[0], placement, device, args.batch_size)
         measured_frames = torch.from_numpy(np.array(series.frames))
-        calibration = plan_qa.calibrate(args.calibration, placement, measured_frames, compared, commissioned)
+        calibration = plan_qa.calibrate(args.calibration, placement, measured_frames, compared, commissioned, image)
         measured_frames.mul_(calibration["scale"])
         _stage(f"  calibration: {calibration['method']}, scale {calibration['scale']:.6g}")
         return integrated_report(args, beam, series, measured_frames, compared, {**context, "calibration": calibration},
                                  output_dir, started)
     qa, calibration = plan_qa.measured_qa(models, series, placement, args.calibration, commissioned,
-                                          args.reconstruction or "arc", device, args.batch_size, _stage)
+                                          args.reconstruction or "arc", device, args.batch_size, _stage, image)
     summary = plan_qa.write_report(qa, output_dir, run_label, **context, calibration=calibration)
     print(plan_qa.verdict_table(summary))
     _stage(f"wrote plan_frames.png, qa_summary.json, qa_frames.csv, qa_leaves.csv, qa_leaf_errors.csv, qa_gamma.png, "

@@ -186,14 +186,19 @@ def placed_frames(series: MeasuredSeries, placement: timeline.Placement) -> Meas
 
 
 def calibrate(mode: str, placement: timeline.Placement, measured: Tensor, predicted: Tensor,
-              commissioned: float | None = None) -> dict[str, Any]:
+              commissioned: float | None = None, image: dict[str, Any] | None = None) -> dict[str, Any]:
     """How measured frames come to the models' units, for the report: ``mode`` none (scale 1), fit
     (``timeline.calibration_scale``), commissioned (the scale ``commissioned`` a commissioned
-    checkpoint holds) or auto (none for frames placed by their control points, the project's own;
+    checkpoint holds), image (``image``, from ``calibration_image``) or auto (none for frames placed
+    by their control points, the project's own; else the calibration image where one is given,
     else commissioned where there is a scale, else fit). Returns {method, scale}."""
     if mode == "auto":
-        mode = "none" if placement.placed_by == "control points" else "fit" if commissioned is None else \
-            "commissioned"
+        mode = "none" if placement.placed_by == "control points" else "image" if image is not None else \
+            "fit" if commissioned is None else "commissioned"
+    if mode == "image":
+        if image is None:
+            raise InputError("--calibration image: no --calibration-image given")
+        return image
     if mode == "none":
         return {"method": "none: the measured frames are taken in the models' units", "scale": 1.0}
     if mode == "commissioned":
@@ -204,6 +209,20 @@ def calibrate(mode: str, placement: timeline.Placement, measured: Tensor, predic
                 "scale": float(commissioned)}
     return {"method": "least-squares scale per delivery (it absorbs a global MU error of the delivery)",
             "scale": timeline.calibration_scale(measured, predicted)}
+
+
+def calibration_image(forward_model: nn.Module, series: MeasuredSeries, width_mm: float, length_mm: float,
+                      mu: float, device: torch.device | str = "cpu") -> dict[str, Any]:
+    """The calibration {method, scale} from a measured image of an open reference field
+    (``timeline.open_field``: ``width_mm`` x ``length_mm``, ``mu`` MU): the least-squares scale of
+    the measured image to the forward model's prediction of that field over the field. InputError
+    for a series that is not one image."""
+    if len(series) != 1:
+        raise InputError(f"{series.path}: {len(series)} frames; a calibration image is one image of an open field")
+    predicted = predict_plan_frames(forward_model, timeline.open_field(width_mm, length_mm, mu), device)
+    scale = timeline.calibration_scale(torch.from_numpy(np.array(series.frames)), predicted)
+    return {"method": f"calibration image {series.path}: open field {width_mm:g} x {length_mm:g} mm, {mu:g} MU "
+                      "(a global MU error of the delivery shows)", "scale": scale}
 
 
 # --------------------------------------------------------------------------- gamma
@@ -279,7 +298,8 @@ def reconstruct(models: tuple[nn.Module, nn.Module], segment: arc_review.ArcSegm
 def measured_qa(models: tuple[nn.Module, nn.Module], series: MeasuredSeries, placement: timeline.Placement,
                 calibration_mode: str = "auto", commissioned: float | None = None, method: str = "arc",
                 device: torch.device | str = "cpu", batch_size: int = 16,
-                stage: Callable[[str], None] | None = None) -> tuple[PlanQA, dict[str, Any]]:
+                stage: Callable[[str], None] | None = None,
+                image: dict[str, Any] | None = None) -> tuple[PlanQA, dict[str, Any]]:
     """The QA of measured frames (not an integrated image) placed on a beam: every frame of the
     timeline predicted over its span, the measured frames calibrated (``calibrate``), gamma per
     frame, the longest run of consecutive frames reconstructed by ``method``. Returns the
@@ -290,7 +310,7 @@ def measured_qa(models: tuple[nn.Module, nn.Module], series: MeasuredSeries, pla
     say(f"predicting the {len(placement.boundaries_mu) - 1} frame(s) of the timeline over their spans")
     compared = timeline.predict_spans(models[0], placement, device, batch_size)[points - 1]
     frames = torch.from_numpy(np.array(series.frames, dtype=np.float32))
-    calibration = calibrate(calibration_mode, placement, frames, compared, commissioned)
+    calibration = calibrate(calibration_mode, placement, frames, compared, commissioned, image)
     frames.mul_(calibration["scale"])
     say(f"  calibration: {calibration['method']}, scale {calibration['scale']:.6g}")
     say(f"gamma of {len(points)} measured frames: 3 %/2 mm and 2 %/2 mm global, cutoff 10 %")

@@ -45,7 +45,7 @@ from epid.dicom.image import FIELD_LEVEL
 from epid.dicom.plan import PlanBeam
 from epid.dicom.series import MeasuredSeries
 from epid.models.families import predict_frames
-from epid.synthesis.geometry import FRAME_SHAPE, SUB_APERTURES
+from epid.synthesis.geometry import FRAME_SHAPE, LEAF_WIDTH_MM, MLC_Y_MIN_MM, NUM_LEAF_PAIRS, SUB_APERTURES
 from epid.synthesis.sequences import ControlPoints, leaf_weights
 
 GAP_FACTOR = 1.6
@@ -348,3 +348,19 @@ def calibration_scale(measured: Tensor, predicted: Tensor, level: float = FIELD_
         raise InputError("the measured frames hold no signal where the prediction has its field; no calibration "
                          "scale can be fitted")
     return float((m * p).sum()) / denominator
+
+
+def open_field(width_mm: float, length_mm: float, mu: float) -> ControlPoints:
+    """A static open field centred on the beam axis, ``width_mm`` along the leaves' travel by
+    ``length_mm`` across them (jaws at +-length / 2; the leaf pairs whose rows lie inside open
+    +-width / 2, the others closed at the axis), ``mu`` delivered from control point 0 to 1: the
+    reference field of a calibration image."""
+    centres = MLC_Y_MIN_MM + LEAF_WIDTH_MM * (np.arange(NUM_LEAF_PAIRS) + 0.5)
+    inside = np.abs(centres) < length_mm / 2
+    leaf_a = np.tile(np.where(inside, -width_mm / 2, 0.0), (2, 1)).astype(np.float32)
+    leaf_b = np.tile(np.where(inside, width_mm / 2, 0.0), (2, 1)).astype(np.float32)
+    jaw_1 = np.full(2, -length_mm / 2, np.float32)
+    jaw_2 = np.full(2, length_mm / 2, np.float32)
+    return ControlPoints(leaf_a=leaf_a, leaf_b=leaf_b, jaw_1=jaw_1, jaw_2=jaw_2,
+                         mu=np.array([0.0, mu], np.float32), leaf_weight=leaf_weights(jaw_1, jaw_2), dataset_id=0,
+                         pattern="plan")

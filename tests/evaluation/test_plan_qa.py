@@ -364,7 +364,8 @@ def write_cine(folder: Path, frames: np.ndarray, angles: np.ndarray, units: floa
 @pytest.fixture(scope="module")
 def cine(trained) -> dict[str, object]:
     """Arc 200's plan delivered as 2.4 cine frames per control-point interval (one dropped), and as
-    one integrated image, both in measured units; the QA run of each."""
+    one integrated image, both in measured units; the QA run of each, and of the series calibrated
+    by an image of a 10 x 10 cm open field of 100 MU."""
     (beam,) = read_plan(trained["plan_200"])
     total = float(np.sum(beam.control_points.mu))
     ends = np.linspace(0.0, total, 37)[1:]
@@ -374,11 +375,16 @@ def cine(trained) -> dict[str, object]:
     folder = trained["root"] / "cine"
     write_cine(folder / "series", frames, angles, units=37.0, keep=set(range(36)) - {17})
     (integrated,) = write_cine(folder / "integrated", frames.sum(0, keepdims=True), [math.nan], units=37.0)
+    field = render_frames(timeline.open_field(100.0, 100.0, 100.0), [1], default_kernel(), dataset_id=0,
+                          noise_std=0.0).numpy()
+    (reference,) = write_cine(folder / "calibration", field, [math.nan], units=37.0)
     runs = {}
-    for name, given in (("cine", str(folder / "series")), ("integrated", str(integrated))):
+    for name, given, extra in (("cine", str(folder / "series"), []), ("integrated", str(integrated), []),
+                               ("calibrated", str(folder / "series"), ["--calibration-image", str(reference)])):
         output = folder / f"report_{name}"
         result = run("inference_visualize.py", "--checkpoint", str(trained["checkpoint"]), "--plan",
-                     str(trained["plan_200"]), "--frames", given, "--output-dir", str(output), "--device", "cpu")
+                     str(trained["plan_200"]), "--frames", given, "--output-dir", str(output), "--device", "cpu",
+                     *extra)
         assert result.returncode == 0, result.stderr[-3000:]
         runs[name] = {"output": output, "stdout": result.stdout, "stderr": result.stderr,
                       "summary": json.loads((output / "qa_summary.json").read_text())}
@@ -398,6 +404,12 @@ def test_a_cine_series_is_placed_by_gantry_angle_calibrated_and_reported(cine):
     assert len(rows) == 35 and rows[17]["control_point"] == "19", "frame 18 of the timeline is the dropped one"
     for name in ("qa_gamma.png", "qa_leaves.png", "qa_worst_frame.png", "qa_leaves.csv"):
         assert (cine["cine"]["output"] / name).stat().st_size > 0
+
+
+def test_a_calibration_image_calibrates_the_series(cine):
+    calibration = cine["calibrated"]["summary"]["calibration"]
+    assert calibration["method"].startswith("calibration image") and "100 x 100 mm, 100 MU" in calibration["method"]
+    assert calibration["scale"] > 0 and calibration["scale"] != cine["cine"]["summary"]["calibration"]["scale"]
 
 
 def test_an_integrated_image_gets_gamma_against_the_beams_integral(cine):

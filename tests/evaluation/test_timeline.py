@@ -196,3 +196,28 @@ def test_frames_that_cannot_be_placed_are_refused_in_one_line(beam, case):
         timeline.place_frames(beam, series)
     message = str(error.value)
     assert "\n" not in message and expected in message, message
+
+
+def test_a_calibration_image_of_an_open_field_gives_the_panels_scale(model):
+    field = timeline.open_field(100.0, 80.0, 100.0)
+    assert field.leaf_a[0, 26] == -50.0 and field.leaf_b[0, 26] == 50.0
+    assert field.leaf_a[0, 0] == 0.0 == field.leaf_b[0, 0]
+    assert field.jaw_1.tolist() == [-40.0, -40.0] and field.mu.tolist() == [0.0, 100.0]
+    predicted = plan_qa.predict_plan_frames(model, field)
+    # the open field's prediction: flat inside, its edges where the field's are
+    assert float(predicted[0, 128, 128]) > 0.9 * float(predicted.max())
+    assert float(predicted[0, 128, 60]) < 0.05 * float(predicted.max())
+    image = series_of_image(predicted[0].numpy() * 37.0)
+    calibration = plan_qa.calibration_image(model, image, 100.0, 80.0, 100.0)
+    assert calibration["scale"] == pytest.approx(1 / 37.0, rel=1e-5) and "100 x 80 mm, 100 MU" in calibration["method"]
+    with pytest.raises(InputError, match="a calibration image is one image"):
+        two = MeasuredSeries(**{**image.__dict__, "frames": np.concatenate([image.frames, image.frames])})
+        plan_qa.calibration_image(model, two, 100.0, 80.0, 100.0)
+
+
+def series_of_image(frame: np.ndarray) -> MeasuredSeries:
+    return MeasuredSeries(
+        path="calibration.dcm", frames=frame[None].astype(np.float32), sources=("calibration.dcm",),
+        gantry_deg=np.array([np.nan]), time_s=np.array([0.0]), meterset_weight=np.full((1, 2), np.nan),
+        meterset_exposure=np.array([np.nan]), control_point_index=np.zeros(1, np.int64), outside_percent=np.zeros(1),
+        beam_number=None, sid_mm=1000.0, pixel_mm=1.0, image_type="")
