@@ -8,6 +8,9 @@ integrates one span [m0, m1] of it, placed (``place_frames``) by, in this order:
 - the control point it names (frame k: [c[k-1], c[k]]), the project's own frames;
 - its ``StartCumulativeMetersetWeight`` / ``EndCumulativeMetersetWeight`` (w x M / the final weight);
 - an integrated image without either: the whole beam [0, M];
+- the MU each frame delivered (``MetersetExposure``, where every frame has it and they sum to the
+  beam's MU within 10 %, or the frames have no gantry angle): the frames laid end to end from the
+  beam's start, their sum taken as the beam's M (this holds when the gantry waits);
 - its gantry angle, a cine frame: the angle, read along the arc's direction of rotation, gives
   the travel from the arc's first angle and so the MU at the frame's end (gantry travel is
   linear in MU within each interval); the frame starts where the frame before it ended. A
@@ -54,6 +57,8 @@ ARC_TOLERANCE_DEG = 0.5
 """How far past the arc's first or last angle a frame's gantry angle may read (angle readout
 jitter); beyond it the frame is outside the arc and refused."""
 SPAN_TOLERANCE_MU = 1e-6
+MU_SUM_RANGE = (0.9, 1.1)
+"""Frames placed by their delivered MU must sum to this share of the beam's MU."""
 SNAPSHOT_STEP_MM = 0.5
 """Farthest a leaf or jaw may move between two of the forward model's sub-apertures within one
 predicted piece (``pieces``), mm: a frame whose leaves move farther is predicted in parts, so that
@@ -117,6 +122,10 @@ def place_frames(beam: PlanBeam, series: MeasuredSeries) -> Placement:
     elif series.integrated:
         spans = np.array([[0.0, total]])
         placed_by = "the whole beam (one integrated image)"
+    elif np.isfinite(series.meterset_exposure).all() and (
+            _covers_beam(series, total) or not np.isfinite(series.gantry_deg).all()):
+        spans = _spans_from_exposures(series, total, where, plan)
+        placed_by = "delivered MU (MetersetExposure)"
     else:
         spans = _spans_from_angles(beam, series, cumulative, where, plan)
         placed_by = "gantry angles"
@@ -189,6 +198,25 @@ def _spans_from_angles(beam: PlanBeam, series: MeasuredSeries, cumulative: np.nd
     ends_mu = np.interp(frame_travel, travel, cumulative)
     starts_mu = np.interp(np.maximum(starts, 0.0), travel, cumulative)
     return np.stack([starts_mu, ends_mu], axis=1)
+
+
+def _covers_beam(series: MeasuredSeries, total: float) -> bool:
+    """Whether the frames' delivered MU sum to the beam's (within ``MU_SUM_RANGE``): no frame dropped."""
+    delivered = float(series.meterset_exposure.sum())
+    return bool(np.all(series.meterset_exposure >= 0)) and MU_SUM_RANGE[0] * total <= delivered <= \
+        MU_SUM_RANGE[1] * total
+
+
+def _spans_from_exposures(series: MeasuredSeries, total: float, where: str, plan: str) -> np.ndarray:
+    """(F, 2) MU spans of frames that carry the MU each delivered: laid end to end from the beam's
+    start, their sum taken as the beam (a delivery's MU error stays in the frames' signal)."""
+    exposure = series.meterset_exposure.astype(np.float64)
+    delivered = float(exposure.sum())
+    if not _covers_beam(series, total):
+        raise InputError(f"{where}: the frames' MetersetExposure sum to {delivered:.4g} MU, {plan} delivers "
+                         f"{total:.4g} MU, and the frames carry no gantry angle to be placed by instead")
+    ends = np.cumsum(exposure) * (total / delivered)
+    return np.stack([ends - exposure * (total / delivered), ends], axis=1)
 
 
 def _timeline(spans: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:

@@ -221,3 +221,22 @@ def series_of_image(frame: np.ndarray) -> MeasuredSeries:
         gantry_deg=np.array([np.nan]), time_s=np.array([0.0]), meterset_weight=np.full((1, 2), np.nan),
         meterset_exposure=np.array([np.nan]), control_point_index=np.zeros(1, np.int64), outside_percent=np.zeros(1),
         beam_number=None, sid_mm=1000.0, pixel_mm=1.0, image_type="")
+
+
+def test_frames_carrying_their_mu_are_laid_end_to_end_even_where_the_gantry_waits(beam):
+    ends = cine_ends(beam, 12)
+    exposure = np.diff(np.concatenate([[0.0], ends])) * 1.03  # a delivery 3 % over: the spans still cover the beam
+    series = series_of(beam, ends, angles=np.full(len(ends), np.nan))
+    series = MeasuredSeries(**{**series.__dict__, "meterset_exposure": exposure})
+    placement = timeline.place_frames(beam, series)
+    assert placement.placed_by.startswith("delivered MU")
+    np.testing.assert_allclose(placement.boundaries_mu, np.concatenate([[0.0], ends]), atol=1e-9)
+    short = MeasuredSeries(**{**series.__dict__, "meterset_exposure": exposure[:6]})
+    short = MeasuredSeries(**{**short.__dict__, **{name: getattr(short, name)[:6] for name in (
+        "frames", "gantry_deg", "time_s", "meterset_weight", "control_point_index", "outside_percent")},
+        "sources": short.sources[:6]})
+    with pytest.raises(InputError, match="MetersetExposure sum to .* no gantry angle"):
+        timeline.place_frames(beam, short)
+    # with their gantry angles, frames whose MU do not cover the beam (dropped ones) are placed by angle
+    angled = MeasuredSeries(**{**short.__dict__, "gantry_deg": reference_angles(beam, ends[:6])})
+    assert timeline.place_frames(beam, angled).placed_by == "gantry angles"
