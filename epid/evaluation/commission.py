@@ -33,6 +33,7 @@ import copy
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -71,6 +72,11 @@ class Measurement:
     placement: timeline.Placement
     frames: Tensor
 
+    @cached_property
+    def pieces(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The pieces of the plan's timeline (``timeline.pieces``), cut once for every step."""
+        return timeline.pieces(self.placement.plan, self.placement.boundaries_mu)
+
     @classmethod
     def of(cls, beam: PlanBeam, series: MeasuredSeries) -> Measurement:
         placement = timeline.place_frames(beam, series)
@@ -107,7 +113,7 @@ def _window_prediction(model: nn.Module, measurement: Measurement, first: int, s
     placed = measurement.placement.frame_of
     frame_of = placed[first:first + WINDOW]
     timeline_frames = np.arange(max(1, int(frame_of[0]) - 1), int(frame_of[-1]) + 1)
-    starts, ends, frames = timeline.pieces(measurement.placement.plan, measurement.placement.boundaries_mu)
+    starts, ends, frames = measurement.pieces
     wanted = np.isin(frames, timeline_frames)
     leaf_a, leaf_b, scalars = timeline.piece_inputs(measurement.placement.plan, starts[wanted], ends[wanted])
     signal, _ = model(leaf_a, leaf_b, scalars)
@@ -134,9 +140,32 @@ def plan_gamma(model: nn.Module, measurement: Measurement, scale: float,
                frames: slice = slice(None)) -> dict[str, float]:
     """Mean gamma pass rates over the measured frames ``frames`` of ``measurement`` (calibrated by
     ``scale``, model units per panel unit) against the model's predictions, by criterion key."""
-    predicted = timeline.predict_spans(model, measurement.placement)[measurement.placement.frame_of - 1]
-    gamma = plan_qa.frame_gamma(measurement.frames[frames] * scale, predicted[frames])
-    return {key: float(np.nanmean(rates)) for key, rates in gamma.pass_rates.items()}
+    return _means(_frame_rates(_predicted(model, measurement), measurement, scale), frames)
+
+
+def _predicted(model: nn.Module, measurement: Measurement) -> Tensor:
+    """The model's prediction (F, 256, 256) of each measured frame of ``measurement``."""
+    return timeline.predict_spans(model, measurement.placement)[measurement.placement.frame_of - 1]
+
+
+def _frame_rates(predicted: Tensor, measurement: Measurement, scale: float) -> dict[str, np.ndarray]:
+    """Gamma pass rate (F,) of each measured frame (calibrated by ``scale``) against ``predicted``, by criterion key."""
+    return dict(plan_qa.frame_gamma(measurement.frames * scale, predicted).pass_rates)
+
+
+def _means(rates: dict[str, np.ndarray], frames: slice = slice(None)) -> dict[str, float]:
+    return {key: float(np.nanmean(values[frames])) for key, values in rates.items()}
+
+
+def _evaluate(model: nn.Module, measurements: Sequence[Measurement]) -> tuple[float, list[dict], list[dict]]:
+    """(the least-squares calibration scale of ``model`` over every measured frame, the mean gamma pass
+    rates of each plan's frames and of its held-out frames under that scale): each plan predicted once."""
+    model.eval()
+    predicted = [_predicted(model, m) for m in measurements]
+    scale = timeline.calibration_scale(torch.cat([m.frames for m in measurements]), torch.cat(predicted))
+    rates = [_frame_rates(p, m, scale) for p, m in zip(predicted, measurements, strict=True)]
+    return (scale, [_means(r) for r in rates],
+            [_means(r, slice(_fit_stop(m), None)) for r, m in zip(rates, measurements, strict=True)])
 
 
 def check_commissionable(forward_model: nn.Module, checkpoint: str = "") -> None:
@@ -154,12 +183,9 @@ def commission(forward_model: nn.Module, measurements: Sequence[Measurement], st
     check_commissionable(forward_model)
     if not measurements:
         raise InputError("commissioning needs at least one plan with its measured frames")
-    model = copy.deepcopy(forward_model).float().train()
+    model = copy.deepcopy(forward_model).float()
     before = listed_parameters(model)
-    start_scale = _least_squares_scale(model, measurements)
-    held = [slice(_fit_stop(m), None) for m in measurements]
-    gamma_before = [plan_gamma(model.eval(), m, start_scale) for m in measurements]
-    validation_before = [plan_gamma(model, m, start_scale, part) for m, part in zip(measurements, held, strict=True)]
+    start_scale, gamma_before, validation_before = _evaluate(model, measurements)
     log_scale = torch.tensor(math.log(start_scale), requires_grad=True)
     fitted = {name: parameter for name, parameter in model.named_parameters() if name not in HELD}
     percent = [parameter for name, parameter in fitted.items() if name.endswith("percent")]
@@ -182,10 +208,7 @@ def commission(forward_model: nn.Module, measurements: Sequence[Measurement], st
         losses.append(float(loss.detach()))
         if progress is not None:
             progress(step + 1, float(loss))
-    model.eval()
-    scale = _least_squares_scale(model, measurements)
-    gamma_after = [plan_gamma(model, m, scale) for m in measurements]
-    validation_after = [plan_gamma(model, m, scale, part) for m, part in zip(measurements, held, strict=True)]
+    scale, gamma_after, validation_after = _evaluate(model, measurements)
     kept = _mean_gamma(validation_after) >= _mean_gamma(validation_before)
     if not kept:
         model, scale = copy.deepcopy(forward_model).float().eval(), start_scale
@@ -217,11 +240,3 @@ def _fit_stop(measurement: Measurement) -> int:
 def _mean_gamma(rates: Sequence[dict[str, float]]) -> float:
     """Mean 2 %/2 mm pass rate over plans (the stricter criterion decides what is kept)."""
     return float(np.mean([item["2_2mm"] for item in rates]))
-
-
-def _least_squares_scale(model: nn.Module, measurements: Sequence[Measurement]) -> float:
-    """One scale (model units per panel unit) for all measurements, least squares over the field."""
-    model.eval()
-    predicted = torch.cat([timeline.predict_spans(model, m.placement)[m.placement.frame_of - 1]
-                           for m in measurements])
-    return timeline.calibration_scale(torch.cat([m.frames for m in measurements]), predicted)

@@ -78,9 +78,14 @@ def test_an_integrated_image_or_a_legacy_model_cannot_be_commissioned(measuremen
 
 def test_commissioning_that_lowers_the_gamma_keeps_the_physics_it_was_given(measurements, monkeypatch):
     _, measured = measurements
-    # before the fit: every frame, then the held-out frames, of each plan; after it the same, lower
-    rates = iter([{"3_2mm": 99.0, "2_2mm": 98.0}] * 4 + [{"3_2mm": 97.0, "2_2mm": 90.0}] * 4)
-    monkeypatch.setattr(commission, "plan_gamma", lambda model, measurement, scale, frames=None: next(rates))
+    # each frame's pass rates: before the fit (one call per plan), then after it, lower
+    levels = iter([(99.0, 98.0)] * 2 + [(97.0, 90.0)] * 2)
+
+    def rates(predicted, measurement, scale):
+        three, two = next(levels)
+        return {"3_2mm": np.full(len(measurement.frames), three), "2_2mm": np.full(len(measurement.frames), two)}
+
+    monkeypatch.setattr(commission, "_frame_rates", rates)
     torch.manual_seed(0)
     start = build_models("tiny", "aperture")[0].eval()
     result = commission.commission(start, measured[:2], steps=5)
