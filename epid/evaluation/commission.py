@@ -121,7 +121,7 @@ def _window_prediction(model: nn.Module, measurement: Measurement, first: int, s
     summed = torch.zeros((len(timeline_frames), *signal.shape[-2:])).index_add(0, index, signal[:, 0])
     if getattr(model, "takes_prev_frame", False):
         lag = model.lag_fraction
-        recorded = [summed[0]]
+        recorded = [(1.0 - lag) * summed[0]]  # dark before it, as predict_intervals has it
         for k in range(1, len(timeline_frames)):
             recorded.append((1.0 - lag) * summed[k] + lag * recorded[-1])
         summed = torch.stack(recorded)
