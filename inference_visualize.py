@@ -511,8 +511,11 @@ def review_plan(args: argparse.Namespace) -> int:
     context = {"checkpoint": str(args.checkpoint), "epoch": checkpoint["epoch"], "placement": placement.describe(),
                "dropped_frames": placement.dropped, "outside_grid_percent": round(outside, 3)}
     if series.integrated:
-        _stage("predicting the beam's integrated image")
-        compared = timeline.predict_spans(models[0], placement, device, args.batch_size)
+        if placement.whole_beam:
+            compared = predicted.sum(0, keepdim=True)  # the plan's frames, their lag carried as trained
+        else:
+            _stage("predicting the integrated image over its span of the beam")
+            compared = timeline.predict_spans(models[0], placement, device, args.batch_size)
         measured_frames = torch.from_numpy(np.array(series.frames))
         calibration = plan_qa.calibrate(args.calibration, placement, measured_frames, compared, commissioned, image)
         measured_frames.mul_(calibration["scale"])
@@ -520,7 +523,8 @@ def review_plan(args: argparse.Namespace) -> int:
         return integrated_report(args, beam, series, measured_frames, compared, {**context, "calibration": calibration},
                                  output_dir, started)
     qa, calibration = plan_qa.measured_qa(models, series, placement, args.calibration, commissioned,
-                                          args.reconstruction or "arc", device, args.batch_size, _stage, image)
+                                          args.reconstruction or "arc", device, args.batch_size, _stage, image,
+                                          predicted if placement.placed_by == "control points" else None)
     summary = plan_qa.write_report(qa, output_dir, run_label, **context, calibration=calibration)
     print(plan_qa.verdict_table(summary))
     _stage(f"wrote plan_frames.png, qa_summary.json, qa_frames.csv, qa_leaves.csv, qa_leaf_errors.csv, qa_gamma.png, "

@@ -298,17 +298,20 @@ def reconstruct(models: tuple[nn.Module, nn.Module], segment: arc_review.ArcSegm
 def measured_qa(models: tuple[nn.Module, nn.Module], series: MeasuredSeries, placement: timeline.Placement,
                 calibration_mode: str = "auto", commissioned: float | None = None, method: str = "arc",
                 device: torch.device | str = "cpu", batch_size: int = 16,
-                stage: Callable[[str], None] | None = None,
-                image: dict[str, Any] | None = None) -> tuple[PlanQA, dict[str, Any]]:
+                stage: Callable[[str], None] | None = None, image: dict[str, Any] | None = None,
+                predicted: Tensor | None = None) -> tuple[PlanQA, dict[str, Any]]:
     """The QA of measured frames (not an integrated image) placed on a beam: every frame of the
-    timeline predicted over its span, the measured frames calibrated (``calibrate``), gamma per
-    frame, the longest run of consecutive frames reconstructed by ``method``. Returns the
-    ``PlanQA`` and the calibration {method, scale}; ``stage`` is told each step."""
+    timeline predicted over its span (or ``predicted``, the timeline's frames where the caller has
+    them: the plan's own for frames naming control points), the measured frames calibrated
+    (``calibrate``), gamma per frame, the longest run of consecutive frames reconstructed by
+    ``method``. Returns the ``PlanQA`` and the calibration {method, scale}; ``stage`` is told each step."""
     say = stage or (lambda message: None)
     measured = placed_frames(series, placement)
     points = match_frames(placement.beam, measured)
-    say(f"predicting the {len(placement.boundaries_mu) - 1} frame(s) of the timeline over their spans")
-    compared = timeline.predict_spans(models[0], placement, device, batch_size)[points - 1]
+    if predicted is None:
+        say(f"predicting the {len(placement.boundaries_mu) - 1} frame(s) of the timeline over their spans")
+        predicted = timeline.predict_spans(models[0], placement, device, batch_size)
+    compared = predicted[points - 1]
     frames = torch.from_numpy(np.array(series.frames, dtype=np.float32))
     calibration = calibrate(calibration_mode, placement, frames, compared, commissioned, image)
     frames.mul_(calibration["scale"])

@@ -85,6 +85,13 @@ class Placement:
     placed_by: str
     dropped: int
 
+    @property
+    def whole_beam(self) -> bool:
+        """One frame over the whole beam (an integrated image of all its MU)."""
+        total = float(cumulative_mu(self.plan)[-1])
+        return len(self.boundaries_mu) == 2 and self.boundaries_mu[0] <= SPAN_TOLERANCE_MU * total and \
+            self.boundaries_mu[-1] >= total * (1 - SPAN_TOLERANCE_MU)
+
     def describe(self) -> str:
         """One line: how many frames were placed by what, and the dropped ones."""
         frames = len(self.frame_of)
