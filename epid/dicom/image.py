@@ -29,9 +29,10 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import pydicom.pixels
@@ -54,6 +55,7 @@ CONTROL_POINT_ELEMENT = 0x01
 STORED_LEVELS = 65535
 """Largest stored value (16-bit unsigned pixels; RT Images allow 8 or 16 bits)."""
 FRAMES_PER_CHUNK = 64
+Parsed = TypeVar("Parsed")
 
 
 class ImageError(InputError):
@@ -265,10 +267,17 @@ def read_frames(paths: str | Path | Sequence[str | Path]) -> MeasuredFrames:
 
 def _read_image(path: str) -> tuple[np.ndarray, np.ndarray, float]:
     """(frames (F, 256, 256) float32 on the grid, control point of each frame (F,), SID in mm)."""
+    return read_rt_image(path, _image_frames)
+
+
+def read_rt_image(path: str, parse: Callable[[str, Dataset], Parsed]) -> Parsed:
+    """``parse(path, dataset)`` of the RT Image in ``path``; ImageError (one line naming the file)
+    for a file that is not a readable RT Image, or whose parsing meets malformed elements or pixel
+    data it cannot decode."""
     dataset = read_dataset(path, ImageError, "an RT Image")
     check_sop_class(path, dataset, RT_IMAGE_STORAGE, "RTIMAGE", "an RT Image", ImageError)
     try:
-        return _image_frames(path, dataset)
+        return parse(path, dataset)
     except ImageError:
         raise
     except (ValueError, TypeError, KeyError, AttributeError, IndexError, RuntimeError, NotImplementedError) as problem:

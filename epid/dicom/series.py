@@ -36,8 +36,7 @@ import numpy as np
 from pydicom.dataset import Dataset
 
 from epid.core.files import GLOB_CHARACTERS
-from epid.dicom.files import check_sop_class, read_dataset
-from epid.dicom.image import RT_IMAGE_STORAGE, ImageError, exposure_items, frame_control_points, grid_frames
+from epid.dicom.image import ImageError, exposure_items, frame_control_points, grid_frames, read_rt_image
 
 TIMESTAMP = re.compile(r"^(\d{8}(?:\d{2}){0,3})(?:\.(\d{1,6}))?")
 """A DICOM DT (date, then hours, minutes, seconds, fraction; any UTC offset after it ignored)."""
@@ -112,7 +111,7 @@ def read_series(given: str | Path | Sequence[str | Path]) -> MeasuredSeries:
     beam than the files before it; or for a series that mixes frames naming control points with
     frames that do not."""
     files = expand_paths(given)
-    parts = [_read_image(path) for path in files]
+    parts = [read_rt_image(path, _image) for path in files]
     beams = {part.beam_number for part in parts if part.beam_number is not None}
     if len(beams) > 1:
         first = next(part for part in parts if part.beam_number is not None)
@@ -175,18 +174,6 @@ class _Image:
     sid_mm: float
     pixel_mm: float
     image_type: str
-
-
-def _read_image(path: str) -> _Image:
-    dataset = read_dataset(path, ImageError, "an RT Image")
-    check_sop_class(path, dataset, RT_IMAGE_STORAGE, "RTIMAGE", "an RT Image", ImageError)
-    try:
-        return _image(path, dataset)
-    except ImageError:
-        raise
-    except (ValueError, TypeError, KeyError, AttributeError, IndexError, RuntimeError, NotImplementedError) as problem:
-        reason = (str(problem).strip().splitlines() or [type(problem).__name__])[0]
-        raise ImageError(f"{path}: malformed RT Image or undecodable pixel data ({reason})") from None
 
 
 def _image(path: str, dataset: Dataset) -> _Image:
