@@ -64,12 +64,10 @@ from epid.dicom.plan import PlanBeam
 from epid.dicom.series import MeasuredSeries
 from epid.evaluation import arc_review, delivery_errors, plots, timeline
 from epid.evaluation.gamma import GammaCriteria, gamma_maps, gamma_pass_rate
+from epid.evaluation.timeline import Progress
 from epid.reconstruction.estimate import Stages
 from epid.synthesis.geometry import LEAF_WIDTH_MM, MLC_Y_MIN_MM, NUM_LEAF_PAIRS
 from epid.synthesis.sequences import ControlPoints
-
-Progress = Callable[[int], None]
-"""Called with the number of items (frames) a step finished."""
 
 GAMMA_CRITERIA = {
     "3_2mm": GammaCriteria(dose_percent=3.0, distance_mm=2.0),
