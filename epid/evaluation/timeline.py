@@ -142,7 +142,7 @@ def place_frames(beam: PlanBeam, series: MeasuredSeries) -> Placement:
         first = int(np.argmax(outside))
         raise InputError(f"{series.sources[first]}: {int(outside.sum())} frame(s) span MU outside 0..{total:.4g} of "
                          f"{plan} or nothing (first: {spans[first, 0]:.4g}-{spans[first, 1]:.4g} MU)")
-    boundaries, frame_of, dropped = _timeline(np.clip(spans, 0.0, total))
+    boundaries, frame_of, dropped = _timeline(np.clip(spans, 0.0, total), where)
     return Placement(beam, resample(beam, boundaries), frame_of, boundaries, placed_by, dropped)
 
 
@@ -226,7 +226,7 @@ def _spans_from_exposures(series: MeasuredSeries, total: float, where: str, plan
     return np.stack([ends - exposure * (total / delivered), ends], axis=1)
 
 
-def _timeline(spans: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
+def _timeline(spans: np.ndarray, where: str) -> tuple[np.ndarray, np.ndarray, int]:
     """(boundaries (J + 1,), the timeline frame of each span (F,), dropped frames) of spans in
     delivery order; a span starts no earlier than the one before it ends."""
     boundaries = [float(spans[0, 0])]
@@ -242,7 +242,8 @@ def _timeline(spans: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
         frame_of.append(len(boundaries) - 1)
     frame_of_array = np.asarray(frame_of, dtype=np.int64)
     if np.any(np.diff(frame_of_array) == 0) or frame_of_array[0] == 0:
-        raise InputError("two measured frames integrate the same span of the delivery (or a frame integrates none)")
+        raise InputError(f"{where}: two measured frames integrate the same span of the delivery (or a frame "
+                         "integrates none)")
     return np.asarray(boundaries), frame_of_array, dropped
 
 
