@@ -124,7 +124,7 @@ def read_series(given: str | Path | Sequence[str | Path]) -> MeasuredSeries:
         without = parts[[bool((part.control_point_index == 0).any()) for part in parts].index(True)].path
         raise ImageError(f"{without}: frames without a control-point reference in a series whose other frames "
                          "name their control points")
-    frame_sources = [part.path for part in parts for _ in range(len(part.frames))]
+    part_of = np.repeat(np.arange(len(parts)), [len(part.frames) for part in parts])
     times = _series_times(parts)
     if named.all():
         order = np.argsort(control_points, kind="stable")
@@ -141,14 +141,14 @@ def read_series(given: str | Path | Sequence[str | Path]) -> MeasuredSeries:
         values.flags.writeable = False
         return values
 
-    first = parts[int(np.searchsorted(np.cumsum([len(part.frames) for part in parts]), order[0], side="right"))]
+    first = parts[int(part_of[order[0]])]
     frames = np.concatenate([part.frames for part in parts])[order]
     frames.flags.writeable = False
     times = times[order]
     times.flags.writeable = False
     return MeasuredSeries(
         path=", ".join(files) if len(files) <= 3 else f"{files[0]} ... {files[-1]} ({len(files)} files)",
-        frames=frames, sources=tuple(frame_sources[i] for i in order), gantry_deg=ordered("gantry_deg"),
+        frames=frames, sources=tuple(parts[i].path for i in part_of[order]), gantry_deg=ordered("gantry_deg"),
         time_s=times, meterset_weight=ordered("meterset_weight"), meterset_exposure=ordered("meterset_exposure"),
         control_point_index=ordered("control_point_index"), outside_percent=ordered("outside_percent"),
         beam_number=beams.pop() if beams else None, sid_mm=first.sid_mm, pixel_mm=first.pixel_mm,
