@@ -54,7 +54,7 @@ class MeasuredSeries:
     (F,) the control point k a frame names (it integrates k - 1 -> k), 0 where none.
     outside_percent: (F,) share of each frame's field signal outside the grid, percent.
     beam_number: the ``ReferencedBeamNumber`` the images name, None where none does.
-    sid_mm, pixel_mm: the first image's SID and pixel at the isocentre. image_type: its ImageType.
+    sid_mm, pixel_mm: the first image's SID and pixel at the isocentre.
     """
 
     path: str
@@ -69,7 +69,6 @@ class MeasuredSeries:
     beam_number: int | None
     sid_mm: float
     pixel_mm: float
-    image_type: str
 
     def __len__(self) -> int:
         return int(self.frames.shape[0])
@@ -152,7 +151,6 @@ def read_series(given: str | Path | Sequence[str | Path]) -> MeasuredSeries:
         time_s=times, meterset_weight=ordered("meterset_weight"), meterset_exposure=ordered("meterset_exposure"),
         control_point_index=ordered("control_point_index"), outside_percent=ordered("outside_percent"),
         beam_number=beams.pop() if beams else None, sid_mm=first.sid_mm, pixel_mm=first.pixel_mm,
-        image_type=first.image_type,
     )
 
 
@@ -173,7 +171,6 @@ class _Image:
     instance: int
     sid_mm: float
     pixel_mm: float
-    image_type: str
 
 
 def _image(path: str, dataset: Dataset) -> _Image:
@@ -190,14 +187,12 @@ def _image(path: str, dataset: Dataset) -> _Image:
         weights[0] = (_number(dataset, "StartCumulativeMetersetWeight"),
                       _number(dataset, "EndCumulativeMetersetWeight"))
     beam = dataset.get("ReferencedBeamNumber")
-    image_type = dataset.get("ImageType", "")
     return _Image(
         path=path, frames=pixels.frames, gantry_deg=gantry, start_s=_acquired_s(dataset),
         frame_s=_frame_offsets_s(dataset, count), meterset_weight=weights, meterset_exposure=exposure,
         control_point_index=np.zeros(count, np.int64) if control_points is None else control_points,
         outside_percent=pixels.outside_percent, beam_number=int(beam) if beam not in (None, "") else None,
         instance=int(dataset.get("InstanceNumber", 0) or 0), sid_mm=pixels.sid_mm, pixel_mm=pixels.pixel_mm,
-        image_type="\\".join(image_type) if not isinstance(image_type, str) else image_type,
     )
 
 

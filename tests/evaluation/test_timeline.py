@@ -46,7 +46,7 @@ def series_of(beam, ends: np.ndarray, *, angles=None, weights=None, times=None) 
         time_s=np.arange(count) / FRAME_RATE if times is None else times,
         meterset_weight=np.full((count, 2), np.nan) if weights is None else weights,
         meterset_exposure=np.full(count, np.nan), control_point_index=np.zeros(count, np.int64),
-        outside_percent=np.zeros(count), beam_number=beam.beam_number, sid_mm=1000.0, pixel_mm=1.0, image_type="",
+        outside_percent=np.zeros(count), beam_number=beam.beam_number, sid_mm=1000.0, pixel_mm=1.0,
     )
 
 
@@ -220,7 +220,7 @@ def series_of_image(frame: np.ndarray) -> MeasuredSeries:
         path="calibration.dcm", frames=frame[None].astype(np.float32), sources=("calibration.dcm",),
         gantry_deg=np.array([np.nan]), time_s=np.array([0.0]), meterset_weight=np.full((1, 2), np.nan),
         meterset_exposure=np.array([np.nan]), control_point_index=np.zeros(1, np.int64), outside_percent=np.zeros(1),
-        beam_number=None, sid_mm=1000.0, pixel_mm=1.0, image_type="")
+        beam_number=None, sid_mm=1000.0, pixel_mm=1.0)
 
 
 def test_frames_carrying_their_mu_are_laid_end_to_end_even_where_the_gantry_waits(beam):
