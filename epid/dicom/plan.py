@@ -6,12 +6,13 @@ Reading (``read_plan``), per treatment beam:
   ``BeamMeterset`` (fraction group) x (CMW_f - CMW_f-1) / final CMW, where CMW is the
   ``CumulativeMetersetWeight`` of each control point; ``mu[0] = 0``.
 - Positions a control point omits carry over from the last control point that gave them.
-- MLC: an ``MLCX`` device, bank A the first N of its ``LeafJawPositions``, bank B the next N,
-  leaf pair i spanning y in [``LeafPositionBoundaries[i]``, ``LeafPositionBoundaries[i + 1]``).
-  Each of the project's 52 rows of 5 mm over y in [-130, 130) takes the leaf pair whose
-  boundaries contain it (Agility's 80 x 5 mm: its central 52 pairs; Millennium 120: its 5 mm
-  leaves one to one, its 10 mm leaves two rows each). An MLC with a boundary inside that span
-  off the 5 mm grid (HD120's 2.5 mm leaves), or that does not span it, is refused.
+- MLC (``epid.dicom.mlc_devices``): an ``MLCX`` device, or the two layers of a dual-layer MLC
+  (Halcyon's ``MLCX1``, ``MLCX2``), bank A the first N of its ``LeafJawPositions``, bank B the
+  next N, leaf pair i spanning y in [``LeafPositionBoundaries[i]``, ``LeafPositionBoundaries[i + 1]``).
+  Its geometry (``PlanBeam.geometry``: a built-in MLC, or the plan's own) gives each of the
+  project's 52 strips of 5 mm over y in [-130, 130) its edges (``MlcGeometry.strips``: Agility's
+  central 52 pairs, Millennium 120's 10 mm leaves two strips each, a dual layer's edges where
+  both layers are open). An MLC whose leaves are finer than the strips (HD120's 2.5 mm) is refused.
 - Jaws: ``ASYMY`` or ``Y`` give jaw_1, jaw_2 (clipped to [-130, 130] mm); ``ASYMX`` or ``X``
   are folded into the leaves (no leaf opens past an X jaw).
 - Positions are rounded to 0.1 mm, as the synthetic arcs are; MU are kept as the plan gives
@@ -54,8 +55,9 @@ from pydicom.tag import Tag
 
 from epid.core.errors import InputError
 from epid.dicom.files import check_sop_class, new_dataset, read_dataset, save_dataset
+from epid.dicom.mlc_devices import MAX_TRAVEL_MM, MLC_TYPE, read_mlc
 from epid.synthesis.geometry import LEAF_WIDTH_MM, MLC_Y_MIN_MM, NUM_LEAF_PAIRS
-from epid.synthesis.mlc import identify
+from epid.synthesis.mlc import LEGACY_GRID, MlcGeometry
 from epid.synthesis.sequences import ControlPoints, leaf_weights
 
 RT_PLAN_STORAGE = "1.2.840.10008.5.1.4.1.1.481.5"
@@ -64,14 +66,8 @@ SAD_MM = 1000.0
 WRITTEN_LEAF_PAIRS = 80
 """Leaf pairs of the MLC ``write_plan`` describes (Agility-like, 5 mm each over [-200, 200] mm)."""
 WRITTEN_OUTER_PAIRS = (WRITTEN_LEAF_PAIRS - NUM_LEAF_PAIRS) // 2
-BOUNDARY_TOLERANCE_MM = 1e-3
 JAW_TYPES = {"ASYMY": "y", "Y": "y", "ASYMX": "x", "X": "x"}
-MLC_TYPE = "MLCX"
 LEAF_JAW_POSITIONS = Tag("LeafJawPositions")
-MAX_TRAVEL_MM = 200.0
-"""Farthest a leaf or jaw of any clinical MLC reaches from the beam axis at isocentre, mm (the
-leaves of a known MLC: its own ``MlcGeometry.travel_mm``): a plan position beyond it is an error in
-the file, never clamped."""
 CROSSED_TOLERANCE_MM = 0.01
 """How far a bank A leaf may lie past its bank B leaf (a closed pair written with rounding), mm."""
 ANGLE_TOLERANCE_DEG = 1e-3
@@ -106,6 +102,8 @@ class PlanBeam:
     control_points: ControlPoints
     final_meterset_weight: float = 1.0
     """The beam's final cumulative meterset weight: a weight w lies at beam_mu x w / it MU."""
+    geometry: MlcGeometry = LEGACY_GRID
+    """The beam's MLC (``epid.dicom.mlc_devices``)."""
 
     def __len__(self) -> int:
         return len(self.control_points)
@@ -189,71 +187,6 @@ def _numbers(item: Dataset, keyword: str) -> np.ndarray | None:
     return np.atleast_1d(np.asarray(value, dtype=np.float64))
 
 
-@dataclass(frozen=True)
-class _Mlc:
-    """The MLCX device of a beam: its pairs and the pair each of the project's rows takes."""
-
-    pairs: int
-    row_leaf: np.ndarray
-    description: str
-    travel_mm: float
-
-
-def _widths_text(boundaries: np.ndarray) -> str:
-    """Leaf widths run-length encoded: "10 x 10 mm, 40 x 5 mm, 10 x 10 mm"."""
-    widths = np.round(np.diff(boundaries), 3)
-    runs: list[list[float]] = []
-    for width in widths:
-        if runs and runs[-1][1] == width:
-            runs[-1][0] += 1
-        else:
-            runs.append([1, width])
-    return ", ".join(f"{count:g} x {width:g} mm" for count, width in runs)
-
-
-def _mlc(where: str, devices: dict[str, Dataset]) -> _Mlc:
-    """The beam's MLCX geometry mapped onto the project's 52 rows; PlanError when there is none
-    or it does not fit the rows."""
-    if MLC_TYPE not in devices:
-        others = sorted(devices)
-        mlcs = [name for name in others if name.startswith("MLC")]
-        layers = [_numbers(devices[name], "LeafPositionBoundaries") for name in mlcs if name.startswith(MLC_TYPE)]
-        known = identify(layers) if layers and all(b is not None for b in layers) else None
-        if known is not None:
-            raise PlanError(f"{where}: unsupported MLC: {known.name} ({known.description}; devices "
-                            f"{', '.join(mlcs)}): only a single-layer MLCX on the legacy grid's 5 mm rows is read")
-        if mlcs:
-            raise PlanError(f"{where}: unsupported MLC {', '.join(mlcs)} (only MLCX, leaves moving along x, is read)")
-        raise PlanError(f"{where}: no MLC (beam limiting devices: {', '.join(others) or 'none'})")
-    device = devices[MLC_TYPE]
-    pairs = device.get("NumberOfLeafJawPairs")
-    boundaries = _numbers(device, "LeafPositionBoundaries")
-    if boundaries is None:
-        raise PlanError(f"{where}: MLCX has no LeafPositionBoundaries")
-    if pairs not in (None, "") and int(pairs) != len(boundaries) - 1:
-        raise PlanError(f"{where}: inconsistent leaf counts: MLCX has {int(pairs)} leaf pairs but "
-                        f"{len(boundaries)} LeafPositionBoundaries (expected {int(pairs) + 1})")
-    if len(boundaries) < 2 or np.any(np.diff(boundaries) <= 0):
-        raise PlanError(f"{where}: MLCX LeafPositionBoundaries are not increasing")
-    known = identify([boundaries])
-    named = f" ({known.name})" if known is not None else ""
-    description = f"MLCX{named} {len(boundaries) - 1} leaf pairs: {_widths_text(boundaries)}"
-    span = f"{named.strip()} from {boundaries[0]:g} to {boundaries[-1]:g} mm: {_widths_text(boundaries)}".strip()
-    rows = f"the project's 5 mm rows over y in [{MLC_Y_MIN_MM:g}, {MLC_Y_MAX_MM:g}) mm"
-    inside = boundaries[(boundaries > MLC_Y_MIN_MM + BOUNDARY_TOLERANCE_MM)
-                        & (boundaries < MLC_Y_MAX_MM - BOUNDARY_TOLERANCE_MM)]
-    steps = (inside - MLC_Y_MIN_MM) / LEAF_WIDTH_MM
-    off_grid = np.abs(steps - np.round(steps)) * LEAF_WIDTH_MM > BOUNDARY_TOLERANCE_MM
-    if np.any(off_grid):
-        raise PlanError(f"{where}: unsupported MLC: MLCX leaf boundaries {span} are not on {rows} "
-                        f"(boundary at {inside[np.argmax(off_grid)]:g} mm)")
-    if boundaries[0] > MLC_Y_MIN_MM + BOUNDARY_TOLERANCE_MM or boundaries[-1] < MLC_Y_MAX_MM - BOUNDARY_TOLERANCE_MM:
-        raise PlanError(f"{where}: unsupported MLC: MLCX leaf boundaries {span} do not cover {rows}")
-    lower = MLC_Y_MIN_MM + LEAF_WIDTH_MM * np.arange(NUM_LEAF_PAIRS)
-    row_leaf = np.searchsorted(boundaries, lower + BOUNDARY_TOLERANCE_MM, side="right") - 1
-    return _Mlc(len(boundaries) - 1, row_leaf, description, known.travel_mm if known is not None else MAX_TRAVEL_MM)
-
-
 def _read_beam(path: str, beam: Dataset, metersets: dict[int, float], dataset_id: int) -> PlanBeam:
     number = _beam_number(beam)
     name = str(beam.get("BeamName", ""))
@@ -269,9 +202,10 @@ def _read_beam(path: str, beam: Dataset, metersets: dict[int, float], dataset_id
         raise PlanError(f"{where}: BeamMeterset {metersets[number]:g} (expected a positive number of MU)")
     devices = {str(item.get("RTBeamLimitingDeviceType", "")): item
                for item in beam.get("BeamLimitingDeviceSequence", [])}
-    mlc = _mlc(where, devices)
+    mlc = read_mlc(where, devices, _numbers, PlanError)
+    geometry = mlc.geometry
     n = len(control_points)
-    leaves = np.empty((n, 2, mlc.pairs))
+    layers = [np.empty((n, 2, pairs)) for pairs in geometry.pairs]
     jaws = {"x": np.tile([-np.inf, np.inf], (n, 1)), "y": np.tile([MLC_Y_MIN_MM, MLC_Y_MAX_MM], (n, 1))}
     cumulative = np.empty(n)
     gantry = np.empty(n)
@@ -297,14 +231,16 @@ def _read_beam(path: str, beam: Dataset, metersets: dict[int, float], dataset_id
             positions = _numbers(item, "LeafJawPositions")
             if positions is not None:
                 latest[device] = positions
-        if MLC_TYPE not in latest:
-            raise PlanError(f"{where}: control point {index} gives no MLCX positions and no earlier one did")
-        positions = latest[MLC_TYPE]
-        if len(positions) != 2 * mlc.pairs:
-            raise PlanError(f"{where}: inconsistent leaf counts: control point {index} gives {len(positions)} MLCX "
-                            f"positions for {mlc.pairs} leaf pairs (expected {2 * mlc.pairs})")
-        leaves[index] = _checked_leaves(f"{where}: control point {index}", positions.reshape(2, mlc.pairs),
-                                        mlc.travel_mm)
+        for layer, device, pairs in zip(layers, mlc.devices, geometry.pairs, strict=True):
+            if device not in latest:
+                raise PlanError(f"{where}: control point {index} gives no {device} positions and no earlier one did")
+            positions = latest[device]
+            if len(positions) != 2 * pairs:
+                raise PlanError(f"{where}: inconsistent leaf counts: control point {index} gives {len(positions)} "
+                                f"{device} positions for {pairs} leaf pairs (expected {2 * pairs})")
+            named = f" {device}" if len(layers) > 1 else ""
+            layer[index] = _checked_leaves(f"{where}: control point {index}{named}", positions.reshape(2, pairs),
+                                           geometry.travel_mm)
         for device, axis in JAW_TYPES.items():
             if device in latest and device in devices:
                 values = latest[device]
@@ -319,7 +255,7 @@ def _read_beam(path: str, beam: Dataset, metersets: dict[int, float], dataset_id
     final = beam.get("FinalCumulativeMetersetWeight")
     final_weight = float(final) if final not in (None, "") else float(cumulative[-1])
     mu = _frame_mu(where, cumulative, metersets[number], final_weight)
-    leaf_a, leaf_b = leaves[:, 0, mlc.row_leaf], leaves[:, 1, mlc.row_leaf]
+    leaf_a, leaf_b = geometry.strips([(layer[:, 0], layer[:, 1]) for layer in layers])
     x_jaws = jaws["x"]
     leaf_a = np.clip(leaf_a, x_jaws[:, :1], x_jaws[:, 1:])
     leaf_b = np.maximum(np.clip(leaf_b, x_jaws[:, :1], x_jaws[:, 1:]), leaf_a)
@@ -332,7 +268,7 @@ def _read_beam(path: str, beam: Dataset, metersets: dict[int, float], dataset_id
         path=path, beam_number=int(number), beam_name=name,
         machine=str(beam.get("TreatmentMachineName", "")), mlc=mlc.description, beam_mu=float(metersets[number]),
         gantry_deg=_read_only(gantry.astype(np.float32)), collimator_deg=float(collimator[0]), control_points=control,
-        final_meterset_weight=final_weight,
+        final_meterset_weight=final_weight, geometry=geometry,
     )
 
 

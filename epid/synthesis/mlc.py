@@ -1,17 +1,29 @@
 """Clinical MLCs as data: leaf boundaries along y, layers, travel and jaws of each.
 
 An ``MlcGeometry`` describes one multileaf collimator at the isocentre (IEC 61217 BEAM LIMITING
-DEVICE coordinates: leaves travel along x, leaf pairs stacked along y). The legacy grid (52
-pairs of 5 mm over y in [-130, 130) mm) is the one the synthesis, the models and the
-reconstruction use; the others are the MLCs clinical plans are written for, known here so that a
-plan's MLC is named, its positions checked against its own travel, and a plan the legacy grid
-cannot hold is refused naming its MLC (``epid.dicom.plan``). ``identify`` finds a plan's MLC
-from its leaf boundaries (and, for a dual-layer MLC, from the pair counts of its layers, never
-from device names).
+DEVICE coordinates: leaves travel along x, leaf pairs stacked along y). ``identify`` finds a
+plan's MLC from its leaf boundaries (and, for a dual-layer MLC, from the pair counts of its
+layers, never from device names).
+
+The synthesis, the models and the reconstruction see an MLC through its *strips*: the 52 rows of
+5 mm over y in [-130, 130) mm that span the imager (``epid.synthesis.geometry``), each with the
+aperture edges an image of it shows. The legacy grid is the strips themselves (52 pairs of 5 mm,
+every strip its own leaf). An MLC is modelled when every strip lies within one leaf of each
+layer (``strip_leaves``): a 10 mm leaf is two strips that share its position (Millennium 120's
+outer leaves, MLCi2), a leaf outside the strips is beyond the imager (Agility's outer 28 pairs:
+not verifiable from an image), and for a dual-layer MLC (Halcyon) a strip's edges are where both
+layers are open: bank A's edge the larger of its two leaves, bank B's the smaller. HD120's
+2.5 mm leaves are finer than the strips and not modelled.
+
+``leaves`` takes strip edges (..., 52) to the positions of each layer's leaves (a leaf over
+several strips at their mean, rounded to 0.1 mm outwards, or for a dual-layer MLC at the most open
+of its strips' edges), ``strips`` takes those back; ``strips(leaves(x))`` is what the MLC can
+show of edges x, unchanged for the legacy grid, and a second pass changes nothing.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -21,6 +33,11 @@ from epid.synthesis.geometry import LEAF_WIDTH_MM, MLC_Y_MIN_MM, NUM_LEAF_PAIRS
 
 BOUNDARY_MATCH_MM = 1e-3
 """Largest difference between two leaf boundaries taken as the same, mm."""
+STRIP_EDGES_MM = MLC_Y_MIN_MM + LEAF_WIDTH_MM * np.arange(NUM_LEAF_PAIRS + 1)
+"""Edges of the 52 strips along y, mm."""
+_TENTHS = 10.0
+ROUNDING_SLACK = 1e-3
+"""Tenths of a mm by which a float32 position may miss its whole tenth and still be taken as on it."""
 
 
 @dataclass(frozen=True)
@@ -55,6 +72,75 @@ class MlcGeometry:
             remaining.pop(found)
         return True
 
+    @property
+    def modelled(self) -> bool:
+        """Whether every strip lies within one leaf of each layer (``strip_leaves`` succeeds)."""
+        return isinstance(_strip_leaves(self.layers), tuple)
+
+    @property
+    def unmodelled_reason(self) -> str:
+        """Why the strips cannot show this MLC ("" when they can)."""
+        found = _strip_leaves(self.layers)
+        return "" if isinstance(found, tuple) else found
+
+    @property
+    def strip_leaves(self) -> tuple[np.ndarray, ...]:
+        """Per layer, the leaf (index into that layer's pairs) covering each strip, (52,) int each;
+        ValueError naming the first strip no single leaf covers."""
+        found = _strip_leaves(self.layers)
+        if not isinstance(found, tuple):
+            raise ValueError(f"MLC {self.name} ({self.description}): {found}")
+        return found
+
+    @property
+    def identity(self) -> bool:
+        """Whether the strips are the leaves (one layer, one strip per leaf: ``strips(leaves(x)) == x``)."""
+        return len(self.layers) == 1 and len(np.unique(self.strip_leaves[0])) == NUM_LEAF_PAIRS
+
+    @property
+    def hidden_pairs(self) -> int:
+        """Leaf pairs (all layers) that cover no strip: beyond the imager, never verifiable from an image."""
+        return sum(self.pairs) - sum(len(np.unique(leaves)) for leaves in self.strip_leaves)
+
+    def leaves(self, leaf_a: np.ndarray, leaf_b: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Strip edges leaf_a, leaf_b (..., 52) mm -> per layer, the (bank A, bank B) positions
+        (..., pairs) of its leaves; a leaf that covers no strip closed at the middle of the nearest
+        strip's opening."""
+        leaf_a, leaf_b = np.asarray(leaf_a, dtype=np.float64), np.asarray(leaf_b, dtype=np.float64)
+        dual = len(self.layers) > 1
+        result = []
+        for pairs, strip_leaf in zip(self.pairs, self.strip_leaves, strict=True):
+            covered = np.zeros(pairs, dtype=bool)
+            covered[strip_leaf] = True
+            counts = np.bincount(strip_leaf, minlength=pairs)
+            if dual:
+                bank_a = _reduce(np.minimum, leaf_a, strip_leaf, pairs)
+                bank_b = _reduce(np.maximum, leaf_b, strip_leaf, pairs)
+            else:
+                bank_a = np.floor(_mean(leaf_a, strip_leaf, counts) * _TENTHS + ROUNDING_SLACK) / _TENTHS
+                bank_b = np.ceil(_mean(leaf_b, strip_leaf, counts) * _TENTHS - ROUNDING_SLACK) / _TENTHS
+            nearest = _nearest_covered(covered)
+            middle = 0.5 * (bank_a + bank_b)[..., nearest]
+            result.append((np.where(covered, bank_a, middle), np.where(covered, bank_b, middle)))
+        return result
+
+    def strips(self, layers: Sequence[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
+        """Per layer (bank A, bank B) leaf positions (..., pairs) mm -> the strip edges leaf_a,
+        leaf_b (..., 52) an image shows: where every layer is open."""
+        edges = [(np.asarray(a, dtype=np.float64)[..., leaf], np.asarray(b, dtype=np.float64)[..., leaf])
+                 for (a, b), leaf in zip(layers, self.strip_leaves, strict=True)]
+        leaf_a = functools.reduce(np.maximum, [a for a, _ in edges])
+        leaf_b = functools.reduce(np.minimum, [b for _, b in edges])
+        return leaf_a, np.maximum(leaf_b, leaf_a)
+
+    def shown(self, leaf_a: np.ndarray, leaf_b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Strip edges (..., 52) mm as this MLC can show them: ``strips(leaves(...))`` (float32;
+        the same values for the legacy grid)."""
+        if self.identity:
+            return np.asarray(leaf_a, dtype=np.float32), np.asarray(leaf_b, dtype=np.float32)
+        leaf_a, leaf_b = self.strips(self.leaves(leaf_a, leaf_b))
+        return leaf_a.astype(np.float32), leaf_b.astype(np.float32)
+
 
 def _boundaries(start_mm: float, widths: Sequence[tuple[int, float]]) -> tuple[float, ...]:
     """Boundaries from ``start_mm`` of runs of (count, width mm) leaves."""
@@ -84,6 +170,73 @@ MLC_GEOMETRIES: dict[str, MlcGeometry] = {geometry.name: geometry for geometry i
                 x_jaws=False, y_jaws=False),
 )}
 """The built-in MLCs by name."""
+
+
+def from_boundaries(layers: Sequence[np.ndarray], travel_mm: float) -> MlcGeometry:
+    """The built-in MLC whose leaf boundaries these are, else an MLC named "plan" with them (layers
+    in the given order) and ``travel_mm``, with X and Y jaws."""
+    known = identify(layers)
+    if known is not None:
+        return known
+    described = "; ".join(widths_text(np.asarray(b, dtype=np.float64)) for b in layers)
+    return MlcGeometry("plan", f"an MLC read from a plan: {described}",
+                       tuple(tuple(round(float(v), 6) for v in b) for b in layers), travel_mm=travel_mm)
+
+
+def widths_text(boundaries: np.ndarray) -> str:
+    """Leaf widths run-length encoded: "10 x 10 mm, 40 x 5 mm, 10 x 10 mm"."""
+    runs: list[list[float]] = []
+    for width in np.round(np.diff(boundaries), 3):
+        if runs and runs[-1][1] == width:
+            runs[-1][0] += 1
+        else:
+            runs.append([1, width])
+    return ", ".join(f"{count:g} x {width:g} mm" for count, width in runs)
+
+
+@functools.lru_cache(maxsize=32)
+def _strip_leaves(layers: tuple[tuple[float, ...], ...]) -> tuple[np.ndarray, ...] | str:
+    """Per layer, the leaf covering each strip, or why a strip has none."""
+    found = []
+    for number, boundaries in enumerate(layers):
+        edges = np.asarray(boundaries, dtype=np.float64)
+        lower = np.searchsorted(edges, STRIP_EDGES_MM[:-1] + BOUNDARY_MATCH_MM, side="right") - 1
+        upper = np.searchsorted(edges, STRIP_EDGES_MM[1:] - BOUNDARY_MATCH_MM, side="left") - 1
+        layer = f"layer {number + 1}'s " if len(layers) > 1 else ""
+        split = np.flatnonzero(lower != upper)
+        if len(split):
+            strip = int(split[0])
+            return (f"{layer}leaves are finer than the models' {LEAF_WIDTH_MM:g} mm strips (leaf boundary at "
+                    f"{edges[lower[strip] + 1]:g} mm inside the strip y in [{STRIP_EDGES_MM[strip]:g}, "
+                    f"{STRIP_EDGES_MM[strip + 1]:g}) mm)")
+        if lower[0] < 0 or upper[-1] >= len(edges) - 1:
+            return (f"{layer}leaves span y in [{edges[0]:g}, {edges[-1]:g}] mm, not the imager's strips "
+                    f"[{STRIP_EDGES_MM[0]:g}, {STRIP_EDGES_MM[-1]:g}] mm")
+        lower.flags.writeable = False
+        found.append(lower)
+    return tuple(found)
+
+
+def _mean(values: np.ndarray, strip_leaf: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """Mean (..., pairs) of ``values`` (..., 52) over the strips of each leaf (0 where none)."""
+    sums = np.zeros(values.shape[:-1] + (len(counts),))
+    np.add.at(sums, (..., strip_leaf), values)
+    return sums / np.maximum(counts, 1)
+
+
+def _reduce(operation: np.ufunc, values: np.ndarray, strip_leaf: np.ndarray, pairs: int) -> np.ndarray:
+    """``operation`` (minimum or maximum) of ``values`` (..., 52) over the strips of each leaf."""
+    start = np.inf if operation is np.minimum else -np.inf
+    reduced = np.full(values.shape[:-1] + (pairs,), start)
+    operation.at(reduced, (..., strip_leaf), values)
+    return np.where(np.isfinite(reduced), reduced, 0.0)
+
+
+def _nearest_covered(covered: np.ndarray) -> np.ndarray:
+    """For each leaf, the nearest leaf (itself where covered) that covers a strip."""
+    indices = np.flatnonzero(covered)
+    leaf = np.arange(len(covered))
+    return indices[np.abs(leaf[:, None] - indices[None, :]).argmin(axis=1)]
 
 
 def identify(layers: Sequence[np.ndarray]) -> MlcGeometry | None:

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from epid.synthesis.geometry import LEAF_WIDTH_MM, MLC_Y_MIN_MM, NUM_LEAF_PAIRS
+from epid.synthesis.mlc import LEGACY_GRID, MlcGeometry
 
 NUM_DATASETS = 640
 DEFAULT_CONTROL_POINTS = 2050
@@ -137,8 +138,17 @@ def leaf_weights(jaw_1: np.ndarray, jaw_2: np.ndarray) -> np.ndarray:
     return np.where(shaping, 1.0, 0.5).astype(np.float32)
 
 
-def generate_control_points(dataset_id: int, n_control_points: int = DEFAULT_CONTROL_POINTS) -> ControlPoints:
-    """The N control points of a dataset ID, deterministic per ID (numpy Generator seeded by ``seed_for``)."""
+def generate_control_points(dataset_id: int, n_control_points: int = DEFAULT_CONTROL_POINTS,
+                            mlc: MlcGeometry = LEGACY_GRID) -> ControlPoints:
+    """The N control points of a dataset ID on the strips of ``mlc`` (``epid.synthesis.mlc``),
+    deterministic per ID (numpy Generator seeded by ``seed_for``).
+
+    The legacy grid's arcs are the design's. On another MLC the same arc is what that MLC can show
+    of it (``MlcGeometry.shown``: a 10 mm leaf at the mean of its two strips, a dual layer's edges
+    where both layers are open); an MLC without Y jaws keeps them open over the whole strip span
+    and closes the pairs the design parks outside the field (both leaves at 0 mm), so the field's
+    extent along y is the leaves'.
+    """
     if n_control_points < 1:
         raise ValueError(f"n_control_points={n_control_points}: expected at least 1")
     pattern = pattern_for(dataset_id)
@@ -152,6 +162,12 @@ def generate_control_points(dataset_id: int, n_control_points: int = DEFAULT_CON
     shown_values = np.take_along_axis(field, np.maximum(shown, 0)[:, None, :], axis=2)
     leaves = np.where(shown[:, None, :] >= 0, shown_values, _PARKED[None, :, None])
     mu = rng.integers(round(MU_RANGE[0] * _TENTHS), round(MU_RANGE[1] * _TENTHS) + 1, size=n_control_points)
+    if not mlc.y_jaws:
+        leaves = np.where(shown[:, None, :] >= 0, leaves, 0)
+        jaws = np.tile([_tenths(JAW_1_MIN_MM), _tenths(JAW_2_MAX_MM)], (n_control_points, 1))
+    if not mlc.identity:
+        shown_a, shown_b = mlc.shown(leaves[:, 0] / _TENTHS, leaves[:, 1] / _TENTHS)
+        leaves = np.rint(np.stack([shown_a, shown_b], axis=1).astype(np.float64) * _TENTHS).astype(np.int64)
     jaw_1, jaw_2 = _read_only_mm(jaws[:, 0]), _read_only_mm(jaws[:, 1])
     return ControlPoints(
         leaf_a=_read_only_mm(leaves[:, 0]),

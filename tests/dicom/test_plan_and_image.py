@@ -238,21 +238,50 @@ def test_mlci2_plan_maps_each_10_mm_leaf_to_two_rows(tmp_path):
     assert beam.mlc == "MLCX (mlci2) 40 leaf pairs: 40 x 10 mm"
 
 
-def test_halcyon_plan_is_refused_naming_the_mlc_found_from_its_layers(tmp_path):
-    plan = good_plan()
+def halcyon_plan(rng, count, proximal_first=True):
+    """A Halcyon plan (no jaws): distal MLCX1 28 x 10 mm over [-140, 140], proximal MLCX2 29 x 10 mm
+    over [-145, 145], random leaves; the layers' devices in either order. Returns the plan and
+    each layer's (boundaries, leaf_a, leaf_b)."""
+    layers = {"MLCX1": np.linspace(-140, 140, 29), "MLCX2": np.linspace(-145, 145, 30)}
+    leaves = {name: random_leaves(rng, count, len(edges) - 1) for name, edges in layers.items()}
+    order = ["MLCX2", "MLCX1"] if proximal_first else ["MLCX1", "MLCX2"]
+    first = order[0]
+    plan = hand_plan(layers[first], *leaves[first], mlc_type=first)
     beam = plan.BeamSequence[0]
-    layers = []
-    for device_type, first, pairs in (("MLCX2", -145.0, 29), ("MLCX1", -140.0, 28)):
-        device = Dataset()
-        device.RTBeamLimitingDeviceType = device_type
-        device.NumberOfLeafJawPairs = pairs
-        device.LeafPositionBoundaries = [f"{first + 10 * k:g}" for k in range(pairs + 1)]
-        layers.append(device)
-    beam.BeamLimitingDeviceSequence = Sequence(layers)
-    path = saved(tmp_path, plan)
-    with pytest.raises(PlanError) as error:
-        read_plan(path)
-    assert_one_line(error, str(path), "beam 1", "unsupported MLC: halcyon", "MLCX1, MLCX2")
+    second = order[1]
+    device = Dataset()
+    device.RTBeamLimitingDeviceType = second
+    device.NumberOfLeafJawPairs = len(layers[second]) - 1
+    device.LeafPositionBoundaries = [f"{b:g}" for b in layers[second]]
+    beam.BeamLimitingDeviceSequence.append(device)
+    for index, point in enumerate(beam.ControlPointSequence):
+        position = Dataset()
+        position.RTBeamLimitingDeviceType = second
+        position.LeafJawPositions = tenths(np.concatenate([leaves[second][0][index], leaves[second][1][index]]))
+        point.BeamLimitingDevicePositionSequence.append(position)
+    return plan, {name: (layers[name], *leaves[name]) for name in layers}
+
+
+@pytest.mark.parametrize("proximal_first", [True, False])
+def test_halcyon_plan_gives_each_strip_the_edges_where_both_layers_are_open(tmp_path, proximal_first):
+    count = 3
+    plan, layers = halcyon_plan(np.random.default_rng(5), count, proximal_first)
+    (beam,) = read_plan(saved(tmp_path, plan))
+    assert beam.geometry.name == "halcyon"
+    assert beam.mlc == "halcyon: MLCX1 28 leaf pairs: 28 x 10 mm; MLCX2 29 leaf pairs: 29 x 10 mm"
+    expected = np.zeros((2, count, 52))
+    for strip in range(52):  # independent: the leaf of each layer over the strip's centre
+        centre = -127.5 + 5 * strip
+        edges = []
+        for boundaries, leaf_a, leaf_b in layers.values():
+            leaf = next(k for k in range(len(boundaries) - 1) if boundaries[k] < centre < boundaries[k + 1])
+            edges.append((leaf_a[:, leaf], leaf_b[:, leaf]))
+        expected[0, :, strip] = np.maximum(edges[0][0], edges[1][0])
+        expected[1, :, strip] = np.maximum(np.minimum(edges[0][1], edges[1][1]), expected[0, :, strip])
+    np.testing.assert_allclose(beam.control_points.leaf_a, expected[0], atol=1e-4)
+    np.testing.assert_allclose(beam.control_points.leaf_b, expected[1], atol=1e-4)
+    np.testing.assert_allclose(beam.control_points.jaw_1, -130.0)  # no jaws: the strips' whole span open
+    np.testing.assert_allclose(beam.control_points.jaw_2, 130.0)
 
 
 def test_positions_a_control_point_omits_carry_over(tmp_path):
