@@ -386,7 +386,7 @@ def commission_run(args: argparse.Namespace) -> int:
     """--commission: the forward model's physics and the panel's calibration fitted to measured
     images of plans (epid.evaluation.commission), written as a commissioned checkpoint."""
     from epid.dicom.series import read_series
-    from epid.evaluation import commission, plots
+    from epid.evaluation import commission, inference, plots
     from epid.models.checkpoint import save_checkpoint
     from epid.training.preflight import check_writable
 
@@ -406,6 +406,8 @@ def commission_run(args: argparse.Namespace) -> int:
     _stage(f"loading checkpoint {args.checkpoint}")
     checkpoint, (forward_model, inverse_model) = load_models(args.checkpoint, "cpu")
     commission.check_commissionable(forward_model, args.checkpoint)
+    for measurement in measurements:
+        inference.check_plan_mlc(measurement.beam, checkpoint.get("config") or {}, args.checkpoint)
     output_dir = prepare_output_dir(args.output_dir)
     for measurement in measurements:
         _stage(f"  beam {measurement.beam.beam_number} of {measurement.beam.path}: "
@@ -462,7 +464,7 @@ def review_plan(args: argparse.Namespace) -> int:
     """--plan: predict the beam's frames; with --frames, the delivery QA report (epid.evaluation.plan_qa)."""
     from epid.dicom.image import write_frames
     from epid.dicom.series import read_series
-    from epid.evaluation import plan_qa, timeline
+    from epid.evaluation import inference, plan_qa, timeline
     from epid.training.preflight import check_writable
 
     beam = select_beam(args.plan, args.beam)
@@ -482,6 +484,7 @@ def review_plan(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     _stage(f"loading checkpoint {args.checkpoint}")
     checkpoint, models = load_models(args.checkpoint, device)
+    inference.check_plan_mlc(beam, checkpoint.get("config") or {}, args.checkpoint)
     output_dir = prepare_output_dir(args.output_dir)
     run_label = f"{Path(args.checkpoint).name}, epoch {checkpoint['epoch']}"
     frames = len(beam) - 1
@@ -576,7 +579,7 @@ def export_arc(args: argparse.Namespace, config: Config) -> int:
         saved = load_checkpoint(args.checkpoint).get("config") or {}
     settings = inference.resolve_synthesis(saved, config)
     kernel = inference.load_synthesis_kernel(settings)
-    control_points = generate_control_points(dataset_id, settings.control_points)
+    control_points = generate_control_points(dataset_id, settings.control_points, settings.mlc)
     _stage(f"dataset {dataset_id} ({control_points.pattern}); synthesis: {settings.describe()}")
     if args.export_plan:
         write_plan(args.export_plan, control_points, label=f"EPID arc {dataset_id}")

@@ -70,6 +70,7 @@ from epid.models import families
 from epid.models.checkpoint import build_models_from_checkpoint, load_checkpoint
 from epid.reconstruction import estimate
 from epid.synthesis.kernel import kernel_figures, kernel_from_config
+from epid.synthesis.mlc import MLC_GEOMETRIES
 from epid.synthesis.physics import PRESETS
 from epid.synthesis.sequences import DEFAULT_CONTROL_POINTS
 from epid.training.loop import launch
@@ -115,6 +116,9 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
                         help="synthesis physics of training and evaluation (EPID_PHYSICS; default ideal)")
     parser.add_argument("--kernel", default="", metavar="FILE.mat[:variable]",
                         help="EPID response kernel of training and evaluation (EPID_KERNEL; default built-in)")
+    parser.add_argument("--mlc", default="legacy", choices=[name for name, geometry in MLC_GEOMETRIES.items()
+                                                             if geometry.modelled],
+                        help="MLC of training and evaluation (EPID_MLC; default legacy)")
     parser.add_argument("--eval-datasets", type=int, default=16, help="held-out datasets evaluated (>= 12)")
     parser.add_argument("--eval-samples", type=int, default=8,
                         help="samples per held-out dataset, consecutive (one run of frames; default 8)")
@@ -182,6 +186,7 @@ def training_environment(args: argparse.Namespace, output: Path, steps_per_epoch
         "EPID_EPOCHS": str(epochs), "EPID_STEPS_PER_EPOCH": str(steps_per_epoch),
         "EPID_TIME_LIMIT": f"{minutes:.4g}", "EPID_VAL_STEPS": "2", "EPID_GAMMA_SAMPLES": "8",
         "EPID_PROGRESS": "0", "EPID_PHYSICS": args.physics, "EPID_KERNEL": args.kernel,
+        "EPID_MLC": args.mlc,
     }
 
 
@@ -193,7 +198,8 @@ def evaluation_set(args: argparse.Namespace) -> inference.SampleSet:
     refs = inference.select_samples(ids, args.eval_samples, seed=args.seed, n_control_points=args.control_points,
                                     split="all", run_length=args.eval_samples)
     settings = inference.SynthesisSettings(control_points=args.control_points, kernel=args.kernel, noise_std=0.005,
-                                           noise_seed=0, sources={}, physics=PRESETS[args.physics])
+                                           noise_seed=0, sources={}, physics=PRESETS[args.physics],
+                                           mlc=MLC_GEOMETRIES[args.mlc])
     return inference.synthesise_samples(refs, settings, load_kernel_of(Config(kernel=args.kernel)))
 
 
@@ -425,7 +431,7 @@ def run_bench(args: argparse.Namespace, output: Path) -> int:
         "epochs": int(checkpoint["epoch"]), "train_dataset_ids": TRAIN_RANGE,
         "config": checkpoint.get("config"), "curve": observer.curve.to_dict(),
         "physics": args.physics, "physics_settings": PRESETS[args.physics].to_dict(),
-        "kernel": args.kernel or BUILT_IN,
+        "kernel": args.kernel or BUILT_IN, "mlc": args.mlc,
         "kernel_figures": dataclasses.asdict(kernel_figures(load_kernel_of(Config(kernel=args.kernel)))),
     }
     return evaluate_run(args, output, device, context, samples)

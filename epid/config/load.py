@@ -40,6 +40,7 @@ from epid.data.dataset import EpidData
 from epid.data.plans import PlanArc, scan_plans
 from epid.models.families import FAMILIES
 from epid.synthesis.kernel import kernel_from_config
+from epid.synthesis.mlc import LEGACY_GRID, MLC_GEOMETRIES, MlcGeometry
 from epid.synthesis.physics import LIMITS, PRESETS, Physics
 from epid.synthesis.sequences import MIN_CONTROL_POINTS
 
@@ -51,6 +52,8 @@ class Config(LoggingVariables, OptimisationVariables, LoaderVariables, Synthesis
     for dataset IDs 0, 1, ...) and ``launched_by_torchrun``."""
 
     launched_by_torchrun: bool = False
+    mlc_geometry: MlcGeometry = LEGACY_GRID
+    """EPID_MLC resolved (with EPID_PLANS and EPID_MLC unset: the plans' MLC)."""
 
     @property
     def physics(self) -> Physics:
@@ -95,6 +98,7 @@ class Config(LoggingVariables, OptimisationVariables, LoaderVariables, Synthesis
         values = dataclasses.asdict(self)
         values["dataset_ids"] = list(self.dataset_ids)
         values["plan_arcs"] = [arc.to_dict() for arc in self.plan_arcs]
+        values["mlc_geometry"] = self.mlc_geometry.to_dict()
         return values
 
     @classmethod
@@ -106,6 +110,8 @@ class Config(LoggingVariables, OptimisationVariables, LoaderVariables, Synthesis
             kept["dataset_ids"] = tuple(kept["dataset_ids"])
         if "plan_arcs" in kept:
             kept["plan_arcs"] = tuple(PlanArc(**arc) for arc in kept["plan_arcs"])
+        if "mlc_geometry" in kept:
+            kept["mlc_geometry"] = MlcGeometry.from_dict(kept["mlc_geometry"])
         return cls(**kept)
 
 
@@ -204,6 +210,7 @@ def load_config(environ: Mapping[str, str] | None = None) -> Config:
     else:
         ids = sharding.select_dataset_ids(values["dataset_range"], values["dataset_ids_spec"])
     values["dataset_ids"] = tuple(ids)
+    values["mlc_geometry"] = _mlc_geometry(values["mlc"], environ, values.get("plan_arcs", ()))
     if len(ids) < world_size:
         name, raw = _selection_variable(values)
         raise _fail(
@@ -256,6 +263,35 @@ def _plan_arcs(folder: str, environ: Mapping[str, str]) -> tuple[PlanArc, ...]:
         return scan_plans(folder, MIN_CONTROL_POINTS)
     except InputError as error:
         raise ConfigError(f"EPID_PLANS={folder!r}: {error}") from None
+
+
+def _mlc_geometry(spec: str, environ: Mapping[str, str], plan_arcs: tuple[PlanArc, ...]) -> MlcGeometry:
+    """EPID_MLC's geometry: a built-in MLC by name, or the MLC of the first beam of an RT Plan file;
+    with EPID_PLANS the plans' MLC, which EPID_MLC, when set, must be. ConfigError for an unknown
+    name, a file that is not a readable plan, or an MLC the models' strips cannot show."""
+    from epid.dicom.plan import read_plan
+
+    set_by_user = bool(environ.get("EPID_MLC", "").strip())
+    if spec in MLC_GEOMETRIES:
+        geometry = MLC_GEOMETRIES[spec]
+    elif os.path.isfile(spec):
+        try:
+            geometry = read_plan(spec)[0].geometry
+        except InputError as error:
+            raise ConfigError(f"EPID_MLC={spec!r}: {error}") from None
+    else:
+        raise _fail("EPID_MLC", spec, "no built-in MLC of that name and no such file",
+                    f"one of {', '.join(MLC_GEOMETRIES)}, or an RT Plan file")
+    if not geometry.modelled:
+        raise _fail("EPID_MLC", spec, f"{geometry.description}: {geometry.unmodelled_reason}",
+                    "an MLC whose leaves are no finer than the 5 mm strips")
+    if plan_arcs:
+        plans = read_plan(plan_arcs[0].path, plan_arcs[0].beam_number)[0].geometry
+        if set_by_user and plans != geometry:
+            raise _fail("EPID_MLC", spec, f"EPID_PLANS's plans are on {plans.name} ({plans.description})",
+                        f"EPID_MLC unset, or {plans.name}")
+        geometry = plans
+    return geometry
 
 
 RECIPE_YIELDS_TO = {"EPID_WARMUP_STEPS": ("EPID_WARMUP_EPOCHS", "EPID_LR_UPDATE")}
@@ -377,4 +413,5 @@ def epid_data(config: Config, dataset_ids: Sequence[int]) -> EpidData:
         cache_dir=config.cache_dir or None,
         physics=config.physics,
         plan_arcs=config.plan_arcs,
+        mlc=config.mlc_geometry,
     )

@@ -16,6 +16,7 @@ from epid.core.parsers import Boolean, Choice, Device, Integer, Parser, Real, Te
 from epid.data import sharding
 from epid.data.plans import PlanArc
 from epid.models.families import DEFAULT_FAMILY, FAMILIES
+from epid.synthesis.mlc import MLC_GEOMETRIES
 from epid.synthesis.physics import LIMITS, PRESETS
 from epid.synthesis.sequences import DEFAULT_CONTROL_POINTS, NUM_DATASETS
 
@@ -131,6 +132,11 @@ class SynthesisVariables:
         meaning="EPID response kernel from a MATLAB .mat file, optionally naming the variable: the frames are "
                 "synthesised with it and a new aperture model's response starts as it; unset uses the built-in "
                 "measured-profile kernel")
+    mlc: str = setting(
+        "EPID_MLC", "legacy", Text(f"one of {', '.join(MLC_GEOMETRIES)}, or an RT Plan file"), example="millennium120",
+        meaning="the MLC the arcs are synthesised on and the models learn: the design's grid of 52 x 5 mm leaves "
+                "(legacy), a built-in clinical MLC, or the MLC of an RT Plan's first beam; with EPID_PLANS, unset "
+                "means the plans' own MLC. A checkpoint keeps it (README, MLCs)")
     physics_preset: str = setting(
         "EPID_PHYSICS", "ideal", Choice(*PRESETS), example="realistic",
         meaning="synthesis physics preset: ideal (the legacy frames, bit for bit) or realistic (typical leaf and jaw "

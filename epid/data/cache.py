@@ -28,6 +28,7 @@ from epid.data.plans import PlanArc
 from epid.synthesis import fluence, frames, geometry, sequences
 from epid.synthesis import physics as physics_module
 from epid.synthesis.geometry import FRAME_SHAPE
+from epid.synthesis.mlc import LEGACY_GRID, MlcGeometry
 from epid.synthesis.physics import Physics
 
 try:
@@ -44,9 +45,10 @@ CACHE_CHUNK_FRAMES = 64
 
 
 def cache_key(n_control_points: int, kernel: np.ndarray | torch.Tensor, noise_std: float, noise_seed: int,
-              render_id: str | None, physics: Physics | None = None) -> dict[str, Any]:
-    """The key of the frames of one setting: control points per arc, kernel, noise, physics and frame engine."""
-    return {
+              render_id: str | None, physics: Physics | None = None, mlc: MlcGeometry = LEGACY_GRID) -> dict[str, Any]:
+    """The key of the frames of one setting: control points per arc, kernel, noise, physics, frame
+    engine and, for an MLC other than the legacy grid (whose keys are as before), the MLC."""
+    return ({} if mlc == LEGACY_GRID else {"mlc": mlc.to_dict()}) | {
         "physics": (physics or Physics()).to_dict(),
         "format_version": CACHE_FORMAT_VERSION,
         "n_control_points": n_control_points,
@@ -61,14 +63,16 @@ def plan_cache_key(arc: PlanArc, kernel: np.ndarray | torch.Tensor, noise_std: f
                    render_id: str | None, physics: Physics | None = None) -> dict[str, Any]:
     """The key of the frames of one RT Plan arc (EPID_PLANS): ``cache_key`` of its number of
     control points, with the SHA-256 of the plan file and of the plan reader's source, and the beam."""
-    from epid.dicom import plan
+    from epid.dicom import mlc_devices, plan
+    from epid.synthesis import mlc
 
 
     return {
         **cache_key(arc.control_points, kernel, noise_std, noise_seed, render_id, physics),
         "plan_sha256": arc.sha256,
         "beam_number": arc.beam_number,
-        "plan_reader_sha256": hashlib.sha256(Path(plan.__file__).read_bytes()).hexdigest(),
+        "plan_reader_sha256": hashlib.sha256(b"".join(Path(module.__file__).read_bytes()
+                                                      for module in (plan, mlc_devices, mlc))).hexdigest(),
     }
 
 

@@ -34,6 +34,7 @@ from epid.synthesis import frames as frames_module
 from epid.synthesis import sequences
 from epid.synthesis.geometry import FRAME_SHAPE
 from epid.synthesis.kernel import default_kernel
+from epid.synthesis.mlc import LEGACY_GRID, MlcGeometry
 from epid.synthesis.physics import Physics
 from epid.synthesis.sequences import ControlPoints, generate_control_points
 
@@ -257,6 +258,7 @@ class EpidData:
         render_id: str | None = None,
         physics: Physics | None = None,
         plan_arcs: Sequence[PlanArc] = (),
+        mlc: MlcGeometry = LEGACY_GRID,
     ) -> None:
         if not dataset_ids:
             raise ValueError("no dataset IDs given")
@@ -269,6 +271,7 @@ class EpidData:
         self.noise_std = noise_std
         self.noise_seed = noise_seed
         self.physics = physics or Physics()
+        self.mlc = mlc
         if render is None:
             render, render_id = EngineRender(self.kernel, noise_std, noise_seed, self.physics), engine_digest()
         elif cache_dir and render_id is None:
@@ -284,7 +287,8 @@ class EpidData:
             }
         elif cache_dir:
             self.cache = FrameCache(
-                cache_dir, cache_key(control_points, self.kernel, noise_std, noise_seed, render_id, self.physics)
+                cache_dir, cache_key(control_points, self.kernel, noise_std, noise_seed, render_id, self.physics,
+                                     self.mlc)
             )
         self._control_points: dict[int, PackedControlPoints] = {}
 
@@ -307,7 +311,7 @@ class EpidData:
             if self.plan_arcs:
                 control_points = arc_control_points(self.plan_arcs[dataset_id], dataset_id)
             else:
-                control_points = generate_control_points(dataset_id, self.n_control_points)
+                control_points = generate_control_points(dataset_id, self.n_control_points, self.mlc)
             self._control_points[dataset_id] = PackedControlPoints(control_points)
             return control_points
         return packed.unpack()

@@ -61,7 +61,8 @@ def scan_plans(directory: str | Path, min_control_points: int) -> tuple[PlanArc,
 
     InputError (one line) for a folder that is missing or holds no file; ``PlanError`` naming the
     file and the beam for a file that is not a readable RT Plan, a beam that
-    ``epid.dicom.plan.read_plan`` refuses, or an arc of fewer than ``min_control_points``.
+    ``epid.dicom.plan.read_plan`` refuses, an arc of fewer than ``min_control_points``, or a beam
+    whose MLC is not the first beam's.
     """
     from epid.dicom.plan import PlanError, read_plan
 
@@ -72,9 +73,15 @@ def scan_plans(directory: str | Path, min_control_points: int) -> tuple[PlanArc,
     if not files:
         raise InputError(f"{directory}: no files (expected RT Plan files)")
     arcs = []
+    first = None
     for path in files:
         digest = file_sha256(path)
         for beam in read_plan(path):
+            first = first or beam
+            if beam.geometry != first.geometry:
+                raise PlanError(f"{path}: beam {beam.beam_number} ({beam.beam_name}): MLC {beam.mlc}, but "
+                                f"{first.path} beam {first.beam_number} has {first.mlc}; the plans of one run must "
+                                "share one MLC")
             if len(beam) < min_control_points:
                 raise PlanError(f"{path}: beam {beam.beam_number} ({beam.beam_name}): {len(beam)} control points; "
                                 f"a training arc needs at least {min_control_points} (a training and a validation "

@@ -75,7 +75,7 @@ def synthesise_segment(dataset_id: int, first: int, count: int, settings: Synthe
     last = first + count - 1
     if first < 1 or count < 2 or last >= settings.control_points:
         raise ValueError(f"frames {first}..{last}: expected at least 2 frames inside 1..{settings.control_points - 1}")
-    control_points = generate_control_points(dataset_id, settings.control_points)
+    control_points = generate_control_points(dataset_id, settings.control_points, settings.mlc)
     indices = range(max(first - 1, 1), last + 1)
     frames = render_frames(control_points, indices, kernel, dataset_id=dataset_id, noise_std=settings.noise_std,
                            noise_seed=settings.noise_seed, device=device, physics=settings.physics).float().cpu()

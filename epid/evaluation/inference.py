@@ -32,12 +32,14 @@ from epid.config.load import VARIABLE_OF_FIELD, Config
 from epid.core.errors import InputError
 from epid.data.dataset import assemble_batch
 from epid.data.windows import Window, num_samples, split_range
+from epid.dicom.plan import PlanBeam
 from epid.evaluation.gamma import gamma_pass_rate
 from epid.models.families import predict_frames
 from epid.reconstruction import estimate as estimate_module
 from epid.synthesis.frames import render_frames
 from epid.synthesis.geometry import NUM_LEAF_PAIRS
 from epid.synthesis.kernel import kernel_from_config
+from epid.synthesis.mlc import LEGACY_GRID, MlcGeometry
 from epid.synthesis.physics import LIMITS, PRESETS, Physics, physics_of
 from epid.synthesis.sequences import PATTERNS, generate_control_points, leaf_band, pattern_for
 
@@ -68,6 +70,7 @@ class SynthesisSettings:
     noise_seed: int
     sources: Mapping[str, str]
     physics: Physics = Physics()
+    mlc: MlcGeometry = LEGACY_GRID
 
     def describe(self) -> str:
         """One line listing each setting with its source."""
@@ -78,6 +81,7 @@ class SynthesisSettings:
             f"noise std {self.noise_std:g} ({self.sources['noise_std']}), "
             f"noise seed {self.noise_seed} ({self.sources['noise_seed']}), "
             f"physics {self.physics.describe()} ({self.sources.get('physics', 'default')})"
+            + ("" if self.mlc == LEGACY_GRID else f", MLC {self.mlc.name} ({self.sources.get('mlc', 'default')})")
         )
 
 
@@ -265,10 +269,16 @@ def resolve_synthesis(checkpoint_config: Mapping[str, object], config: Config,
         else:
             values[field_name], sources[field_name] = getattr(defaults, field_name), "default"
     physics, sources["physics"] = resolve_physics(checkpoint_config, config, environ)
+    if environ.get("EPID_MLC", "").strip():
+        mlc, sources["mlc"] = config.mlc_geometry, "EPID_MLC"
+    elif "mlc_geometry" in checkpoint_config:
+        mlc, sources["mlc"] = MlcGeometry.from_dict(checkpoint_config["mlc_geometry"]), "checkpoint"
+    else:
+        mlc, sources["mlc"] = LEGACY_GRID, "default"
     return SynthesisSettings(
         control_points=int(values["control_points"]), kernel=str(values["kernel"]),
         noise_std=float(values["noise_std"]), noise_seed=int(values["noise_seed"]), sources=sources,
-        physics=physics,
+        physics=physics, mlc=mlc,
     )
 
 
@@ -286,6 +296,18 @@ def resolve_physics(checkpoint_config: Mapping[str, object], config: Config,
     if settings or preset:
         return physics_of(str(preset) if preset in PRESETS else "ideal", **settings), "checkpoint"
     return Physics(), "default"
+
+
+def check_plan_mlc(beam: PlanBeam, checkpoint_config: Mapping[str, object], checkpoint_path: str) -> None:
+    """InputError (one line naming both) when a plan's MLC is not the one the checkpoint was trained on. A
+    checkpoint of the legacy grid (any checkpoint from before MLCs were named) learnt every strip on its
+    own, so it takes a plan of any MLC the strips show."""
+    trained = checkpoint_config.get("mlc_geometry")
+    geometry = MlcGeometry.from_dict(trained) if trained else LEGACY_GRID
+    if geometry != LEGACY_GRID and geometry != beam.geometry:
+        raise InputError(f"{beam.path}: beam {beam.beam_number} is on {beam.geometry.name} ({beam.mlc}), but "
+                         f"checkpoint {checkpoint_path} was trained on {geometry.name} ({geometry.description}); "
+                         "expected a checkpoint of the plan's MLC, or of the legacy grid")
 
 
 def load_synthesis_kernel(settings: SynthesisSettings) -> np.ndarray:
@@ -321,7 +343,7 @@ def synthesise_samples(
     dataset_ids: Iterable[int] = list(by_dataset)
     for dataset_id in progress(dataset_ids) if progress else dataset_ids:
         samples = by_dataset[dataset_id]
-        control_points = generate_control_points(dataset_id, settings.control_points)
+        control_points = generate_control_points(dataset_id, settings.control_points, settings.mlc)
         frame_indices = sorted({s + 1 for s in samples} | {s + 2 for s in samples})
         frames = render_frames(
             control_points, frame_indices, kernel, dataset_id=dataset_id,

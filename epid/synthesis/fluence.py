@@ -2,7 +2,8 @@
 fluence of leaves and jaws with transmission, rounded leaf ends, tongue-and-groove and interleaf leakage.
 
 An aperture is open where jaw_1 <= y < jaw_2 and leaf_a[j(y)] <= x < leaf_b[j(y)], with lower
-edges rounded down and upper edges rounded up to whole millimetres (openings never shrink).
+edges rounded down and upper edges rounded up to whole millimetres (openings never shrink; a
+closed pair, leaf_b <= leaf_a, stays closed wherever it closes).
 Positions within ``EDGE_TOLERANCE_MM`` of a whole millimetre count as that millimetre, so that
 float round-off in interpolated positions cannot flip a pixel. Every pixel row lies in one leaf,
 so a row of an aperture is a box [column start, column stop): ``LeafGridBags`` sums the boxes of
@@ -120,7 +121,8 @@ def _aperture_edges(leaf_a: np.ndarray, leaf_b: np.ndarray, jaw_1: np.ndarray, j
     row_start = np.floor(jaw_1 + EDGE_TOLERANCE_MM) - MLC_Y_MIN_MM
     row_stop = np.ceil(jaw_2 - EDGE_TOLERANCE_MM) - MLC_Y_MIN_MM
     col_start = np.clip(col_start, 0, GRID_SIZE).astype(np.int64)
-    col_stop = np.clip(col_stop, col_start, GRID_SIZE).astype(np.int64)
+    col_stop = np.where(leaf_b - leaf_a > EDGE_TOLERANCE_MM, np.clip(col_stop, col_start, GRID_SIZE), col_start)
+    col_stop = col_stop.astype(np.int64)
     row_start = np.clip(row_start, 0, LEAF_GRID_ROWS).astype(np.int64)
     row_stop = np.clip(row_stop, row_start, LEAF_GRID_ROWS).astype(np.int64)
     open_rows = (int(row_start.min(initial=LEAF_GRID_ROWS)), int(row_stop.max(initial=0)))

@@ -17,6 +17,8 @@ FRAME_SHAPE = (GRID_SIZE, GRID_SIZE)
 PIXEL_MM = 1.0
 GRID_ORIGIN_MM = -GRID_SIZE / 2 * PIXEL_MM
 """Position of the imager's first pixel edge along x and y."""
+TENTHS_PER_MM = 10
+"""Positions and MU of control points are whole tenths (of a mm, of an MU)."""
 SUB_APERTURES = 7
 """Sub-apertures per frame, at t = 0, 1/6, ..., 1 between consecutive control points."""
 

@@ -26,16 +26,16 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-from epid.synthesis.geometry import LEAF_WIDTH_MM, MLC_Y_MIN_MM, NUM_LEAF_PAIRS
+from epid.synthesis.geometry import LEAF_WIDTH_MM, MLC_Y_MIN_MM, NUM_LEAF_PAIRS, TENTHS_PER_MM
 
 BOUNDARY_MATCH_MM = 1e-3
 """Largest difference between two leaf boundaries taken as the same, mm."""
 STRIP_EDGES_MM = MLC_Y_MIN_MM + LEAF_WIDTH_MM * np.arange(NUM_LEAF_PAIRS + 1)
 """Edges of the 52 strips along y, mm."""
-_TENTHS = 10.0
 ROUNDING_SLACK = 1e-3
 """Tenths of a mm by which a float32 position may miss its whole tenth and still be taken as on it."""
 
@@ -53,6 +53,19 @@ class MlcGeometry:
     travel_mm: float
     x_jaws: bool = True
     y_jaws: bool = True
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-typed copy (for checkpoints and cache keys)."""
+        return {"name": self.name, "description": self.description, "layers": [list(b) for b in self.layers],
+                "travel_mm": self.travel_mm, "x_jaws": self.x_jaws, "y_jaws": self.y_jaws}
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> MlcGeometry:
+        """Rebuild from ``to_dict`` output: the built-in MLC of that name when it is the same."""
+        geometry = cls(str(values["name"]), str(values["description"]),
+                       tuple(tuple(float(v) for v in b) for b in values["layers"]), float(values["travel_mm"]),
+                       bool(values.get("x_jaws", True)), bool(values.get("y_jaws", True)))
+        return MLC_GEOMETRIES.get(geometry.name) if MLC_GEOMETRIES.get(geometry.name) == geometry else geometry
 
     @property
     def pairs(self) -> tuple[int, ...]:
@@ -117,8 +130,8 @@ class MlcGeometry:
                 bank_a = _reduce(np.minimum, leaf_a, strip_leaf, pairs)
                 bank_b = _reduce(np.maximum, leaf_b, strip_leaf, pairs)
             else:
-                bank_a = np.floor(_mean(leaf_a, strip_leaf, counts) * _TENTHS + ROUNDING_SLACK) / _TENTHS
-                bank_b = np.ceil(_mean(leaf_b, strip_leaf, counts) * _TENTHS - ROUNDING_SLACK) / _TENTHS
+                bank_a = np.floor(_mean(leaf_a, strip_leaf, counts) * TENTHS_PER_MM + ROUNDING_SLACK) / TENTHS_PER_MM
+                bank_b = np.ceil(_mean(leaf_b, strip_leaf, counts) * TENTHS_PER_MM - ROUNDING_SLACK) / TENTHS_PER_MM
             nearest = _nearest_covered(covered)
             middle = 0.5 * (bank_a + bank_b)[..., nearest]
             result.append((np.where(covered, bank_a, middle), np.where(covered, bank_b, middle)))

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from epid.synthesis.geometry import LEAF_WIDTH_MM, MLC_Y_MIN_MM, NUM_LEAF_PAIRS
+from epid.synthesis.geometry import LEAF_WIDTH_MM, MLC_Y_MIN_MM, NUM_LEAF_PAIRS, TENTHS_PER_MM
 from epid.synthesis.mlc import LEGACY_GRID, MlcGeometry
 
 NUM_DATASETS = 640
@@ -50,7 +50,6 @@ LEAF_RANGE_MM = (-120.0, 120.0)
 """Travel allowed to band leaves, so that both field edges stay inside the imager."""
 MU_RANGE = (1.0, 40.0)
 
-_TENTHS = 10
 
 
 @dataclass(frozen=True)
@@ -161,13 +160,13 @@ def generate_control_points(dataset_id: int, n_control_points: int = DEFAULT_CON
     field = _leaf_field(_leaf_targets(rng, limits, starts, n_control_points), shown, limits)
     shown_values = np.take_along_axis(field, np.maximum(shown, 0)[:, None, :], axis=2)
     leaves = np.where(shown[:, None, :] >= 0, shown_values, _PARKED[None, :, None])
-    mu = rng.integers(round(MU_RANGE[0] * _TENTHS), round(MU_RANGE[1] * _TENTHS) + 1, size=n_control_points)
+    mu = rng.integers(round(MU_RANGE[0] * TENTHS_PER_MM), round(MU_RANGE[1] * TENTHS_PER_MM) + 1, size=n_control_points)
     if not mlc.y_jaws:
         leaves = np.where(shown[:, None, :] >= 0, leaves, 0)
         jaws = np.tile([_tenths(JAW_1_MIN_MM), _tenths(JAW_2_MAX_MM)], (n_control_points, 1))
     if not mlc.identity:
-        shown_a, shown_b = mlc.shown(leaves[:, 0] / _TENTHS, leaves[:, 1] / _TENTHS)
-        leaves = np.rint(np.stack([shown_a, shown_b], axis=1).astype(np.float64) * _TENTHS).astype(np.int64)
+        shown_a, shown_b = mlc.shown(leaves[:, 0] / TENTHS_PER_MM, leaves[:, 1] / TENTHS_PER_MM)
+        leaves = np.rint(np.stack([shown_a, shown_b], axis=1).astype(np.float64) * TENTHS_PER_MM).astype(np.int64)
     jaw_1, jaw_2 = _read_only_mm(jaws[:, 0]), _read_only_mm(jaws[:, 1])
     return ControlPoints(
         leaf_a=_read_only_mm(leaves[:, 0]),
@@ -192,11 +191,11 @@ def _read_only(values: np.ndarray) -> np.ndarray:
 
 
 def _read_only_mm(tenths: np.ndarray) -> np.ndarray:
-    return _read_only(tenths.astype(np.float32) / np.float32(_TENTHS))
+    return _read_only(tenths.astype(np.float32) / np.float32(TENTHS_PER_MM))
 
 
 def _tenths(mm: float) -> int:
-    return round(mm * _TENTHS)
+    return round(mm * TENTHS_PER_MM)
 
 
 _LEAF_WIDTH = _tenths(LEAF_WIDTH_MM)

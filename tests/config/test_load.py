@@ -6,6 +6,7 @@ import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from epid.config.load import (
@@ -20,6 +21,7 @@ from epid.config.load import (
 from epid.config.variables import ConfigError
 from epid.core.errors import InputError
 from epid.models import families
+from epid.synthesis.mlc import MLC_GEOMETRIES
 from epid.synthesis.physics import PRESETS, Physics
 from tests.support import ROOT, clean_environment
 
@@ -68,7 +70,7 @@ def test_every_variable_is_a_config_field_with_its_default():
     assert [variable.field for variable in VARIABLES] == [name for name in fields if name in {
         variable.field for variable in VARIABLES}]
     assert set(fields) - {variable.field for variable in VARIABLES} == {"dataset_ids", "plan_arcs",
-                                                                        "launched_by_torchrun"}
+                                                                        "launched_by_torchrun", "mlc_geometry"}
     defaults = Config()
     for variable in VARIABLES:
         assert getattr(defaults, variable.field) == variable.default, variable.name
@@ -155,6 +157,7 @@ def bad_values(tmp_path):
         "EPID_DRY_RUN": ("2", "1/0, true/false or yes/no"),
         "EPID_CONTROL_POINTS": ("3", "an integer >= 4"),
         "EPID_KERNEL": (str(tmp_path / "missing.mat"), "no file"),
+        "EPID_MLC": ("hd120", "leaves are finer than the models' 5 mm strips"),
         "EPID_NOISE_STD": ("-0.1", "a number >= 0"),
         "EPID_PHYSICS": ("real", "ideal or realistic"),
         "EPID_LEAF_TRANSMISSION_PERCENT": ("25", "a number in 0..20"),
@@ -339,3 +342,29 @@ def test_readme_table_is_the_variable_table_row_for_row():
     assert readme_table_rows() == markdown_table().splitlines()
     rows = readme_table_rows()[2:]
     assert [row.split(" | ")[0] for row in rows] == [f"| `{variable.name}`" for variable in VARIABLES]
+
+
+@pytest.mark.parametrize("value, fragment", [
+    ("millenium", "no built-in MLC of that name and no such file; expected one of legacy, agility"),
+    ("{file}", "not a DICOM file"),
+])
+def test_an_unknown_mlc_or_a_file_that_is_no_plan_is_refused(tmp_path, value, fragment):
+    a_file = tmp_path / "plan.dcm"
+    a_file.write_text("not a plan")
+    with pytest.raises(ConfigError) as caught:
+        load_config({"EPID_MLC": value.format(file=a_file)})
+    assert str(caught.value).startswith("EPID_MLC=") and fragment in str(caught.value)
+
+
+def test_the_mlc_is_a_built_in_one_by_name_or_a_plans_own_and_survives_a_round_trip(tmp_path):
+    from tests.dicom.test_plan_and_image import hand_plan, random_leaves, saved
+
+    assert load_config({}).mlc_geometry.name == "legacy"
+    halcyon = load_config({"EPID_MLC": "halcyon"})
+    assert halcyon.mlc_geometry == MLC_GEOMETRIES["halcyon"]
+    assert Config.from_dict(halcyon.to_dict()).mlc_geometry is MLC_GEOMETRIES["halcyon"]
+    boundaries = np.linspace(-150, 150, 31)  # 30 pairs of 10 mm: no built-in MLC
+    path = saved(tmp_path, hand_plan(boundaries, *random_leaves(np.random.default_rng(0), 2, 30)))
+    own = load_config({"EPID_MLC": str(path)}).mlc_geometry
+    assert own.name == "plan" and own.layers == (tuple(boundaries),) and own.pairs == (30,)
+    assert Config.from_dict(load_config({"EPID_MLC": str(path)}).to_dict()).mlc_geometry == own

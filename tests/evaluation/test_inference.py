@@ -25,6 +25,7 @@ from epid.models.legacy import ForwardConfig, ForwardModel, InverseConfig, Inver
 from epid.models.losses import LOSS_TERMS
 from epid.synthesis.frames import render_frames
 from epid.synthesis.kernel import default_kernel
+from epid.synthesis.mlc import MLC_GEOMETRIES
 from epid.synthesis.physics import LIMITS, PRESETS, Physics
 from epid.synthesis.sequences import generate_control_points, pattern_for
 from tests.support import ROOT, clean_environment
@@ -204,10 +205,14 @@ def test_synthesis_settings_come_from_variables_then_checkpoint_then_defaults():
     assert (settings.control_points, settings.noise_std, settings.noise_seed, settings.kernel) == (66, 0.01, 0, "")
     assert settings.sources == {
         "control_points": "checkpoint", "kernel": "checkpoint", "noise_std": "EPID_NOISE_STD", "noise_seed": "default",
-        "physics": "checkpoint",
+        "physics": "checkpoint", "mlc": "checkpoint",
     }
-    assert settings.physics.is_ideal
+    assert settings.physics.is_ideal and settings.mlc.name == "legacy"
     assert "physics ideal (checkpoint)" in settings.describe()
+    on_halcyon = Config(mlc="halcyon", mlc_geometry=MLC_GEOMETRIES["halcyon"]).to_dict()
+    assert inference.resolve_synthesis(on_halcyon, load_config({}), {}).mlc is MLC_GEOMETRIES["halcyon"]
+    chosen = inference.resolve_synthesis(on_halcyon, load_config({"EPID_MLC": "mlci2"}), {"EPID_MLC": "mlci2"})
+    assert chosen.mlc is MLC_GEOMETRIES["mlci2"] and "MLC mlci2 (EPID_MLC)" in chosen.describe()
     missing = inference.SynthesisSettings(66, "gone/kernel.mat:k", 0.0, 0, dict(settings.sources))
     with pytest.raises(InputError, match="gone/kernel.mat"):
         inference.load_synthesis_kernel(missing)

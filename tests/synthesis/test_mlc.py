@@ -40,3 +40,79 @@ def test_halcyon_is_found_from_its_layers_in_either_order_and_unknown_mlcs_are_n
     assert identify([distal]) is None  # one layer alone is no known MLC
     assert identify([layout(-200.0, [(80, 5.0)]) + 0.5]) is None  # Agility's layout, shifted
     assert identify([layout(-100.0, [(40, 5.0)])]) is None
+
+
+def fine_aperture(geometry, layers, jaw_1, jaw_2, step=0.1):
+    """Independent rasterisation: open cells of a 0.1 mm grid over the imager (rows from the most
+    positive y down, as the frames are) where every layer's leaf over the cell's centre and the
+    jaws leave it open; ``layers`` per layer (bank A, bank B) of one control point (pairs,)."""
+    centres = -128.0 + step * (np.arange(round(256 / step)) + 0.5)
+    y, x = centres[::-1, None], centres[None, :]
+    open_cells = (y >= jaw_1) & (y < jaw_2) & np.ones_like(x, dtype=bool)
+    for boundaries, (bank_a, bank_b) in zip(geometry.layers, layers, strict=True):
+        leaf = np.searchsorted(np.asarray(boundaries), y[:, 0], side="right") - 1
+        open_cells &= (x >= bank_a[leaf][:, None]) & (x < bank_b[leaf][:, None])
+    return open_cells
+
+
+@pytest.mark.parametrize("name", ["legacy", "agility", "millennium120", "mlci2", "halcyon"])
+def test_strips_rasterise_as_the_mlcs_own_leaves_do_at_a_tenth_of_a_millimetre(name):
+    from epid.synthesis.fluence import rasterize
+
+    geometry = MLC_GEOMETRIES[name]
+    rng = np.random.default_rng(7)
+    layers = []
+    for pairs in geometry.pairs:
+        bank_a = rng.integers(-800, 0, size=pairs) / 10
+        layers.append((bank_a, bank_a + rng.integers(0, 800, size=pairs) / 10))
+    jaw_1, jaw_2 = (-130.0, 130.0) if not geometry.y_jaws else (-97.3, 111.6)
+    leaf_a, leaf_b = geometry.strips(layers)
+    mask = rasterize(leaf_a, leaf_b, np.float64(jaw_1), np.float64(jaw_2)).numpy()
+    fine = fine_aperture(geometry, layers, jaw_1, jaw_2)
+    pooled = fine.reshape(256, 10, 256, 10).any(axis=(1, 3))  # a 1 mm pixel is open where any of it is
+    np.testing.assert_array_equal(mask, pooled)
+
+
+@pytest.mark.parametrize("name", ["millennium120", "mlci2", "halcyon"])
+def test_arcs_on_an_mlc_are_what_its_leaves_can_show(name):
+    from epid.synthesis.sequences import MAX_LEAF_STEP_MM, generate_control_points
+
+    geometry = MLC_GEOMETRIES[name]
+    for dataset_id in (5, 100, 600):
+        legacy = generate_control_points(dataset_id, 120)
+        arc = generate_control_points(dataset_id, 120, geometry)
+        shown = geometry.shown(arc.leaf_a, arc.leaf_b)
+        np.testing.assert_array_equal(shown[0], arc.leaf_a)  # nothing the MLC cannot show
+        np.testing.assert_array_equal(shown[1], arc.leaf_b)
+        assert np.all(arc.leaf_b >= arc.leaf_a)
+        assert np.abs(np.diff(arc.leaf_a, axis=0)).max() <= MAX_LEAF_STEP_MM + 1e-4
+        np.testing.assert_allclose(arc.leaf_a * 10, np.round(arc.leaf_a * 10), atol=1e-3)
+        np.testing.assert_array_equal(arc.mu, legacy.mu)
+        if geometry.y_jaws:
+            np.testing.assert_array_equal(arc.jaw_1, legacy.jaw_1)
+            for leaf in np.unique(geometry.strip_leaves[0]):  # a 10 mm leaf: its two strips share a position
+                strips = np.flatnonzero(geometry.strip_leaves[0] == leaf)
+                assert np.all(arc.leaf_a[:, strips] == arc.leaf_a[:, strips[:1]])
+        else:  # no jaws: open over the strips' span, the leaves shape the field along y too
+            assert np.all(arc.jaw_1 == -130.0) and np.all(arc.jaw_2 == 130.0)
+            assert np.any(arc.leaf_b - arc.leaf_a == 0.0) and np.all(arc.leaf_weight == 1.0)
+    np.testing.assert_array_equal(generate_control_points(5, 120, MLC_GEOMETRIES["legacy"]).leaf_a,
+                                  generate_control_points(5, 120).leaf_a)
+
+
+def test_leaves_of_strips_round_trip_and_are_stored_by_name():
+    rng = np.random.default_rng(3)
+    for geometry in MLC_GEOMETRIES.values():
+        if not geometry.modelled:
+            assert "finer than the models' 5 mm strips" in geometry.unmodelled_reason
+            continue
+        assert type(geometry).from_dict(geometry.to_dict()) is geometry
+        leaf_a = rng.integers(-600, 0, size=(4, 52)) / 10
+        leaf_b = leaf_a + rng.integers(0, 600, size=(4, 52)) / 10
+        once = geometry.shown(leaf_a, leaf_b)
+        twice = geometry.shown(*once)
+        np.testing.assert_array_equal(once[0], twice[0])
+        np.testing.assert_array_equal(once[1], twice[1])
+        layers = geometry.leaves(*once)
+        assert [bank_a.shape for bank_a, _ in layers] == [(4, pairs) for pairs in geometry.pairs]
+    assert MLC_GEOMETRIES["agility"].hidden_pairs == 28 and MLC_GEOMETRIES["legacy"].hidden_pairs == 0
