@@ -582,7 +582,7 @@ def export_arc(args: argparse.Namespace, config: Config) -> int:
     control_points = generate_control_points(dataset_id, settings.control_points, settings.mlc)
     _stage(f"dataset {dataset_id} ({control_points.pattern}); synthesis: {settings.describe()}")
     if args.export_plan:
-        write_plan(args.export_plan, control_points, label=f"EPID arc {dataset_id}")
+        write_plan(args.export_plan, control_points, label=f"EPID arc {dataset_id}", mlc=settings.mlc)
         _stage(f"  wrote its {len(control_points)} control points as an RT Plan: {args.export_plan}")
     if args.export_frames:
         count = len(control_points) - 1

@@ -27,11 +27,12 @@ The frames of a plan are in the collimator's frame (IEC BEAM LIMITING DEVICE coo
 along the leaves' travel, y across the leaf pairs. Gantry and collimator angles, the beam and
 machine names are kept as metadata only.
 
-Writing (``write_plan``): one arc as a single-beam VMAT plan on an Agility-like MLC: 80 leaf
-pairs of 5 mm over y in [-200, 200] mm, the project's 52 rows as its central 52 pairs and the
-14 pairs on each side closed at the middle of the nearest row's opening (behind the Y jaws,
-which never leave [-130, 130] mm), and ``ASYMY`` jaws. Like Agility, the beam has no X jaws:
-``pymedphys.Delivery.from_dicom`` reads plans with exactly the devices {MLCX, ASYMY}.
+Writing (``write_plan``): one arc as a single-beam VMAT plan on the MLC it was made for: each
+leaf at its strips' position (``MlcGeometry.leaves``), a leaf beyond the strips closed at the
+middle of the nearest strip's opening, and ``ASYMY`` jaws where the MLC has Y jaws. The legacy
+grid is written as Agility (80 pairs of 5 mm, the strips its central 52), which like every
+single-layer MLC written here has exactly the devices {MLCX, ASYMY} that
+``pymedphys.Delivery.from_dicom`` reads; a dual-layer MLC is written as MLCX1 and MLCX2.
 The cumulative meterset weight is the cumulative MU (CMW_0 = 0, final CMW = sum of
 ``mu[1:]``), so the MU of every frame is exact in the file.
 
@@ -56,16 +57,13 @@ from pydicom.tag import Tag
 from epid.core.errors import InputError
 from epid.dicom.files import check_sop_class, new_dataset, read_dataset, save_dataset
 from epid.dicom.mlc_devices import MAX_TRAVEL_MM, MLC_TYPE, read_mlc
-from epid.synthesis.geometry import LEAF_WIDTH_MM, MLC_Y_MIN_MM, NUM_LEAF_PAIRS
-from epid.synthesis.mlc import LEGACY_GRID, MlcGeometry
+from epid.synthesis.geometry import LEAF_WIDTH_MM, MLC_Y_MIN_MM, NUM_LEAF_PAIRS, TENTHS_PER_MM
+from epid.synthesis.mlc import LEGACY_GRID, MLC_GEOMETRIES, ROUNDING_SLACK, MlcGeometry
 from epid.synthesis.sequences import ControlPoints, leaf_weights
 
 RT_PLAN_STORAGE = "1.2.840.10008.5.1.4.1.1.481.5"
 MLC_Y_MAX_MM = MLC_Y_MIN_MM + NUM_LEAF_PAIRS * LEAF_WIDTH_MM
 SAD_MM = 1000.0
-WRITTEN_LEAF_PAIRS = 80
-"""Leaf pairs of the MLC ``write_plan`` describes (Agility-like, 5 mm each over [-200, 200] mm)."""
-WRITTEN_OUTER_PAIRS = (WRITTEN_LEAF_PAIRS - NUM_LEAF_PAIRS) // 2
 JAW_TYPES = {"ASYMY": "y", "Y": "y", "ASYMX": "x", "X": "x"}
 LEAF_JAW_POSITIONS = Tag("LeafJawPositions")
 CROSSED_TOLERANCE_MM = 0.01
@@ -334,12 +332,15 @@ def write_plan(
     gantry_stop_deg: float = 179.0,
     gantry_direction: str = "CW",
     label: str = "EPID arc",
+    mlc: MlcGeometry = LEGACY_GRID,
 ) -> None:
     """Write ``control_points`` as a single-arc VMAT RT Plan (RT Plan Storage) to ``path``.
 
-    One beam, number 1, "ARC": an Agility-like MLCX (80 pairs x 5 mm, the 52 rows in the middle)
-    and ASYMY jaws at every control point; the gantry turns ``gantry_direction`` ("CW" or "CC")
-    from ``gantry_start_deg`` to ``gantry_stop_deg`` in equal steps. The cumulative meterset
+    One beam, number 1, "ARC", on ``mlc`` (``MlcGeometry.leaves`` of the strips; the legacy grid
+    written as Agility, whose central 52 pairs are the strips): an MLCX, or a dual-layer MLC's
+    MLCX1 and MLCX2, and ASYMY jaws where the MLC has Y jaws, at every control point; the gantry
+    turns ``gantry_direction`` ("CW" or "CC") from ``gantry_start_deg`` to ``gantry_stop_deg`` in
+    equal steps. The cumulative meterset
     weight of control point k is the sum of ``mu[1..k]``; ``BeamMeterset`` is ``beam_mu``
     (default that sum), so ``read_plan`` gives back ``mu[1:]`` scaled by beam_mu / sum.
     Positions are written in mm to 0.1, ``label`` is the RT Plan Label (at most 16 characters).
@@ -372,7 +373,8 @@ def write_plan(
     dataset.FractionGroupSequence = DicomSequence([_fraction_group(meterset)])
     dataset.BeamSequence = DicomSequence([_arc_beam(control_points, cumulative, machine,
                                                     _gantry_angles(n, gantry_start_deg, gantry_stop_deg,
-                                                                   gantry_direction), gantry_direction)])
+                                                                   gantry_direction), gantry_direction,
+                                                    MLC_GEOMETRIES["agility"] if mlc == LEGACY_GRID else mlc)])
     _as_explicit_little_endian(dataset)
     save_dataset(path, dataset)
 
@@ -407,17 +409,11 @@ def _tenths_text(tenths: np.ndarray) -> list[str]:
     return [f"{'-' if value < 0 else ''}{abs(value) // 10}.{abs(value) % 10}" for value in tenths.tolist()]
 
 
-def _written_leaves(control_points: ControlPoints) -> tuple[np.ndarray, np.ndarray]:
-    """Banks A and B (N, 80) in tenths of a mm: the 52 rows in the middle, the outer pairs closed
-    at the middle of the nearest row's opening."""
-    leaf_a = np.rint(np.asarray(control_points.leaf_a, dtype=np.float64) * 10).astype(np.int64)
-    leaf_b = np.rint(np.asarray(control_points.leaf_b, dtype=np.float64) * 10).astype(np.int64)
-    low = (leaf_a[:, :1] + leaf_b[:, :1]) // 2
-    high = (leaf_a[:, -1:] + leaf_b[:, -1:]) // 2
-    outer = WRITTEN_OUTER_PAIRS
-    banks = [np.concatenate([np.repeat(low, outer, 1), bank, np.repeat(high, outer, 1)], axis=1)
-             for bank in (leaf_a, leaf_b)]
-    return banks[0], banks[1]
+def _written_layers(control_points: ControlPoints, mlc: MlcGeometry) -> list[np.ndarray]:
+    """Per layer of ``mlc``, banks A and B (N, 2 x pairs) in whole tenths of a mm (``MlcGeometry.leaves``)."""
+    layers = mlc.leaves(control_points.leaf_a, control_points.leaf_b)
+    return [np.floor(np.concatenate([bank_a, bank_b], axis=-1) * TENTHS_PER_MM + ROUNDING_SLACK).astype(np.int64)
+            for bank_a, bank_b in layers]
 
 
 def _device(device_type: str, pairs: int, boundaries: np.ndarray | None = None) -> Dataset:
@@ -454,7 +450,7 @@ def _as_explicit_little_endian(dataset: Dataset) -> None:
 
 
 def _arc_beam(control_points: ControlPoints, cumulative: np.ndarray, machine: str, gantry: np.ndarray,
-              direction: str) -> Dataset:
+              direction: str, mlc: MlcGeometry) -> Dataset:
     n = len(control_points)
     beam = Dataset()
     beam.BeamNumber = 1
@@ -465,10 +461,11 @@ def _arc_beam(control_points: ControlPoints, cumulative: np.ndarray, machine: st
     beam.TreatmentMachineName = machine
     beam.PrimaryDosimeterUnit = "MU"
     beam.SourceAxisDistance = f"{SAD_MM:g}"
-    half = WRITTEN_LEAF_PAIRS * LEAF_WIDTH_MM / 2
-    boundaries = np.linspace(-half, half, WRITTEN_LEAF_PAIRS + 1)
-    beam.BeamLimitingDeviceSequence = DicomSequence([_device("ASYMY", 1), _device(MLC_TYPE, WRITTEN_LEAF_PAIRS,
-                                                                                  boundaries)])
+    names = [MLC_TYPE] if len(mlc.layers) == 1 else [f"{MLC_TYPE}{k + 1}" for k in range(len(mlc.layers))]
+    jaws_device = [_device("ASYMY", 1)] if mlc.y_jaws else []
+    beam.BeamLimitingDeviceSequence = DicomSequence(jaws_device + [
+        _device(name, pairs, np.asarray(boundaries)) for name, pairs, boundaries in zip(names, mlc.pairs, mlc.layers,
+                                                                                         strict=True)])
     beam.ReferencedPatientSetupNumber = 1
     beam.TreatmentDeliveryType = "TREATMENT"
     beam.NumberOfWedges = 0
@@ -477,8 +474,7 @@ def _arc_beam(control_points: ControlPoints, cumulative: np.ndarray, machine: st
     beam.NumberOfBlocks = 0
     beam.FinalCumulativeMetersetWeight = _tenths_text(cumulative[-1:])[0]
     beam.NumberOfControlPoints = n
-    leaf_a, leaf_b = _written_leaves(control_points)
-    leaves = np.concatenate([leaf_a, leaf_b], axis=1)
+    layers = _written_layers(control_points, mlc)
     jaws = np.rint(np.stack([control_points.jaw_1, control_points.jaw_2], axis=1).astype(np.float64) * 10)
     jaws = jaws.astype(np.int64)
     weights = _tenths_text(cumulative)
@@ -487,8 +483,9 @@ def _arc_beam(control_points: ControlPoints, cumulative: np.ndarray, machine: st
         point = Dataset()
         point.ControlPointIndex = index
         point.CumulativeMetersetWeight = weights[index]
-        point.BeamLimitingDevicePositionSequence = DicomSequence([
-            _position("ASYMY", _tenths_text(jaws[index])), _position(MLC_TYPE, _tenths_text(leaves[index]))])
+        point.BeamLimitingDevicePositionSequence = DicomSequence(
+            ([_position("ASYMY", _tenths_text(jaws[index]))] if mlc.y_jaws else [])
+            + [_position(name, _tenths_text(layer[index])) for name, layer in zip(names, layers, strict=True)])
         point.GantryAngle = _decimal(gantry[index])
         point.GantryRotationDirection = direction if index < n - 1 else "NONE"
         if index == 0:
