@@ -341,7 +341,7 @@ def review_arcs(args: argparse.Namespace, checkpoint: dict, models: tuple, setti
     for dataset_id in _progress(dataset_ids, len(dataset_ids), "arc"):
         segment = arc_review.synthesise_segment(dataset_id, first, count, settings, kernel, device)
         begun = time.perf_counter()
-        estimate = arc_review.reconstruct_segment(method, models, segment, device)
+        estimate = arc_review.reconstruct_segment(method, models, segment, device, mlc=settings.mlc)
         seconds = time.perf_counter() - begun
         errors = arc_review.arc_errors(estimate, segment)
         rows.append({"dataset_id": dataset_id, "pattern": segment.pattern, "first_frame": first, "frames": count,

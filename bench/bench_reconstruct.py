@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             started = time.perf_counter()
-            estimate = reconstruct_segment(method, models, segment, device, stages=args.stages)
+            estimate = reconstruct_segment(method, models, segment, device, stages=args.stages, mlc=settings.mlc)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             seconds = time.perf_counter() - started

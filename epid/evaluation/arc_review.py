@@ -23,6 +23,7 @@ from epid.evaluation import plots
 from epid.evaluation.inference import SynthesisSettings, jaw_band
 from epid.reconstruction import estimate as estimate_module
 from epid.synthesis.frames import render_frames
+from epid.synthesis.mlc import LEGACY_GRID, MlcGeometry
 from epid.synthesis.sequences import ControlPoints, generate_control_points
 
 ERROR_KEYS = ("leaf_mae_mm", "leaf_rms_mm", "within_0.5mm", "within_1mm", "jaw_mae_mm", "mu_error_percent")
@@ -96,12 +97,13 @@ def _segment(control_points: ControlPoints, first: int, frames: Tensor) -> ArcSe
 def reconstruct_segment(method: str, models: tuple[nn.Module, nn.Module], segment: ArcSegment,
                         device: torch.device | str = "cpu", batch: int = 16,
                         stages: estimate_module.Stages | None = None,
-                        progress: Callable[[int], None] | None = None) -> ArcEstimate:
+                        progress: Callable[[int], None] | None = None, mlc: MlcGeometry = LEGACY_GRID) -> ArcEstimate:
     """The control points of ``segment`` by ``method`` ("network", "pair" or "arc"; a model pair
     that cannot refine gives the network's estimate, named in ``ArcEstimate.method``), under
     ``torch.inference_mode``; ``stages`` (default: the inverse model's) as
     ``estimate_module.reconstruct_arc``. ``progress`` is called with the number of frames each step
-    finished."""
+    finished. The leaves are estimated strip by strip and returned one per leaf of ``mlc``
+    (``MlcGeometry.tied``: a 10 mm leaf at the mean of its two strips)."""
     forward_model, inverse_model = models
     used = estimate_module.method_used(forward_model, inverse_model, method)
     frames = segment.frames.to(device)
@@ -123,7 +125,10 @@ def reconstruct_segment(method: str, models: tuple[nn.Module, nn.Module], segmen
                     progress(end - begin)
             leaf_a, leaf_b, scalars = (torch.cat(part) for part in zip(*parts, strict=True))
             values = (leaf_a[:, 52:], leaf_b[:, 52:], scalars[:, [2, 4]], scalars[:, 0])
-    return ArcEstimate(*(value.float().cpu() for value in values), method=used, from_start=from_start)
+    leaf_a, leaf_b, jaws, mu = (value.float().cpu() for value in values)
+    if not mlc.identity:
+        leaf_a, leaf_b = (torch.from_numpy(np.ascontiguousarray(v)) for v in mlc.tied(leaf_a.numpy(), leaf_b.numpy()))
+    return ArcEstimate(leaf_a, leaf_b, jaws, mu, method=used, from_start=from_start)
 
 
 def leaf_errors(estimate: ArcEstimate, segment: ArcSegment) -> tuple[Tensor, Tensor, Tensor]:

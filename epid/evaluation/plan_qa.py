@@ -67,6 +67,7 @@ from epid.evaluation.gamma import GammaCriteria, gamma_maps, gamma_pass_rate
 from epid.evaluation.timeline import Progress
 from epid.reconstruction.estimate import Stages
 from epid.synthesis.geometry import LEAF_WIDTH_MM, MLC_Y_MIN_MM, NUM_LEAF_PAIRS
+from epid.synthesis.mlc import LEGACY_GRID, MlcGeometry
 from epid.synthesis.sequences import ControlPoints
 
 GAMMA_CRITERIA = {
@@ -89,8 +90,8 @@ BANK_NAMES = ("A = X1 (IEC 61217: the -x side, the first half of each MLCX LeafJ
 """How the report's banks A and B map onto IEC 61217 and a vendor's names (``qa_summary.json``'s ``banks``)."""
 
 SUMMARY_KEYS = (
-    "plan", "beam", "beam_name", "machine", "mlc", "banks", "control_points", "beam_mu", "gantry_start_deg",
-    "gantry_stop_deg", "collimator_deg", "measured_frames", "frames", "first_control_point",
+    "plan", "beam", "beam_name", "machine", "mlc", "banks", "unverifiable_leaf_pairs", "control_points", "beam_mu",
+    "gantry_start_deg", "gantry_stop_deg", "collimator_deg", "measured_frames", "frames", "first_control_point",
     "last_control_point", "gamma_cutoff_percent",
     "gamma_3_2mm_mean", "gamma_3_2mm_min", "gamma_3_2mm_integrated", "frames_passing_3_2mm",
     "gamma_2_2mm_mean", "gamma_2_2mm_min", "gamma_2_2mm_integrated", "frames_passing_2_2mm",
@@ -285,12 +286,13 @@ def plan_segment(beam: PlanBeam, points: np.ndarray, frames: Tensor) -> arc_revi
 
 def reconstruct(models: tuple[nn.Module, nn.Module], segment: arc_review.ArcSegment, method: str = "arc",
                 device: torch.device | str = "cpu", progress: Progress | None = None,
-                stages: Stages | None = None) -> arc_review.ArcEstimate:
+                stages: Stages | None = None, mlc: MlcGeometry = LEGACY_GRID) -> arc_review.ArcEstimate:
     """The control points of ``segment`` reconstructed by ``method`` with the tracking ``stages``
-    (default: the inverse model's), ``arc_review.reconstruct_segment``; models switched to eval mode."""
+    (default: the inverse model's), one per leaf of ``mlc``, ``arc_review.reconstruct_segment``;
+    models switched to eval mode."""
     for model in models:
         model.eval()
-    return arc_review.reconstruct_segment(method, models, segment, device, stages=stages, progress=progress)
+    return arc_review.reconstruct_segment(method, models, segment, device, stages=stages, progress=progress, mlc=mlc)
 
 
 def measured_qa(models: tuple[nn.Module, nn.Module], series: MeasuredSeries, placement: timeline.Placement,
@@ -320,7 +322,7 @@ def measured_qa(models: tuple[nn.Module, nn.Module], series: MeasuredSeries, pla
     segment = plan_segment(placement.beam, points[run], frames[run])
     say(f"reconstructing control points {segment.first}-{segment.first + len(segment) - 1} of the "
         f"{'plan' if placement.placed_by == 'control points' else 'timeline'} from the measured frames ({method})")
-    estimate = reconstruct(models, segment, method, device)
+    estimate = reconstruct(models, segment, method, device, mlc=placement.beam.geometry)
     return PlanQA(placement.beam, measured, points, compared, gamma, segment, estimate), calibration
 
 
@@ -358,7 +360,8 @@ def _statistic(values: np.ndarray, reduce: Callable[[np.ndarray], float]) -> flo
 def summarise(qa: PlanQA) -> dict[str, Any]:
     """The report's figures, keys ``SUMMARY_KEYS`` (NaN becomes None):
 
-    plan, beam (number), beam_name, machine, mlc, control_points (N), beam_mu, gantry_start_deg,
+    plan, beam (number), beam_name, machine, mlc, banks, unverifiable_leaf_pairs (leaf pairs beyond the
+    imager, never scored), control_points (N), beam_mu, gantry_start_deg,
     gantry_stop_deg, collimator_deg: the beam. measured_frames (the image files), frames (K
     compared), first_control_point, last_control_point. gamma_cutoff_percent (10);
     gamma_3_2mm_mean / _min over the frames, gamma_3_2mm_integrated (the summed frames),
@@ -388,7 +391,8 @@ def summarise(qa: PlanQA) -> dict[str, Any]:
     mu_relative = np.abs(mu_reconstructed - mu_planned)[delivering] / mu_planned[delivering]
     summary: dict[str, Any] = {
         "plan": beam.path, "beam": beam.beam_number, "beam_name": beam.beam_name, "machine": beam.machine,
-        "mlc": beam.mlc, "banks": BANK_NAMES, "control_points": len(beam), "beam_mu": beam.beam_mu,
+        "mlc": beam.mlc, "banks": BANK_NAMES, "unverifiable_leaf_pairs": beam.geometry.hidden_pairs,
+        "control_points": len(beam), "beam_mu": beam.beam_mu,
         "gantry_start_deg": float(beam.gantry_deg[0]), "gantry_stop_deg": float(beam.gantry_deg[-1]),
         "collimator_deg": beam.collimator_deg, "measured_frames": qa.measured.path, "frames": len(qa.points),
         "first_control_point": int(qa.points[0]), "last_control_point": int(qa.points[-1]),

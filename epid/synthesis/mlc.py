@@ -115,10 +115,12 @@ class MlcGeometry:
         """Leaf pairs (all layers) that cover no strip: beyond the imager, never verifiable from an image."""
         return sum(self.pairs) - sum(len(np.unique(leaves)) for leaves in self.strip_leaves)
 
-    def leaves(self, leaf_a: np.ndarray, leaf_b: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
+    def leaves(self, leaf_a: np.ndarray, leaf_b: np.ndarray,
+               tenths: bool = True) -> list[tuple[np.ndarray, np.ndarray]]:
         """Strip edges leaf_a, leaf_b (..., 52) mm -> per layer, the (bank A, bank B) positions
-        (..., pairs) of its leaves; a leaf that covers no strip closed at the middle of the nearest
-        strip's opening."""
+        (..., pairs) of its leaves (a single layer's mean rounded outwards to whole tenths of a mm
+        when ``tenths``); a leaf that covers no strip closed at the middle of the nearest strip's
+        opening."""
         leaf_a, leaf_b = np.asarray(leaf_a, dtype=np.float64), np.asarray(leaf_b, dtype=np.float64)
         dual = len(self.layers) > 1
         result = []
@@ -129,9 +131,11 @@ class MlcGeometry:
             if dual:
                 bank_a = _reduce(np.minimum, leaf_a, strip_leaf, pairs)
                 bank_b = _reduce(np.maximum, leaf_b, strip_leaf, pairs)
-            else:
+            elif tenths:
                 bank_a = np.floor(_mean(leaf_a, strip_leaf, counts) * TENTHS_PER_MM + ROUNDING_SLACK) / TENTHS_PER_MM
                 bank_b = np.ceil(_mean(leaf_b, strip_leaf, counts) * TENTHS_PER_MM - ROUNDING_SLACK) / TENTHS_PER_MM
+            else:
+                bank_a, bank_b = _mean(leaf_a, strip_leaf, counts), _mean(leaf_b, strip_leaf, counts)
             nearest = _nearest_covered(covered)
             middle = 0.5 * (bank_a + bank_b)[..., nearest]
             result.append((np.where(covered, bank_a, middle), np.where(covered, bank_b, middle)))
@@ -152,6 +156,15 @@ class MlcGeometry:
         if self.identity:
             return np.asarray(leaf_a, dtype=np.float32), np.asarray(leaf_b, dtype=np.float32)
         leaf_a, leaf_b = self.strips(self.leaves(leaf_a, leaf_b))
+        return leaf_a.astype(np.float32), leaf_b.astype(np.float32)
+
+    def tied(self, leaf_a: np.ndarray, leaf_b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Estimates of the strip edges (..., 52) mm as one estimate per leaf: the strips of a single
+        layer's leaf at their mean, unrounded (a 10 mm leaf seen in two strips is one leaf); a
+        dual-layer MLC's strips are its edges already and stay as they are."""
+        if self.identity or len(self.layers) > 1:
+            return np.asarray(leaf_a), np.asarray(leaf_b)
+        leaf_a, leaf_b = self.strips(self.leaves(leaf_a, leaf_b, tenths=False))
         return leaf_a.astype(np.float32), leaf_b.astype(np.float32)
 
 

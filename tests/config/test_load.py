@@ -368,3 +368,21 @@ def test_the_mlc_is_a_built_in_one_by_name_or_a_plans_own_and_survives_a_round_t
     own = load_config({"EPID_MLC": str(path)}).mlc_geometry
     assert own.name == "plan" and own.layers == (tuple(boundaries),) and own.pairs == (30,)
     assert Config.from_dict(load_config({"EPID_MLC": str(path)}).to_dict()).mlc_geometry == own
+
+
+def test_plans_of_two_mlcs_or_plans_against_epid_mlc_are_refused(tmp_path):
+    from tests.dicom.test_plan_and_image import hand_plan, random_leaves, saved
+
+    rng = np.random.default_rng(2)
+    folder = tmp_path / "plans"
+    folder.mkdir()
+    saved(folder, hand_plan(np.linspace(-200, 200, 81), *random_leaves(rng, 4, 80)), "a_agility.dcm")
+    assert load_config({"EPID_PLANS": str(folder)}).mlc_geometry is MLC_GEOMETRIES["agility"]
+    with pytest.raises(ConfigError) as caught:
+        load_config({"EPID_PLANS": str(folder), "EPID_MLC": "halcyon"})
+    assert str(caught.value).startswith("EPID_MLC='halcyon': EPID_PLANS's plans are on agility")
+    saved(folder, hand_plan(np.linspace(-200, 200, 41), *random_leaves(rng, 4, 40)), "b_mlci2.dcm")
+    with pytest.raises(ConfigError) as caught:
+        load_config({"EPID_PLANS": str(folder)})
+    message = str(caught.value)
+    assert "b_mlci2.dcm: beam 1 (VMAT): MLC MLCX (mlci2)" in message and "share one MLC" in message

@@ -414,3 +414,20 @@ def test_bad_input_exits_2_with_one_line(tmp_path):
             "no such file (train first, or pass --checkpoint)"
         )
     ]
+
+
+def test_a_plan_on_another_mlc_than_the_checkpoints_is_refused_naming_both(tmp_path):
+    from epid.dicom.plan import read_plan
+    from tests.dicom.test_plan_and_image import hand_plan, random_leaves, saved
+
+    boundaries = np.linspace(-200, 200, 41)  # MLCi2
+    (beam,) = read_plan(saved(tmp_path, hand_plan(boundaries, *random_leaves(np.random.default_rng(1), 2, 40)),
+                              "mlci2.dcm"))
+    on_halcyon = Config(mlc="halcyon", mlc_geometry=MLC_GEOMETRIES["halcyon"]).to_dict()
+    with pytest.raises(InputError) as caught:
+        inference.check_plan_mlc(beam, on_halcyon, "halcyon.pth")
+    message = str(caught.value)
+    assert "\n" not in message and "mlci2.dcm: beam 1 is on mlci2" in message and "trained on halcyon" in message
+    inference.check_plan_mlc(beam, Config(mlc="mlci2", mlc_geometry=MLC_GEOMETRIES["mlci2"]).to_dict(), "m.pth")
+    inference.check_plan_mlc(beam, Config().to_dict(), "legacy.pth")  # the legacy grid takes any MLC's strips
+    inference.check_plan_mlc(beam, {}, "old.pth")  # a checkpoint from before MLCs were named: the legacy grid

@@ -116,3 +116,18 @@ def test_leaves_of_strips_round_trip_and_are_stored_by_name():
         layers = geometry.leaves(*once)
         assert [bank_a.shape for bank_a, _ in layers] == [(4, pairs) for pairs in geometry.pairs]
     assert MLC_GEOMETRIES["agility"].hidden_pairs == 28 and MLC_GEOMETRIES["legacy"].hidden_pairs == 0
+
+
+def test_estimates_are_tied_one_per_leaf_without_rounding():
+    mlci2 = MLC_GEOMETRIES["mlci2"]
+    leaf_a = np.arange(52, dtype=np.float64) * 0.37 - 9.0
+    leaf_b = leaf_a + 20.0 + np.arange(52) * 0.011
+    tied_a, tied_b = mlci2.tied(leaf_a, leaf_b)
+    for leaf in np.unique(mlci2.strip_leaves[0]):  # by hand: each leaf's strips at their plain mean
+        strips = np.flatnonzero(mlci2.strip_leaves[0] == leaf)
+        np.testing.assert_allclose(tied_a[strips], leaf_a[strips].mean(), atol=1e-5)
+        np.testing.assert_allclose(tied_b[strips], leaf_b[strips].mean(), atol=1e-5)
+    for name in ("legacy", "agility", "halcyon"):  # strips are the leaves, or a dual layer's edges
+        same_a, same_b = MLC_GEOMETRIES[name].tied(leaf_a, leaf_b)
+        np.testing.assert_array_equal(same_a, leaf_a)
+        np.testing.assert_array_equal(same_b, leaf_b)
