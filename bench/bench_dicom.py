@@ -3,7 +3,8 @@
 Writes the synthetic arc of one dataset ID (2,050 control points) as an RT Plan
 (``epid.dicom.plan.write_plan``) in a temporary folder, then reports, as the median of --repeats
 runs (wall clock, with the process's CPU time beside it):
-  - ``read_plan`` of that file (target 1 s);
+  - ``read_plan`` of that file (target 1 s), and of a 180-control-point arc written on each
+    built-in MLC the models take (target 0.5 s);
   - the forward model's prediction of its 2,049 frames on the CPU in batches of --batch-size
     (target 60 s, about the time a VMAT arc takes to deliver): the model of --checkpoint, or a
     freshly built default model when none is given (its weights are untrained, its speed is the
@@ -35,6 +36,7 @@ from epid.core.devices import cpu_features, cpu_model
 from epid.dicom.plan import read_plan, write_plan
 from epid.models.checkpoint import build_models_from_checkpoint, load_checkpoint
 from epid.models.families import DEFAULT_FAMILY, build_models
+from epid.synthesis.mlc import LEGACY_GRID, MLC_GEOMETRIES
 from epid.synthesis.sequences import (
     DEFAULT_CONTROL_POINTS,
     NUM_DATASETS,
@@ -45,6 +47,8 @@ from epid.synthesis.sequences import (
 
 PROGRAM = "python -m bench.bench_dicom"
 READ_TARGET_S = 1.0
+MLC_PLAN_CONTROL_POINTS = 180
+MLC_READ_TARGET_S = 0.5
 PREDICT_TARGET_S = 60.0
 
 
@@ -134,6 +138,15 @@ def main(argv: list[str] | None = None) -> int:
         (beam,) = read_plan(path)
         read_wall, read_cpu = median_seconds(lambda: read_plan(path), args.repeats)
     print(f"read_plan: {read_wall:.3f} s / {read_cpu:.3f} s CPU  (target {READ_TARGET_S:g} s)", flush=True)
+    with tempfile.TemporaryDirectory() as folder:
+        for name, geometry in MLC_GEOMETRIES.items():
+            if not geometry.modelled or geometry == LEGACY_GRID:
+                continue
+            path = Path(folder) / f"{name}.dcm"
+            write_plan(path, generate_control_points(args.dataset_id, MLC_PLAN_CONTROL_POINTS, geometry), mlc=geometry)
+            wall, cpu = median_seconds(lambda path=path: read_plan(path), args.repeats)
+            print(f"read_plan, {MLC_PLAN_CONTROL_POINTS} control points on {name} ({geometry.description}): "
+                  f"{wall:.3f} s / {cpu:.3f} s CPU  (target {MLC_READ_TARGET_S:g} s)", flush=True)
 
     print(f"forward model: {type(forward_model).__name__} from {source}", flush=True)
     inputs = frame_parameters(beam.control_points, args.frames)

@@ -36,7 +36,7 @@ from epid.core.devices import resolve_device
 from epid.core.errors import InputError
 from epid.evaluation.arc_review import ArcSegment, arc_errors, pooled_errors, reconstruct_segment, synthesise_segment
 from epid.evaluation.gamma import gamma_index, gamma_pass_rate
-from epid.evaluation.inference import load_synthesis_kernel, resolve_synthesis
+from epid.evaluation.inference import SynthesisSettings, load_synthesis_kernel, resolve_synthesis
 from epid.evaluation.plan_qa import predict_plan_frames
 from epid.models.checkpoint import build_models_from_checkpoint, load_checkpoint
 from epid.reconstruction import estimate as estimate_module
@@ -95,11 +95,11 @@ def held_out_arcs(trained: set[int]) -> list[int]:
     return chosen
 
 
-def forward_gamma(forward_model: torch.nn.Module, segment: ArcSegment, n_control_points: int,
+def forward_gamma(forward_model: torch.nn.Module, segment: ArcSegment, settings: SynthesisSettings,
                   device: torch.device) -> float:
     """Mean gamma pass rate (%, 2 %/2 mm, global, 10 % cutoff) of the segment's frames predicted
     from its control points alone against its synthesised frames (the segment starts at frame 1)."""
-    points = generate_control_points(segment.dataset_id, n_control_points)
+    points = generate_control_points(segment.dataset_id, settings.control_points, settings.mlc)
     stop = len(segment) + 1
     plan = ControlPoints(**{name: getattr(points, name)[:stop] for name in
                             ("leaf_a", "leaf_b", "jaw_1", "jaw_2", "mu", "leaf_weight")},
@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, dict[str, dict[str, float]]] = {}
     for dataset_id in arcs:
         segment = synthesise_segment(dataset_id, 1, count, settings, kernel, device)
-        gamma_percent = forward_gamma(models[0], segment, settings.control_points, device)
+        gamma_percent = forward_gamma(models[0], segment, settings, device)
         results.setdefault("forward", {})[f"{dataset_id} {segment.pattern}"] = {"gamma_2_2mm_percent": gamma_percent}
         print(f"  arc {dataset_id} ({segment.pattern}): frames predicted from the plan alone, gamma 2 %/2 mm "
               f"{gamma_percent:.2f} %", flush=True)

@@ -24,7 +24,7 @@ from epid.evaluation.inference import SynthesisSettings, jaw_band
 from epid.reconstruction import estimate as estimate_module
 from epid.synthesis.frames import render_frames
 from epid.synthesis.mlc import LEGACY_GRID, MlcGeometry
-from epid.synthesis.sequences import ControlPoints, generate_control_points
+from epid.synthesis.sequences import JAW_1_MIN_MM, JAW_2_MAX_MM, ControlPoints, generate_control_points
 
 ERROR_KEYS = ("leaf_mae_mm", "leaf_rms_mm", "within_0.5mm", "within_1mm", "jaw_mae_mm", "mu_error_percent")
 """The figures of ``arc_errors``, in the order tables print them."""
@@ -103,7 +103,8 @@ def reconstruct_segment(method: str, models: tuple[nn.Module, nn.Module], segmen
     ``torch.inference_mode``; ``stages`` (default: the inverse model's) as
     ``estimate_module.reconstruct_arc``. ``progress`` is called with the number of frames each step
     finished. The leaves are estimated strip by strip and returned one per leaf of ``mlc``
-    (``MlcGeometry.tied``: a 10 mm leaf at the mean of its two strips)."""
+    (``MlcGeometry.tied``: a 10 mm leaf at the mean of its two strips); an MLC without Y jaws has
+    them open over the strips' span, as its arcs are synthesised."""
     forward_model, inverse_model = models
     used = estimate_module.method_used(forward_model, inverse_model, method)
     frames = segment.frames.to(device)
@@ -128,6 +129,8 @@ def reconstruct_segment(method: str, models: tuple[nn.Module, nn.Module], segmen
     leaf_a, leaf_b, jaws, mu = (value.float().cpu() for value in values)
     if not mlc.identity:
         leaf_a, leaf_b = (torch.from_numpy(np.ascontiguousarray(v)) for v in mlc.tied(leaf_a.numpy(), leaf_b.numpy()))
+    if not mlc.y_jaws:
+        jaws = torch.tensor([JAW_1_MIN_MM, JAW_2_MAX_MM]).expand_as(jaws).clone()
     return ArcEstimate(leaf_a, leaf_b, jaws, mu, method=used, from_start=from_start)
 
 

@@ -207,6 +207,23 @@ def test_bad_input_exits_2_with_one_line_naming_the_file(tmp_path, trained):
     assert not output.exists()
 
 
+def test_a_plan_on_another_mlc_than_the_checkpoints_exits_2_naming_both(tmp_path, trained):
+    from epid.models.checkpoint import load_checkpoint
+    from epid.synthesis.mlc import MLC_GEOMETRIES
+
+    saved = load_checkpoint(trained["checkpoint"])["config"]["mlc_geometry"]
+    assert saved["name"] == "agility"  # EPID_PLANS unset EPID_MLC: the plans' own MLC, kept by the checkpoint
+    halcyon = tmp_path / "halcyon.dcm"
+    write_plan(halcyon, generate_control_points(5, 12, MLC_GEOMETRIES["halcyon"]), mlc=MLC_GEOMETRIES["halcyon"])
+    output = tmp_path / "out"
+    result = run("inference_visualize.py", "--checkpoint", str(trained["checkpoint"]), "--plan", str(halcyon),
+                 "--output-dir", str(output))
+    assert result.returncode == 2, result.stderr[-2000:]
+    error = result.stderr.strip().splitlines()[-1]
+    assert "beam 1 is on halcyon" in error and "trained on agility" in error
+    assert not output.exists()
+
+
 @pytest.mark.parametrize("case", ["outside", "gap", "beam", "frames alone", "with ids", "export no id", "folder",
                                   "over the plan"])
 def test_bad_arguments_and_frames_are_refused_before_anything_is_written(tmp_path, case):
