@@ -166,6 +166,22 @@ def test_pymedphys_reads_the_same_mu_jaws_and_leaves(tmp_path):
     np.testing.assert_allclose(-mlc[:, 14:66, 1], arc.leaf_a, atol=1e-4)
 
 
+@pytest.mark.parametrize("name", ["millennium120", "mlci2"])
+def test_pymedphys_reads_an_arc_written_on_a_clinical_mlcs_own_leaves(tmp_path, name):
+    pymedphys = pytest.importorskip("pymedphys")
+    from epid.synthesis.mlc import MLC_GEOMETRIES
+
+    geometry = MLC_GEOMETRIES[name]
+    arc = generate_control_points(300, CONTROL_POINTS, geometry)
+    path = tmp_path / f"{name}.dcm"
+    write_plan(path, arc, mlc=geometry)
+    mlc = np.asarray(pymedphys.Delivery.from_dicom(path).mlc)[:, ::-1]
+    assert mlc.shape[1] == geometry.pairs[0]
+    leaf = geometry.strip_leaves[0]  # the leaf over each strip: the strip's edges are that leaf's position
+    np.testing.assert_allclose(mlc[:, leaf, 0], arc.leaf_b, atol=1e-4)
+    np.testing.assert_allclose(-mlc[:, leaf, 1], arc.leaf_a, atol=1e-4)
+
+
 def test_beam_mu_scales_the_frames_mu(tmp_path):
     arc = generate_control_points(100, 10)
     path = tmp_path / "arc.dcm"
