@@ -22,7 +22,7 @@ import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 import torch
@@ -32,7 +32,6 @@ from epid.config.load import VARIABLE_OF_FIELD, Config
 from epid.core.errors import InputError
 from epid.data.dataset import assemble_batch
 from epid.data.windows import Window, num_samples, split_range
-from epid.dicom.plan import PlanBeam
 from epid.evaluation.gamma import gamma_pass_rate
 from epid.models.families import predict_frames
 from epid.reconstruction import estimate as estimate_module
@@ -42,6 +41,9 @@ from epid.synthesis.kernel import kernel_from_config
 from epid.synthesis.mlc import LEGACY_GRID, MlcGeometry
 from epid.synthesis.physics import LIMITS, PRESETS, Physics, physics_of
 from epid.synthesis.sequences import PATTERNS, generate_control_points, leaf_band, pattern_for
+
+if TYPE_CHECKING:
+    from epid.dicom.plan import PlanBeam
 
 SAMPLE_SPLITS = ("val", "train", "all")
 T = TypeVar("T")
