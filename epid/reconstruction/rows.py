@@ -138,7 +138,7 @@ class RowDomain:
         response, aperture = forward_model.response, forward_model.aperture
         device = torch.device(device) if device is not None else next(forward_model.parameters()).device
         with torch.no_grad():
-            kernel = (response.kernel() * response.log_gain.exp()).double()
+            kernel = (response.kernel() * response.log_gain.exp()).double().cpu()  # one filter, built on the CPU
             spectrum = response._spectrum(kernel)
             sigma_mm = target_sigma(spectrum, tuple(response.fft_shape))
             taps, gram = _target_taps(sigma_mm)
@@ -266,9 +266,9 @@ def target_sigma(spectrum: Tensor, fft_shape: tuple[int, int]) -> float:
 def filter_error(spectrum: Tensor, sigma_mm: float, fft_shape: tuple[int, int]) -> float:
     """||W K - T|| / ||T|| over the spectrum: how far the Wiener filter W of the response K
     (``spectrum``) falls short of turning K into the Gaussian T of width ``sigma_mm``."""
-    target = _target_spectrum(sigma_mm, fft_shape)
+    target = _target_spectrum(sigma_mm, fft_shape).to(spectrum.device)
     achieved = _wiener(spectrum, target) * spectrum
-    columns = torch.full((target.shape[-1],), 2.0, dtype=torch.float64)  # the half spectrum's mirrored columns
+    columns = torch.full((target.shape[-1],), 2.0, dtype=torch.float64, device=spectrum.device)  # mirrored columns
     columns[0] = 1.0
     if fft_shape[-1] % 2 == 0:
         columns[-1] = 1.0

@@ -5,6 +5,7 @@ agree better with its start."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from unittest import mock
 
@@ -255,3 +256,17 @@ def test_leaves_move_in_groups_that_hardly_see_each_other(sigma_mm, groups):
         assert np.exp(-0.5 * (spacing * 5.0 / sigma_mm) ** 2) <= leaves.GROUP_COUPLING
     if groups > 1:
         assert np.exp(-0.5 * ((groups - 1) * 5.0 / sigma_mm) ** 2) > leaves.GROUP_COUPLING
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_broad_responses_arc_reconstruction_on_cuda_is_the_cpus():
+    forward, signals, truth, band = noisy_broad_run(frames=12)
+    _, inverse = build_models("tiny", "aperture")
+    results = []
+    for device in ("cpu", "cuda"):
+        models = [copy.deepcopy(model).to(device).eval() for model in (forward, inverse)]
+        with torch.inference_mode():
+            arc = estimate_module.reconstruct_arc(*models, signals.to(device))
+        results.append(fallback.ControlPointRun(arc.leaf_a[None].cpu(), arc.leaf_b[None].cpu(), arc.jaws[None].cpu()))
+    assert rows.RowDomain.of(forward.to("cuda"), torch.device("cuda")).broad
+    assert leaf_mae(results[1], results[0], band) < 0.05
