@@ -2,6 +2,6 @@
 
 ``files`` reads and writes DICOM files (bare data sets without a preamble included); ``plan``
 reads RT Plans onto control points and writes synthetic arcs as plans, ``mlc_devices`` reading
-and writing a beam's MLC devices; ``image`` writes frames as RT Images and reads measured frames
+a beam's MLC devices; ``image`` writes frames as RT Images and reads measured frames
 onto the 1 mm grid; ``series`` reads measured images as clinics record them.
 """

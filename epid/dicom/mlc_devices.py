@@ -1,4 +1,4 @@
-"""The MLC of an RT Plan beam: its leaf devices read as an ``MlcGeometry``, and the devices written.
+"""The MLC of an RT Plan beam: its leaf devices read as an ``MlcGeometry``.
 
 A single-layer MLC is the device ``MLCX`` (bank A the first half of its ``LeafJawPositions``, the
 IEC 61217 X1 side; bank B the second half, X2). A dual-layer MLC is two devices whose types start
@@ -55,7 +55,7 @@ def read_mlc(where: str, devices: dict[str, Dataset], numbers: Callable[[Dataset
         raise error(f"{where}: MLC devices {', '.join(names)}: at most two layers are read")
     layers = [_boundaries(where, name, devices[name], numbers, error) for name in names]
     geometry = from_boundaries(layers, MAX_TRAVEL_MM)
-    order = _layer_order(geometry, layers)
+    order = geometry.layer_order(layers)
     named = f" ({geometry.name})" if geometry.name != "plan" else ""
     described = [f"{names[i]}{named if len(names) == 1 else ''} {len(layers[i]) - 1} leaf pairs: "
                  f"{widths_text(layers[i])}" for i in order]
@@ -78,12 +78,3 @@ def _boundaries(where: str, name: str, device: Dataset, numbers: Callable[[Datas
     if len(boundaries) < 2 or np.any(np.diff(boundaries) <= 0):
         raise error(f"{where}: {name} LeafPositionBoundaries are not increasing")
     return boundaries
-
-
-def _layer_order(geometry: MlcGeometry, layers: list[np.ndarray]) -> list[int]:
-    """For each of ``geometry``'s layers, the index of the device layer that is it."""
-    order = []
-    for own in geometry.layers:
-        order.append(next(i for i, given in enumerate(layers) if i not in order and len(given) == len(own)
-                          and np.allclose(given, own, rtol=0.0, atol=1e-3)))
-    return order

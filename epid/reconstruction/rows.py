@@ -266,9 +266,9 @@ def target_sigma(spectrum: Tensor, fft_shape: tuple[int, int]) -> float:
 def filter_error(spectrum: Tensor, sigma_mm: float, fft_shape: tuple[int, int]) -> float:
     """||W K - T|| / ||T|| over the spectrum: how far the Wiener filter W of the response K
     (``spectrum``) falls short of turning K into the Gaussian T of width ``sigma_mm``."""
-    target = _target_spectrum(sigma_mm, fft_shape).to(spectrum.device)
+    target = _target_spectrum(sigma_mm, fft_shape)
     achieved = _wiener(spectrum, target) * spectrum
-    columns = torch.full((target.shape[-1],), 2.0, dtype=torch.float64, device=spectrum.device)  # mirrored columns
+    columns = torch.full((target.shape[-1],), 2.0, dtype=torch.float64)  # the half spectrum's mirrored columns
     columns[0] = 1.0
     if fft_shape[-1] % 2 == 0:
         columns[-1] = 1.0

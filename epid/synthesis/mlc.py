@@ -65,7 +65,8 @@ class MlcGeometry:
         geometry = cls(str(values["name"]), str(values["description"]),
                        tuple(tuple(float(v) for v in b) for b in values["layers"]), float(values["travel_mm"]),
                        bool(values.get("x_jaws", True)), bool(values.get("y_jaws", True)))
-        return MLC_GEOMETRIES.get(geometry.name) if MLC_GEOMETRIES.get(geometry.name) == geometry else geometry
+        known = MLC_GEOMETRIES.get(geometry.name)
+        return known if known == geometry else geometry
 
     @property
     def pairs(self) -> tuple[int, ...]:
@@ -74,16 +75,21 @@ class MlcGeometry:
 
     def matches(self, layers: Sequence[np.ndarray]) -> bool:
         """Whether leaf boundaries of a plan's layers (in any order) are this MLC's."""
-        if sorted(len(b) for b in layers) != sorted(len(b) for b in self.layers):
-            return False
-        remaining = [np.asarray(b, dtype=np.float64) for b in self.layers]
-        for given in layers:
-            found = next((i for i, own in enumerate(remaining) if len(own) == len(given)
-                          and np.allclose(own, given, rtol=0.0, atol=BOUNDARY_MATCH_MM)), None)
+        return self.layer_order(layers) is not None
+
+    def layer_order(self, layers: Sequence[np.ndarray]) -> list[int] | None:
+        """For each of this MLC's layers, the index of the given layer (leaf boundaries, any order)
+        that is it; None when the given layers are not this MLC's."""
+        if len(layers) != len(self.layers):
+            return None
+        order: list[int] = []
+        for own in self.layers:
+            found = next((i for i, given in enumerate(layers) if i not in order and len(given) == len(own)
+                          and np.allclose(given, own, rtol=0.0, atol=BOUNDARY_MATCH_MM)), None)
             if found is None:
-                return False
-            remaining.pop(found)
-        return True
+                return None
+            order.append(found)
+        return order
 
     @property
     def modelled(self) -> bool:
