@@ -35,7 +35,7 @@ from epid.core.cli import run_main
 from epid.core.devices import resolve_device
 from epid.core.errors import InputError
 from epid.evaluation.arc_review import ArcSegment, arc_errors, pooled_errors, reconstruct_segment, synthesise_segment
-from epid.evaluation.gamma import gamma_index, gamma_pass_rate
+from epid.evaluation.gamma import GammaCriteria, gamma_pass_rates
 from epid.evaluation.inference import SynthesisSettings, load_synthesis_kernel, resolve_synthesis
 from epid.evaluation.plan_qa import predict_plan_frames
 from epid.models.checkpoint import build_models_from_checkpoint, load_checkpoint
@@ -105,8 +105,8 @@ def forward_gamma(forward_model: torch.nn.Module, segment: ArcSegment, settings:
                             ("leaf_a", "leaf_b", "jaw_1", "jaw_2", "mu", "leaf_weight")},
                          dataset_id=points.dataset_id, pattern=points.pattern)
     predicted = predict_plan_frames(forward_model, plan, device)
-    gamma = gamma_index(segment.frames[1:], predicted, dose_percent=2.0, distance_mm=2.0, lower_percent_cutoff=10.0)
-    return float(gamma_pass_rate(gamma).mean())
+    criteria = GammaCriteria(dose_percent=2.0, distance_mm=2.0, cutoff_percent=10.0)
+    return float(gamma_pass_rates(segment.frames[1:], predicted, criteria, device).nanmean())
 
 
 def chosen_arcs(text: str, trained: set[int]) -> list[int]:

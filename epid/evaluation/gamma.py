@@ -9,12 +9,14 @@ gamma any more, and at ``distance_mm * max_gamma`` at most. How all points of al
 searched together, and the workspaces kept between calls, is ``epid.evaluation.gamma_search``.
 
 ``GammaCriteria`` holds one set of criteria; ``gamma_maps`` and ``gamma_pass_rate`` are the one
-pipeline training's validation, ``epid.evaluation.inference`` and ``epid.evaluation.compare``
-compute pass rates with.
+pipeline that gamma maps and pass rates come from; ``gamma_pass_rates`` gives the rates alone,
+searching only as far as a pass needs (``PASS_MAX_GAMMA``): training's validation, the quality
+figures and the plan QA use it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -35,6 +37,10 @@ DISTANCE_MM = 3.0
 LOWER_PERCENT_CUTOFF = 10.0
 MAX_GAMMA = 2.0
 """Default criteria: 3 %/3 mm global, 10 % lower cutoff, gamma reported up to 2."""
+PASS_MAX_GAMMA = 1.0001
+"""The cap a pass rate needs: a point passes (gamma <= 1) only through a sample within the
+distance criterion, so the search can stop there; a point beyond it reads just above 1 and fails.
+Half the search radius of ``MAX_GAMMA``, the same pass rates."""
 
 
 @torch.inference_mode(False)  # worker threads do not inherit inference mode; kept buffers outlive it
@@ -196,6 +202,22 @@ def gamma_maps(
                             pixel_mm=pixel_mm, **criteria.arguments())
         maps.append(gamma.float().cpu())
     return torch.cat(maps)
+
+
+def gamma_pass_rates(
+    reference: torch.Tensor,
+    evaluation: torch.Tensor,
+    criteria: GammaCriteria = DEFAULT_CRITERIA,
+    device: torch.device | str = "cpu",
+    *,
+    pixel_mm: float = 1.0,
+    batch_size: int = 16,
+) -> torch.Tensor:
+    """The pass rate (%, (S,), NaN where no point is above the cutoff) of each image of
+    ``evaluation`` against ``reference`` under ``criteria``: ``gamma_pass_rate`` of ``gamma_maps``,
+    the search stopped at the distance criterion (``PASS_MAX_GAMMA``)."""
+    capped = dataclasses.replace(criteria, max_gamma=PASS_MAX_GAMMA)
+    return gamma_pass_rate(gamma_maps(reference, evaluation, capped, device, pixel_mm=pixel_mm, batch_size=batch_size))
 
 
 def _check_options(

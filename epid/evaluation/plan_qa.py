@@ -63,7 +63,7 @@ from epid.dicom.image import MeasuredFrames
 from epid.dicom.plan import PlanBeam
 from epid.dicom.series import MeasuredSeries
 from epid.evaluation import arc_review, delivery_errors, plots, timeline
-from epid.evaluation.gamma import GammaCriteria, gamma_maps, gamma_pass_rate
+from epid.evaluation.gamma import GammaCriteria, gamma_maps, gamma_pass_rates
 from epid.evaluation.timeline import Progress
 from epid.reconstruction.estimate import Stages
 from epid.synthesis.geometry import LEAF_WIDTH_MM, MLC_Y_MIN_MM, NUM_LEAF_PAIRS
@@ -251,8 +251,8 @@ def frame_gamma(measured: Tensor, predicted: Tensor, device: torch.device | str 
     for start in range(0, len(measured), batch_size):
         stop = min(start + batch_size, len(measured))
         for key, criteria in GAMMA_CRITERIA.items():
-            maps = gamma_maps(measured[start:stop], predicted[start:stop], criteria, device, batch_size=batch_size)
-            rates[key].append(gamma_pass_rate(maps))
+            rates[key].append(gamma_pass_rates(measured[start:stop], predicted[start:stop], criteria, device,
+                                               batch_size=batch_size))
         if progress is not None:
             progress(stop - start)
     pass_rates = {key: torch.cat(values).numpy().astype(np.float64) for key, values in rates.items()}
@@ -260,8 +260,8 @@ def frame_gamma(measured: Tensor, predicted: Tensor, device: torch.device | str 
     worst = int(np.nanargmin(tg218)) if np.isfinite(tg218).any() else 0
     worst_map = gamma_maps(measured[worst:worst + 1], predicted[worst:worst + 1], GAMMA_CRITERIA[TG218_CRITERION],
                            device)[0].numpy()
-    integrated = {key: float(gamma_pass_rate(gamma_maps(measured.sum(0, keepdim=True), predicted.sum(0, keepdim=True),
-                                                        criteria, device))[0])
+    integrated = {key: float(gamma_pass_rates(measured.sum(0, keepdim=True), predicted.sum(0, keepdim=True),
+                                              criteria, device)[0])
                   for key, criteria in GAMMA_CRITERIA.items()}
     return FrameGamma(pass_rates, integrated, worst, worst_map)
 

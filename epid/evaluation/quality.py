@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from epid.core.tables import format_table
-from epid.evaluation.gamma import GammaCriteria, gamma_maps, gamma_pass_rate
+from epid.evaluation.gamma import GammaCriteria, gamma_pass_rates
 from epid.evaluation.inference import Predictions, SampleSet, jaw_band
 from epid.synthesis.geometry import NUM_LEAF_PAIRS
 from epid.synthesis.sequences import PATTERNS
@@ -85,7 +85,7 @@ def pass_rates(samples: SampleSet, predictions: Predictions, device: torch.devic
                criteria: Sequence[str] = tuple(QUALITY_CRITERIA)) -> dict[str, Tensor]:
     """Per criterion (names of ``QUALITY_CRITERIA``): the pass rate (%) of each sample's predicted frame (S,)."""
     return {
-        name: gamma_pass_rate(gamma_maps(samples.epid_curr, predictions.epid, QUALITY_CRITERIA[name], device))
+        name: gamma_pass_rates(samples.epid_curr, predictions.epid, QUALITY_CRITERIA[name], device)
         for name in criteria
     }
 

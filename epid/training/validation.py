@@ -18,7 +18,7 @@ from torch import Tensor
 
 from epid.config.load import Config
 from epid.core.devices import autocast
-from epid.evaluation.gamma import gamma_maps, gamma_pass_rate
+from epid.evaluation.gamma import gamma_pass_rates
 from epid.models.families import CrossModel, predict_frames
 from epid.models.losses import LOSS_TERMS, batch_losses
 from epid.training.progress import IterationTimer, TimingReport
@@ -81,6 +81,6 @@ class Validation:
         predicted = torch.cat(predictions)
         self.frames = [(dataset_id, sample, inputs["epid_curr"][index].cpu(), predicted[index].cpu())
                        for index, (dataset_id, sample) in enumerate(self.data.gamma_items[:self.keep_frames])]
-        rates = gamma_pass_rate(gamma_maps(inputs["epid_curr"], predicted, device=self.device))
+        rates = gamma_pass_rates(inputs["epid_curr"], predicted, device=self.device)
         counted = ~torch.isnan(rates)
         return torch.where(counted, rates, 0.0).sum().to(self.device), counted.sum().float().to(self.device)

@@ -10,7 +10,14 @@ import torch
 from scipy.ndimage import gaussian_filter, maximum_filter, minimum_filter, shift
 
 from epid.evaluation import gamma_search
-from epid.evaluation.gamma import gamma_index, gamma_pass_rate, release_workspaces
+from epid.evaluation.gamma import (
+    GammaCriteria,
+    gamma_index,
+    gamma_maps,
+    gamma_pass_rate,
+    gamma_pass_rates,
+    release_workspaces,
+)
 
 
 def epid_like_field(rng: np.random.Generator, height: int = 64, width: int = 80) -> np.ndarray:
@@ -357,3 +364,18 @@ def test_agrees_with_pymedphys(case):
     expected_pass = 100 * np.mean(expected[counted] <= 1)
     assert abs(gamma_pass_rate(torch.from_numpy(gamma)).item() - expected_pass) < 0.5
     assert expected_pass < 100  # the case has failing points to agree on
+
+
+@pytest.mark.parametrize("kind", ["shift", "scale", "noise"])
+@pytest.mark.parametrize("local", [False, True])
+def test_pass_rates_searched_to_the_distance_criterion_are_the_full_searchs(kind, local):
+    rng = np.random.default_rng(7)
+    reference = torch.from_numpy(np.stack([epid_like_field(rng, 56, 72) for _ in range(6)])).float()
+    evaluation = torch.from_numpy(np.stack([_perturbed(image, rng, kind) for image in reference.numpy()])).float()
+    failing = []
+    for criteria in (GammaCriteria(2.0, 2.0, 10.0, local), GammaCriteria(1.0, 1.0, 10.0, local, max_gamma=3.0)):
+        full = gamma_pass_rate(gamma_maps(reference, evaluation, criteria, batch_size=4))
+        rates = gamma_pass_rates(reference, evaluation, criteria, batch_size=4)
+        torch.testing.assert_close(rates, full, rtol=0, atol=0)
+        failing.append(float(full.min()) < 100)
+    assert any(failing)  # failing points to agree on
