@@ -519,9 +519,8 @@ def review_plan(args: argparse.Namespace) -> int:
         else:
             _stage("predicting the integrated image over its span of the beam")
             compared = timeline.predict_spans(models[0], placement, device, args.batch_size)
-        measured_frames = torch.from_numpy(np.array(series.frames))
-        calibration = plan_qa.calibrate(args.calibration, placement, measured_frames, compared, commissioned, image)
-        measured_frames.mul_(calibration["scale"])
+        measured_frames, calibration = plan_qa.calibrated_frames(series, placement, compared, args.calibration,
+                                                                 commissioned, image)
         _stage(f"  calibration: {calibration['method']}, scale {calibration['scale']:.6g}")
         return integrated_report(args, beam, series, measured_frames, compared, {**context, "calibration": calibration},
                                  output_dir, started)

@@ -210,6 +210,16 @@ def calibrate(mode: str, placement: timeline.Placement, measured: Tensor, predic
             "scale": timeline.calibration_scale(measured, predicted)}
 
 
+def calibrated_frames(series: MeasuredSeries, placement: timeline.Placement, predicted: Tensor, mode: str,
+                      commissioned: float | None = None, image: dict[str, Any] | None = None
+                      ) -> tuple[Tensor, dict[str, Any]]:
+    """The measured frames of ``series`` (K, 256, 256) in the models' units by ``calibrate`` against
+    their ``predicted`` frames, and the calibration {method, scale}."""
+    frames = torch.from_numpy(np.array(series.frames, dtype=np.float32))
+    calibration = calibrate(mode, placement, frames, predicted, commissioned, image)
+    return frames.mul_(calibration["scale"]), calibration
+
+
 def calibration_image(forward_model: nn.Module, series: MeasuredSeries, width_mm: float, length_mm: float,
                       mu: float, device: torch.device | str = "cpu") -> dict[str, Any]:
     """The calibration {method, scale} from a measured image of an open reference field
@@ -312,9 +322,7 @@ def measured_qa(models: tuple[nn.Module, nn.Module], series: MeasuredSeries, pla
         say(f"predicting the {len(placement.boundaries_mu) - 1} frame(s) of the timeline over their spans")
         predicted = timeline.predict_spans(models[0], placement, device, batch_size)
     compared = predicted[points - 1]
-    frames = torch.from_numpy(np.array(series.frames, dtype=np.float32))
-    calibration = calibrate(calibration_mode, placement, frames, compared, commissioned, image)
-    frames.mul_(calibration["scale"])
+    frames, calibration = calibrated_frames(series, placement, compared, calibration_mode, commissioned, image)
     say(f"  calibration: {calibration['method']}, scale {calibration['scale']:.6g}")
     say(f"gamma of {len(points)} measured frames: 3 %/2 mm and 2 %/2 mm global, cutoff 10 %")
     gamma = frame_gamma(frames, compared, device, batch_size)
