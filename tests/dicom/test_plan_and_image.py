@@ -321,6 +321,55 @@ def test_positions_a_control_point_omits_carry_over(tmp_path):
     np.testing.assert_allclose(beam.gantry_deg, [180, 180, 180, 180])
 
 
+@pytest.mark.parametrize("system", ["raystation", "pinnacle"])
+def test_raystation_and_pinnacle_shaped_plans_read_as_their_positions_say(tmp_path, system, monkeypatch):
+    """RayStation: every device at every control point, positions with four decimals (and -0.0000),
+    a dose rate and a rotation direction at each point, the manufacturer named. Pinnacle: symmetric
+    X / Y jaw types, the MLC first in every sequence, cumulative meterset weights in MU (the final
+    one 250, not 1), a bare data set (implicit VR, no preamble)."""
+    monkeypatch.setattr(files_module, "_PREAMBLE_NOTED", [])
+    rng = np.random.default_rng(9)
+    count = 5
+    leaf_a, leaf_b = random_leaves(rng, count, 80)
+    leaf_a[:, 40] = 0.0
+    jaws_y = np.array([[-45.0, 45.0]] * count) if system == "pinnacle" else np.array([[-61.3, 47.5]] * count)
+    jaws_x = np.array([[-70.0, 70.0]] * count)
+    weights = np.concatenate([[0.0], np.cumsum(rng.random(count - 1))])
+    weights = weights / weights[-1] * (250.0 if system == "pinnacle" else 1.0)
+    plan = hand_plan(agility_boundaries(), leaf_a, leaf_b, jaws_y=jaws_y, jaws_x=jaws_x, weights=weights,
+                     x_type="X" if system == "pinnacle" else "ASYMX", y_type="Y" if system == "pinnacle" else "ASYMY")
+    beam = plan.BeamSequence[0]
+    if system == "raystation":
+        plan.Manufacturer = "RaySearch Laboratories"
+        for index, point in enumerate(beam.ControlPointSequence):
+            point.DoseRateSet = "600"
+            point.GantryRotationDirection = "CW" if index < count - 1 else "NONE"
+            values = {"ASYMX": jaws_x[index], "ASYMY": jaws_y[index],
+                      "MLCX": np.concatenate([leaf_a[index], leaf_b[index]])}
+            for position in point.BeamLimitingDevicePositionSequence:
+                position.LeafJawPositions = ["-0.0000" if v == 0 else f"{v:.4f}"
+                                             for v in values[position.RTBeamLimitingDeviceType]]
+        path = saved(tmp_path, plan)
+    else:
+        plan.Manufacturer = "Philips Radiation Oncology Systems"
+        beam.BeamLimitingDeviceSequence = Sequence(list(beam.BeamLimitingDeviceSequence)[::-1])
+        for point in beam.ControlPointSequence:
+            point.BeamLimitingDevicePositionSequence = Sequence(list(point.BeamLimitingDevicePositionSequence)[::-1])
+        path = tmp_path / "pinnacle.dcm"
+        plan.save_as(path, implicit_vr=True, little_endian=True, enforce_file_format=False)
+    (read,) = read_plan(path)
+    points = read.control_points
+    rows = np.arange(14, 66)
+    expected_a = np.clip(leaf_a[:, rows], -70, 70)
+    np.testing.assert_allclose(points.leaf_a, expected_a, atol=1e-4)
+    np.testing.assert_allclose(points.leaf_b, np.maximum(np.clip(leaf_b[:, rows], -70, 70), expected_a), atol=1e-4)
+    np.testing.assert_allclose(points.jaw_1, jaws_y[:, 0], atol=1e-4)
+    np.testing.assert_allclose(points.jaw_2, jaws_y[:, 1], atol=1e-4)
+    written = np.array([float(f"{w:.6f}") for w in weights])
+    np.testing.assert_allclose(points.mu, np.concatenate([[0], 250 * np.diff(written) / written[-1]]), rtol=1e-6)
+    assert read.beam_mu == 250 and np.all(np.isfinite(points.leaf_a))
+
+
 # --------------------------------------------------------------------------- bad plans
 
 
