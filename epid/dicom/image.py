@@ -27,6 +27,7 @@ image), as other tools can write them.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Callable, Sequence
@@ -327,7 +328,7 @@ def grid_frames(path: str, dataset: Dataset) -> GridFrames:
     geometry = _geometry(path, dataset)
     slope = float(dataset.get("RescaleSlope", 1) or 1)
     intercept = float(dataset.get("RescaleIntercept", 0) or 0)
-    resample = _Resampler(geometry, int(dataset.Rows), int(dataset.Columns))
+    resample = _resampler(geometry, int(dataset.Rows), int(dataset.Columns))
     stored = pydicom.pixels.iter_pixels(dataset)
     frames = np.empty((count, GRID_SIZE, GRID_SIZE), dtype=np.float32)
     outside = np.zeros(count)
@@ -452,6 +453,13 @@ def _box_weights(pixel_edges: np.ndarray, cell_edges: np.ndarray) -> np.ndarray:
     return overlap / (cell_edges[1:, None] - cell_edges[:-1, None])
 
 
+@functools.lru_cache(maxsize=8)
+def _resampler(geometry: _Geometry, rows: int, columns: int) -> _Resampler:
+    """The ``_Resampler`` of an image geometry, made once: the single-frame files of a cine series
+    share theirs (its weights took two fifths of reading a series)."""
+    return _Resampler(geometry, rows, columns)
+
+
 class _Resampler:
     """Maps frames (B, rows, columns) of an RT Image onto the project's grid (B, 256, 256).
 
@@ -488,7 +496,7 @@ class _Resampler:
         pixel_y = first_y - np.arange(rows) * row_pitch
         grid_x, grid_y = self._collimator(pixel_x[None, :], pixel_y[:, None])
         half = GRID_SIZE / 2 * PIXEL_MM
-        self.outside = (np.abs(grid_x) > half) | (np.abs(grid_y) > half)
+        self.outside = np.flatnonzero((np.abs(grid_x) > half) | (np.abs(grid_y) > half))
 
     def _receptor(self, x: np.ndarray | float, y: np.ndarray | float) -> tuple[np.ndarray | float, np.ndarray | float]:
         """Receptor coordinates q (mm at the isocentre) of collimator points (x, y)."""
@@ -507,7 +515,7 @@ class _Resampler:
         flat = frames.reshape(len(frames), -1)
         field = np.where(flat >= FIELD_LEVEL * flat.max(axis=1, keepdims=True), flat, 0.0)
         total = field.sum(axis=1)
-        outside = field[:, self.outside.ravel()].sum(axis=1) if self.outside.any() else np.zeros(len(frames))
+        outside = field[:, self.outside].sum(axis=1)
         return np.divide(100.0 * outside, total, out=np.zeros(len(frames)), where=total > 0)
 
     def __call__(self, frames: np.ndarray) -> np.ndarray:
