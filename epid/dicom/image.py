@@ -453,7 +453,7 @@ def _box_weights(pixel_edges: np.ndarray, cell_edges: np.ndarray) -> np.ndarray:
     return overlap / (cell_edges[1:, None] - cell_edges[:-1, None])
 
 
-@functools.lru_cache(maxsize=8)
+@functools.lru_cache(maxsize=4)
 def _resampler(geometry: _Geometry, rows: int, columns: int) -> _Resampler:
     """The ``_Resampler`` of an image geometry, made once: the single-frame files of a cine series
     share theirs (its weights took two fifths of reading a series)."""
@@ -496,7 +496,8 @@ class _Resampler:
         pixel_y = first_y - np.arange(rows) * row_pitch
         grid_x, grid_y = self._collimator(pixel_x[None, :], pixel_y[:, None])
         half = GRID_SIZE / 2 * PIXEL_MM
-        self.outside = np.flatnonzero((np.abs(grid_x) > half) | (np.abs(grid_y) > half))
+        # flat indices of the pixels off the grid (int32: a 1280 x 1280 panel's take 6.5 MB at most)
+        self.outside = np.flatnonzero((np.abs(grid_x) > half) | (np.abs(grid_y) > half)).astype(np.int32)
 
     def _receptor(self, x: np.ndarray | float, y: np.ndarray | float) -> tuple[np.ndarray | float, np.ndarray | float]:
         """Receptor coordinates q (mm at the isocentre) of collimator points (x, y)."""
