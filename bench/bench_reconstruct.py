@@ -106,7 +106,7 @@ def forward_gamma(forward_model: torch.nn.Module, segment: ArcSegment, settings:
                          dataset_id=points.dataset_id, pattern=points.pattern)
     predicted = predict_plan_frames(forward_model, plan, device)
     criteria = GammaCriteria(dose_percent=2.0, distance_mm=2.0, cutoff_percent=10.0)
-    return float(gamma_pass_rates(segment.frames[1:], predicted, criteria, device).nanmean())
+    return float(gamma_pass_rates(segment.frames[1:], predicted, criteria, device).mean())
 
 
 def chosen_arcs(text: str, trained: set[int]) -> list[int]:
