@@ -237,6 +237,20 @@ class DetectorResponse(nn.Module):
         parts = self.parts(fluence)
         return parts[:, 0] + parts[:, 1]
 
+    def adjoint(self, images: Tensor) -> Tensor:
+        """(B, 256, 256) imager images -> (B, 260, 256) leaf-grid fluence: the transpose of ``forward``
+        (the gradient of <images, forward(f)> with respect to f), two FFTs in and one out."""
+        images = images.float()
+        with torch.autocast(images.device.type, enabled=False):
+            rows = (torch.arange(GRID_SIZE, device=images.device, dtype=torch.float32) + 0.5) / GRID_SIZE
+            broad_weight = self.broad_gain[0] + self.broad_gain[1] * rows
+            kernel = self.kernel() * self.log_gain.exp()
+            broad_taps = gaussian_taps(self.broad_log_width, self.profile_y.offsets)[0]
+            spectra = torch.stack([self._spectrum(kernel), self._spectrum(torch.outer(broad_taps, broad_taps))])
+            seen = to_leaf_grid(torch.stack([images, broad_weight[:, None] * images], 1))  # (B, 2, 260, 256)
+            spectrum = (torch.fft.rfft2(seen, s=self.fft_shape) * spectra.conj()).sum(1)
+            return torch.fft.irfft2(spectrum, s=self.fft_shape)[..., :LEAF_GRID_ROWS, :GRID_SIZE]
+
     def parts(self, fluence: Tensor) -> Tensor:
         """(B, 260, 256) leaf-grid fluence -> (B, 2, 256, 256): the image through the kernel and the
         broad term (the fluence's wide blur weighted per row)."""

@@ -117,6 +117,12 @@ def _render_pairs(forward_model: nn.Module, leaf_a: Tensor, leaf_b: Tensor, jaws
     curr]: the per-leaf misfits (K, 52), the least-squares MU (K,) and the residuals (K, 256, 256)."""
     scalars = torch.cat([jaws.new_ones(len(jaws), 1), jaws[:, :, 0], jaws[:, :, 1]], 1).float()
     rendered = forward_model.render(leaf_a.flatten(1).float(), leaf_b.flatten(1).float(), scalars)[0]
+    return frame_misfits(rendered, measured)
+
+
+def frame_misfits(rendered: Tensor, measured: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Renderings per MU and frames (K, 256, 256): the per-leaf misfits (K, 52) at the least-squares
+    MU (K,), and the residuals (K, 256, 256)."""
     measured = measured.float()
     mu = (rendered * measured).sum((-2, -1)) / (rendered * rendered).sum((-2, -1)).clamp_min(1e-12)
     residuals = measured - mu[:, None, None] * rendered
@@ -126,12 +132,13 @@ def _render_pairs(forward_model: nn.Module, leaf_a: Tensor, leaf_b: Tensor, jaws
 
 
 def keep_better(forward_model: nn.Module, signals: Tensor, start: ControlPointRun, fit: ControlPointRun,
-                batch_frames: int = BATCH_FRAMES, start_rendering: Rendering | None = None) -> Kept:
+                batch_frames: int = BATCH_FRAMES, start_rendering: Rendering | None = None,
+                fit_rendering: Rendering | None = None) -> Kept:
     """The fit where the frames (lag-free, (B, F, 256, 256)) agree with it at least as well as with
-    ``start``, else the start, per control point and leaf (module docstring); ``start_rendering``:
-    the start's, when already made."""
+    ``start``, else the start, per control point and leaf (module docstring); ``start_rendering``
+    and ``fit_rendering``: theirs, when already made."""
     renderings = [start_rendering or render_run(forward_model, signals, start, batch_frames),
-                  render_run(forward_model, signals, fit, batch_frames)]
+                  fit_rendering or render_run(forward_model, signals, fit, batch_frames)]
     start_misfit, fit_misfit = (rendering.misfits for rendering in renderings)
     start_rows, fit_rows = _point_costs(start_misfit), _point_costs(fit_misfit)
     leaves_from_start = start_rows < KEEP_START_BELOW * fit_rows  # (B, F + 1, 52)
