@@ -17,11 +17,11 @@ boundary row loses that share (the class of the edge: four, from its two boundar
 the response K, two such columns have as inner product C(dy, dx) summed over their rows, C the
 autocorrelation of K (``ResponseCorrelation``: tabulated by leaf offset and the two classes). A jaw
 changes the row its edge is in over that leaf's opening: C summed over two lines. The strip is not
-a detail: left out, the curvature of an edge was a third short, and Gauss-Newton steps failed where
-neighbouring leaves move apart; with it, the misfit along a step of up to 1 mm matched the quadratic
-model within 1 to 7 %. Each frame's 7 sub-aperture positions are merged to ``SUB_SAMPLES`` for the
-curvature, leaves further apart than where C falls below ``CORRELATION_FLOOR`` of its peak are left
-uncoupled, and so are the jaws from the leaves.
+a detail: left out, the curvature of an edge level with its neighbours was a third short, and
+Gauss-Newton steps failed where neighbouring leaves move apart; with it, the misfit along a step of
+up to 1 mm matched the quadratic model within 1 to 7 %. Each frame's 7 sub-aperture positions are
+merged to ``SUB_SAMPLES`` for the curvature, leaves further apart than where C falls below
+``CORRELATION_FLOOR`` of its peak are left uncoupled, and so are the jaws from the leaves.
 
 Frame k couples control points k and k + 1 only, so the normal equations are block tridiagonal (106
 unknowns per point) and are solved exactly in one sweep along the run (``solve_chain``). Levenberg-

@@ -161,3 +161,22 @@ def test_a_step_that_raises_the_misfit_is_not_taken():
     torch.testing.assert_close(points.leaf_a, start.leaf_a)
     torch.testing.assert_close(points.jaws, start.jaws)
     torch.testing.assert_close(rendering.misfits, before.misfits)
+
+
+def test_a_run_that_cannot_improve_neither_moves_nor_holds_back_another():
+    """Two runs in one batch: one started off the truth takes the steps; one already at it (the forward
+    model's own noise-free frames: no step can lower its misfit) stays where it is."""
+    forward = broad_forward()
+    domain = rows.RowDomain.of(forward)
+    truth = some_points(frames=4)
+    signals = rendered(forward, truth).float() * 3.0  # 3 MU a frame
+    off = truth.clone()
+    off[0, :, :104] += 0.4 * torch.sin(torch.arange(104.0))  # each leaf off by up to 0.4 mm
+    x = torch.cat([off, truth])
+    start = fallback.ControlPointRun(x[..., :52], x[..., 52:104], x[..., 104:])
+    points, rendering = descent.descend(forward, domain, torch.stack([signals, signals]), start, steps=2)
+    torch.testing.assert_close(points.leaf_a[1], truth[0, :, :52])
+    torch.testing.assert_close(points.jaws[1], truth[0, :, 104:])
+    before = fallback.render_run(forward, torch.stack([signals, signals]), start).misfits.detach()
+    assert float(rendering.misfits[0].sum()) < 0.2 * float(before[0].sum())
+    torch.testing.assert_close(rendering.misfits[1], before[1])
