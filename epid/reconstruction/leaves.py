@@ -83,9 +83,10 @@ from epid.reconstruction.rows import (
     FIRST_BOUNDARY_MM,
     MAX_MOTION_MM,
     PHASES,
+    PRODUCT_STEP_MM,
     TABLE_STEP_MM,
     RowDomain,
-    gram_at,
+    mean_products,
 )
 from epid.synthesis.geometry import (
     GRID_SIZE,
@@ -393,19 +394,14 @@ def _motion_products(domain: RowDomain, weights: Tensor, motion: Tensor) -> Tens
 
 
 def _mean_product(domain: RowDomain, separation: Tensor) -> Tensor:
-    """A(p, p + s) averaged over the cell phase of p, at separations ``s`` >= 0 mm: the splat of s
-    against the gram, each lag weighted by the overlap of two unit cells."""
-    reach = domain.reach
-    lag = separation.floor()
-    f = separation - lag
-    lag = lag.long()
-
-    def g_at(k: Tensor) -> Tensor:
-        return gram_at(domain.gram, reach, k)
-
-    # lag k of the gram weighs B(k - s), B the overlap of two unit triangles (the cubic B-spline)
-    return ((2 / 3 - f * f + f * f * f / 2) * g_at(lag) + (1 / 6 + f / 2 + f * f / 2 - f * f * f / 2) * g_at(lag + 1)
-            + ((1 - f) ** 3 / 6) * g_at(lag - 1) + (f * f * f / 6) * g_at(lag + 2))
+    """A(p, p + s) averaged over the cell phase of p, at separations ``s`` >= 0 mm: ``mean_products``
+    linearly interpolated on its ``PRODUCT_STEP_MM`` grid."""
+    table = mean_products(domain.target_sigma_mm, str(separation.device))
+    index = (separation / PRODUCT_STEP_MM).clamp(0.0, len(table) - 1.001)
+    low = index.floor()
+    fraction = index - low
+    low = low.long()
+    return table[low] + (table[low + 1] - table[low]) * fraction
 
 
 def _phase_lookup(domain: RowDomain, phase: Tensor, motion: Tensor) -> Tensor:

@@ -81,6 +81,11 @@ MAX_MOTION_MM = 64.0
 """Largest motion of an edge within a frame that the ``step_products`` table covers, mm."""
 
 
+PRODUCT_STEP_MM = 1 / 64
+"""Separation grid of the ``mean_products`` table, mm (linear interpolation on it is within 1e-5 of
+the exact products for T 2 mm wide)."""
+
+
 FIRST_BOUNDARY_MM = 1 - GRID_SIZE / 2
 """x of the first of the 255 boundaries between imager columns, where differenced profiles sit."""
 
@@ -359,3 +364,23 @@ def _target_taps(sigma_mm: float) -> tuple[Tensor, Tensor]:
     taps = taps / taps.sum()
     gram = torch.nn.functional.conv1d(F.pad(taps, (2 * reach, 2 * reach))[None, None], taps[None, None])[0, 0]
     return taps, gram
+
+
+@functools.cache
+def mean_products(sigma_mm: float, device: str) -> Tensor:
+    """A(p, p + s) averaged over the cell phase of p, for T of width ``sigma_mm``, at s = 0,
+    ``PRODUCT_STEP_MM``, ... up to where it vanishes (2 reach + 2 mm): the splat of s against the gram,
+    each lag weighted by the overlap of two unit cells (B(k - s), the cubic B-spline)."""
+    _, gram = _target_taps(sigma_mm)
+    reach = (len(gram) - 1) // 4
+    separation = torch.arange(0.0, 2 * reach + 3, PRODUCT_STEP_MM, dtype=torch.float64)
+    lag = separation.floor()
+    f = separation - lag
+    lag = lag.long()
+
+    def g_at(k: Tensor) -> Tensor:
+        return gram_at(gram, reach, k)
+
+    values = ((2 / 3 - f * f + f * f * f / 2) * g_at(lag) + (1 / 6 + f / 2 + f * f / 2 - f * f * f / 2) * g_at(lag + 1)
+              + ((1 - f) ** 3 / 6) * g_at(lag - 1) + (f * f * f / 6) * g_at(lag + 2))
+    return values.float().to(device)
