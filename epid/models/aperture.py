@@ -242,14 +242,24 @@ class DetectorResponse(nn.Module):
         (the gradient of <images, forward(f)> with respect to f), two FFTs in and one out."""
         images = images.float()
         with torch.autocast(images.device.type, enabled=False):
-            rows = (torch.arange(GRID_SIZE, device=images.device, dtype=torch.float32) + 0.5) / GRID_SIZE
-            broad_weight = self.broad_gain[0] + self.broad_gain[1] * rows
-            kernel = self.kernel() * self.log_gain.exp()
-            broad_taps = gaussian_taps(self.broad_log_width, self.profile_y.offsets)[0]
-            spectra = torch.stack([self._spectrum(kernel), self._spectrum(torch.outer(broad_taps, broad_taps))])
-            seen = to_leaf_grid(torch.stack([images, broad_weight[:, None] * images], 1))  # (B, 2, 260, 256)
-            spectrum = (torch.fft.rfft2(seen, s=self.fft_shape) * spectra.conj()).sum(1)
+            weighted = torch.stack([images, self.broad_weight(images.device)[:, None] * images], 1)
+            spectrum = (torch.fft.rfft2(to_leaf_grid(weighted), s=self.fft_shape) * self._spectra().conj()).sum(1)
             return torch.fft.irfft2(spectrum, s=self.fft_shape)[..., :LEAF_GRID_ROWS, :GRID_SIZE]
+
+    def broad_taps(self) -> Tensor:
+        """The broad term's Gaussian along each axis, on the response's offsets (sum 1)."""
+        return gaussian_taps(self.broad_log_width, self.profile_y.offsets)[0]
+
+    def broad_weight(self, device: torch.device | str) -> Tensor:
+        """(256,) the broad term's weight on each imager row, b0 + b1 x (row position, 0 at the top)."""
+        rows = (torch.arange(GRID_SIZE, device=device, dtype=torch.float32) + 0.5) / GRID_SIZE
+        return self.broad_gain[0] + self.broad_gain[1] * rows
+
+    def _spectra(self) -> Tensor:
+        """(2, ...) the spectra (``_spectrum``) of the kernel with its gain and of the broad term's blur."""
+        broad_taps = self.broad_taps()
+        return torch.stack([self._spectrum(self.kernel() * self.log_gain.exp()),
+                            self._spectrum(torch.outer(broad_taps, broad_taps))])
 
     def parts(self, fluence: Tensor) -> Tensor:
         """(B, 260, 256) leaf-grid fluence -> (B, 2, 256, 256): the image through the kernel and the
@@ -257,14 +267,9 @@ class DetectorResponse(nn.Module):
         fluence = fluence.float()
         with torch.autocast(fluence.device.type, enabled=False):
             spectrum = torch.fft.rfft2(fluence, s=self.fft_shape)
-            kernel = self.kernel() * self.log_gain.exp()
-            broad_taps = gaussian_taps(self.broad_log_width, self.profile_y.offsets)[0]
-            spectra = torch.stack([self._spectrum(kernel), self._spectrum(torch.outer(broad_taps, broad_taps))])
-            images = torch.fft.irfft2(spectrum[:, None] * spectra, s=self.fft_shape)
+            images = torch.fft.irfft2(spectrum[:, None] * self._spectra(), s=self.fft_shape)
         images = to_imager(images[..., :LEAF_GRID_ROWS, :GRID_SIZE])  # (B, 2, 256, 256)
-        rows = (torch.arange(GRID_SIZE, device=fluence.device, dtype=torch.float32) + 0.5) / GRID_SIZE
-        broad_weight = self.broad_gain[0] + self.broad_gain[1] * rows
-        return torch.stack([images[:, 0], broad_weight[:, None] * images[:, 1]], 1)
+        return torch.stack([images[:, 0], self.broad_weight(fluence.device)[:, None] * images[:, 1]], 1)
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from epid.models.aperture import frame_sub_apertures, gaussian_taps
+from epid.models.aperture import frame_sub_apertures
 from epid.reconstruction.fallback import BATCH_FRAMES, ControlPointRun, Rendering, frame_misfits
 from epid.reconstruction.rows import RowDomain
 from epid.synthesis.geometry import GRID_SIZE, LEAF_WIDTH_MM, MLC_Y_MIN_MM, NUM_LEAF_PAIRS, SUB_APERTURES
@@ -72,8 +72,10 @@ START_DAMPING = 0.01
 JAW_REACH_MM = 16
 """Largest distance along y between two positions of a jaw within a frame that the jaw lines'
 table covers, mm (a jaw moves a few mm per control point)."""
-UNKNOWNS = 2 * NUM_LEAF_PAIRS + 2
-"""Per control point: bank A's leaves, bank B's, jaw_1 and jaw_2."""
+EDGES = 2 * NUM_LEAF_PAIRS
+"""Leaf edges per control point: bank A's leaves, then bank B's."""
+UNKNOWNS = EDGES + 2
+"""Per control point: the leaf edges, then jaw_1 and jaw_2."""
 
 
 @dataclass(frozen=True)
@@ -96,9 +98,8 @@ class ResponseCorrelation:
         response = forward_model.response
         with torch.no_grad():
             kernel = (response.kernel() * response.log_gain.exp()).double().cpu()
-            broad = gaussian_taps(response.broad_log_width, response.profile_y.offsets)[0].double().cpu()
-            rows = (torch.arange(GRID_SIZE, dtype=torch.float64) + 0.5) / GRID_SIZE
-            mean_broad = float(response.broad_gain[0]) + float(response.broad_gain[1]) * float(rows.mean())
+            broad = response.broad_taps().double().cpu()
+            mean_broad = float(response.broad_weight("cpu").double().mean())
             kernel = kernel + mean_broad * torch.outer(broad, broad)
             centre = max(kernel.shape[0] - 1, GRID_SIZE)  # C reaches 2 x the kernel's reach; the tables +-256 mm
             size = 2 * centre + 2
@@ -189,9 +190,8 @@ def descend(forward_model: nn.Module, domain: RowDomain, signals: Tensor, points
         if not last:
             gradient = torch.where(better[:, None, None], trial_gradient, gradient)
         damping = torch.where(better, damping / 3, damping * 4)
-    leaves = 2 * NUM_LEAF_PAIRS
-    return (ControlPointRun(x[..., :NUM_LEAF_PAIRS].contiguous(), x[..., NUM_LEAF_PAIRS:leaves].contiguous(),
-                            x[..., leaves:].contiguous()), rendering)
+    return (ControlPointRun(x[..., :NUM_LEAF_PAIRS].contiguous(), x[..., NUM_LEAF_PAIRS:EDGES].contiguous(),
+                            x[..., EDGES:].contiguous()), rendering)
 
 
 def _evaluate(forward_model: nn.Module, signals: Tensor, x: Tensor, batch_frames: int,
@@ -202,15 +202,14 @@ def _evaluate(forward_model: nn.Module, signals: Tensor, x: Tensor, batch_frames
     misfits = signals.new_zeros(runs, frames, NUM_LEAF_PAIRS)
     mu = signals.new_zeros(runs, frames)
     gradient = torch.zeros_like(x) if with_gradient else None
-    leaves = 2 * NUM_LEAF_PAIRS
     for begin in range(0, frames, batch_frames):
         chunk = slice(begin, min(begin + batch_frames, frames))
         with torch.inference_mode(False), torch.enable_grad():
             points = x[:, chunk.start:chunk.stop + 1].clone().requires_grad_(with_gradient)
             pairs = torch.stack([points[:, :-1], points[:, 1:]], 2).flatten(0, 1)  # (K, 2 [prev, curr], UNKNOWNS)
-            scalars = torch.cat([pairs.new_ones(len(pairs), 1), pairs[:, :, leaves], pairs[:, :, leaves + 1]], 1)
+            scalars = torch.cat([pairs.new_ones(len(pairs), 1), pairs[:, :, EDGES], pairs[:, :, EDGES + 1]], 1)
             fluence = forward_model.aperture(pairs[:, :, :NUM_LEAF_PAIRS].flatten(1),
-                                             pairs[:, :, NUM_LEAF_PAIRS:leaves].flatten(1), scalars)
+                                             pairs[:, :, NUM_LEAF_PAIRS:EDGES].flatten(1), scalars)
         with torch.no_grad():
             rendered = forward_model.response(fluence.detach())
             per_leaf, frame_mu, residuals = frame_misfits(rendered, signals[:, chunk].flatten(0, 1))
@@ -229,18 +228,23 @@ def _curvature(domain: RowDomain, correlation: ResponseCorrelation, x: Tensor, m
     """J^T J of the control points x (B, F + 1, ``UNKNOWNS``) with the frames' MU (B, F), as the
     diagonal blocks (B, F + 1, n, n) and the blocks above them (B, F, n, n) of a chain."""
     runs, count = x.shape[0], x.shape[1]
-    leaves = 2 * NUM_LEAF_PAIRS
-    blocks = _leaf_blocks(domain, correlation, x, mu)  # (B, F, 2, 2, 104, 104)
-    lines = _jaw_blocks(domain, correlation, x, mu)  # (B, F, 2, 2, 2)
+    edges = frame_sub_apertures(_edges(domain, x))  # (B, F, 7, 104) at the sub-apertures
+    blocks = _leaf_blocks(domain, correlation, x, edges, mu)  # (B, F, 2, 2, 104, 104)
+    lines = _jaw_blocks(domain, correlation, x, edges, mu)  # (B, F, 2, 2, 2)
     diagonal = x.new_zeros(runs, count, UNKNOWNS, UNKNOWNS, dtype=torch.float64)
     upper = x.new_zeros(runs, count - 1, UNKNOWNS, UNKNOWNS, dtype=torch.float64)
-    diagonal[:, :-1, :leaves, :leaves] += blocks[:, :, 0, 0]
-    diagonal[:, 1:, :leaves, :leaves] += blocks[:, :, 1, 1]
-    upper[..., :leaves, :leaves] = blocks[:, :, 0, 1]
-    diagonal[:, :-1, leaves:, leaves:] += torch.diag_embed(lines[:, :, 0, 0])
-    diagonal[:, 1:, leaves:, leaves:] += torch.diag_embed(lines[:, :, 1, 1])
-    upper[..., leaves:, leaves:] = torch.diag_embed(lines[:, :, 0, 1])
+    diagonal[:, :-1, :EDGES, :EDGES] += blocks[:, :, 0, 0]
+    diagonal[:, 1:, :EDGES, :EDGES] += blocks[:, :, 1, 1]
+    upper[..., :EDGES, :EDGES] = blocks[:, :, 0, 1]
+    diagonal[:, :-1, EDGES:, EDGES:] += torch.diag_embed(lines[:, :, 0, 0])
+    diagonal[:, 1:, EDGES:, EDGES:] += torch.diag_embed(lines[:, :, 1, 1])
+    upper[..., EDGES:, EDGES:] = torch.diag_embed(lines[:, :, 0, 1])
     return diagonal, upper
+
+
+def _edges(domain: RowDomain, x: Tensor) -> Tensor:
+    """The leaf edges (..., 104) of control points x (..., ``UNKNOWNS``), after each bank's leaf-end offset."""
+    return torch.cat([x[..., :NUM_LEAF_PAIRS] - domain.offset_a, x[..., NUM_LEAF_PAIRS:EDGES] + domain.offset_b], -1)
 
 
 def _sample_weights(device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
@@ -252,13 +256,12 @@ def _sample_weights(device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
     return torch.stack([1 - t, t], 1), split, (samples * (SUB_APERTURES - 1)).round().long()
 
 
-def _leaf_blocks(domain: RowDomain, correlation: ResponseCorrelation, x: Tensor, mu: Tensor) -> Tensor:
-    """(B, F, 2, 2, 104, 104): the leaves' J^T J of each frame over its [prev, curr] control points."""
+def _leaf_blocks(domain: RowDomain, correlation: ResponseCorrelation, x: Tensor, positions: Tensor,
+                 mu: Tensor) -> Tensor:
+    """(B, F, 2, 2, 104, 104): the leaves' J^T J of each frame over its [prev, curr] control points;
+    ``positions`` (B, F, 7, 104) the edges at the sub-apertures."""
     runs, frames = mu.shape
-    leaves = 2 * NUM_LEAF_PAIRS
-    edges = torch.cat([x[..., :NUM_LEAF_PAIRS] - domain.offset_a, x[..., NUM_LEAF_PAIRS:leaves] + domain.offset_b], -1)
-    positions = frame_sub_apertures(edges)  # (B, F, 7, 104)
-    openings = domain.jaw_openings(x[..., leaves:])  # (B, F, 7, 52, 5)
+    openings = domain.jaw_openings(x[..., EDGES:])  # (B, F, 7, 52, 5)
     passed = (domain.jaw_transmission + (1 - domain.jaw_transmission) * openings).mean(-1)
     bank_a, bank_b = positions[..., :NUM_LEAF_PAIRS], positions[..., NUM_LEAF_PAIRS:]
     seen = passed * (bank_b > bank_a)  # (B, F, 7, 52): the pair open
@@ -271,10 +274,10 @@ def _leaf_blocks(domain: RowDomain, correlation: ResponseCorrelation, x: Tensor,
     positions, classes = positions[:, :, sampled], classes[:, :, sampled]  # (B, F, M, 104)
     reach = correlation.reach
     offsets = torch.arange(-reach, reach + 1, device=x.device)
-    leaf = torch.arange(leaves, device=x.device) % NUM_LEAF_PAIRS
+    leaf = torch.arange(EDGES, device=x.device) % NUM_LEAF_PAIRS
     neighbour = leaf[:, None] + offsets  # (104, 2 R + 1)
     valid = (neighbour >= 0) & (neighbour < NUM_LEAF_PAIRS)
-    blocks = x.new_zeros(runs, frames, 2, 2, leaves, leaves)
+    blocks = x.new_zeros(runs, frames, 2, 2, EDGES, EDGES)
     for bank in (0, 1):
         partner = neighbour.clamp(0, NUM_LEAF_PAIRS - 1) + NUM_LEAF_PAIRS * bank
         dx = positions[:, :, :, None, :, None] - positions[..., partner][:, :, None]  # (B, F, M, M, 104, 2 R + 1)
@@ -294,14 +297,13 @@ def _edge_classes(positions: Tensor, closer) -> Tensor:
     return lower.long() + 2 * upper.long()
 
 
-def _jaw_blocks(domain: RowDomain, correlation: ResponseCorrelation, x: Tensor, mu: Tensor) -> Tensor:
+def _jaw_blocks(domain: RowDomain, correlation: ResponseCorrelation, x: Tensor, edges: Tensor,
+                mu: Tensor) -> Tensor:
     """(B, F, 2, 2, 2): each jaw's J^T J of each frame over its [prev, curr] control points, the
-    leaves held: its edge's row over the opening of the leaf it lies in."""
-    leaves = 2 * NUM_LEAF_PAIRS
-    jaws = torch.stack([x[..., leaves] - domain.jaw_offset, x[..., leaves + 1] + domain.jaw_offset], -1)
+    leaves held: its edge's row over the opening of the leaf it lies in (``edges`` (B, F, 7, 104) at
+    the sub-apertures)."""
+    jaws = torch.stack([x[..., EDGES] - domain.jaw_offset, x[..., EDGES + 1] + domain.jaw_offset], -1)
     rows = frame_sub_apertures(jaws)  # (B, F, 7, 2)
-    edges = frame_sub_apertures(torch.cat([x[..., :NUM_LEAF_PAIRS] - domain.offset_a,
-                                           x[..., NUM_LEAF_PAIRS:leaves] + domain.offset_b], -1))
     leaf = ((rows - MLC_Y_MIN_MM) / LEAF_WIDTH_MM).floor().long().clamp(0, NUM_LEAF_PAIRS - 1)
     half = GRID_SIZE / 2
     opening = (edges[..., NUM_LEAF_PAIRS:].gather(-1, leaf).clamp(-half, half)
@@ -323,12 +325,12 @@ def _prior(domain: RowDomain, correlation: ResponseCorrelation, mu: Tensor, curv
     open_edge = (mu.double().square().mean(-1) * (1 - domain.leaf_transmission) ** 2
                  * float(correlation.edges[correlation.reach, 3, 3, correlation.centre])
                  * chain.square().sum() * 2 / SUB_APERTURES ** 2)  # (B,)
-    jaws = curvature[..., 2 * NUM_LEAF_PAIRS:]  # (B, F + 1, 2)
+    jaws = curvature[..., EDGES:]  # (B, F + 1, 2)
     seen = jaws > 0
     jaw_mean = torch.where(seen.any((-2, -1)), (jaws * seen).sum((-2, -1)) / seen.sum((-2, -1)).clamp_min(1),
                            open_edge)
     prior = open_edge[:, None].expand(-1, UNKNOWNS).clone()
-    prior[:, 2 * NUM_LEAF_PAIRS:] = jaw_mean[:, None]
+    prior[:, EDGES:] = jaw_mean[:, None]
     return PRIOR_SHARE * prior
 
 

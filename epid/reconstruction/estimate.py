@@ -178,16 +178,16 @@ def _tracked_from(forward_model: nn.Module, signals: Tensor, start: ControlPoint
                            chunk_frames=batch_frames, start_mu=prepared.mu)
     prepared = dataclasses.replace(prepared, residuals=None)  # a whole arc's frames, no longer needed
     fit = ControlPointRun(tracked.leaf_a, tracked.leaf_b, tracked.jaws)
+    rendering = None
     if domain.broad:
         again = render_run(forward_model, signals, fit, batch_frames, residuals=True)
         tracked = track_leaves(domain, again.residuals, fit.leaf_a, fit.leaf_b, fit.jaws, RELINEARISED_STAGES,
                                chunk_frames=batch_frames, jaw_stages=(), start_mu=again.mu)
         del again
-        tracked_points = ControlPointRun(tracked.leaf_a, tracked.leaf_b, tracked.jaws)
-        fit, rendering = descend(forward_model, domain, signals, tracked_points, batch_frames=batch_frames)
-        return keep_better(forward_model, signals, start, fit, batch_frames, start_rendering=prepared,
-                           fit_rendering=rendering)
-    return keep_better(forward_model, signals, start, fit, batch_frames, start_rendering=prepared)
+        fit = ControlPointRun(tracked.leaf_a, tracked.leaf_b, tracked.jaws)
+        fit, rendering = descend(forward_model, domain, signals, fit, batch_frames=batch_frames)
+    return keep_better(forward_model, signals, start, fit, batch_frames, start_rendering=prepared,
+                       fit_rendering=rendering)
 
 
 def _network_lag(inverse_model: nn.Module) -> Tensor | float:
