@@ -526,7 +526,7 @@ def review_plan(args: argparse.Namespace) -> int:
                                  output_dir, started)
     qa, calibration = plan_qa.measured_qa(models, series, placement, args.calibration, commissioned,
                                           args.reconstruction or "arc", device, args.batch_size, _stage, image,
-                                          predicted if placement.placed_by == "control points" else None)
+                                          predicted if placement.by_control_points else None)
     summary = plan_qa.write_report(qa, output_dir, run_label, **context, calibration=calibration)
     print(plan_qa.verdict_table(summary))
     _stage(f"wrote plan_frames.png, qa_summary.json, qa_frames.csv, qa_leaves.csv, qa_leaf_errors.csv, qa_gamma.png, "

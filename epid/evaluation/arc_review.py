@@ -97,11 +97,13 @@ def _segment(control_points: ControlPoints, first: int, frames: Tensor) -> ArcSe
 def reconstruct_segment(method: str, models: tuple[nn.Module, nn.Module], segment: ArcSegment,
                         device: torch.device | str = "cpu", batch: int = 16,
                         stages: estimate_module.Stages | None = None,
-                        progress: Callable[[int], None] | None = None, mlc: MlcGeometry = LEGACY_GRID) -> ArcEstimate:
+                        progress: Callable[[int], None] | None = None, mlc: MlcGeometry = LEGACY_GRID,
+                        cine: bool = False) -> ArcEstimate:
     """The control points of ``segment`` by ``method`` ("network", "pair" or "arc"; a model pair
     that cannot refine gives the network's estimate, named in ``ArcEstimate.method``), under
     ``torch.inference_mode``; ``stages`` (default: the inverse model's) as
-    ``estimate_module.reconstruct_arc``. ``progress`` is called with the number of frames each step
+    ``estimate_module.reconstruct_arc`` (``cine``: the frames are a measured cine series). ``progress``
+    is called with the number of frames each step
     finished. The leaves are estimated strip by strip and returned one per leaf of ``mlc``
     (``MlcGeometry.tied``: a 10 mm leaf at the mean of its two strips); an MLC without Y jaws has
     them open over the strips' span, as its arcs are synthesised."""
@@ -111,7 +113,7 @@ def reconstruct_segment(method: str, models: tuple[nn.Module, nn.Module], segmen
     with torch.inference_mode():
         if used == "arc":
             arc = estimate_module.reconstruct_arc(forward_model, inverse_model, frames[1:], frame_before=frames[0],
-                                                  stages=stages, progress=progress)
+                                                  stages=stages, cine=cine, progress=progress)
             values = (arc.leaf_a[1:], arc.leaf_b[1:], arc.jaws[1:], arc.mu)
             from_start = arc.from_start
         else:

@@ -12,10 +12,9 @@ every frame from its two control points; a model that learned the detector's lag
 own previous predicted frame into each frame (nothing before frame 1).
 
 QA (``match_frames``, ``frame_gamma``, ``reconstruct``, ``summarise``): measured frames are
-matched to the plan by their control point; measured cine frames and integrated images, which
-name none, are first placed on the plan's timeline (``epid.evaluation.timeline``), whose frames
-then play the control-point intervals' part. Frames missing between others are dropped frames,
-reported; the reconstruction takes the longest run of consecutive frames. Gamma
+matched to the plan by their control point; cine frames and integrated images, which name none,
+are placed on the plan's timeline (``epid.evaluation.timeline``), whose frames play the intervals'
+part; the reconstruction takes the longest run of consecutive frames. Gamma
 is global with a 10 % lower cutoff of the measured frame's maximum, the measured frame the
 reference, at 3 %/2 mm (TG-218: 95 % tolerance, 90 % action) and 2 %/2 mm, per frame and on
 the arc-integrated image (the sum of the compared frames). The control points the measured
@@ -29,8 +28,7 @@ Measured frames are compared in the models' units (signal of the synthesis, prop
 MU): the project's own frames are, and measured ones are brought there by one least-squares scale
 per delivery (``timeline.calibration_scale``, reported; it absorbs a global MU error).
 
-An integrated image (one per beam) gets gamma only (``integrated_summary``): no control point
-can be reconstructed from it.
+An integrated image (one per beam) gets gamma only (``integrated_summary``), no reconstruction.
 
 ``write_report`` writes to a folder:
 
@@ -192,7 +190,7 @@ def calibrate(mode: str, placement: timeline.Placement, measured: Tensor, predic
     by their control points, the project's own; else the calibration image where one is given,
     else commissioned where there is a scale, else fit). Returns {method, scale}."""
     if mode == "auto":
-        mode = "none" if placement.placed_by == "control points" else "image" if image is not None else \
+        mode = "none" if placement.by_control_points else "image" if image is not None else \
             "fit" if commissioned is None else "commissioned"
     if mode == "image":
         if image is None:
@@ -295,14 +293,14 @@ def plan_segment(beam: PlanBeam, points: np.ndarray, frames: Tensor) -> arc_revi
 
 
 def reconstruct(models: tuple[nn.Module, nn.Module], segment: arc_review.ArcSegment, method: str = "arc",
-                device: torch.device | str = "cpu", progress: Progress | None = None,
-                stages: Stages | None = None, mlc: MlcGeometry = LEGACY_GRID) -> arc_review.ArcEstimate:
-    """The control points of ``segment`` reconstructed by ``method`` with the tracking ``stages``
-    (default: the inverse model's), one per leaf of ``mlc``, ``arc_review.reconstruct_segment``;
-    models switched to eval mode."""
+                device: torch.device | str = "cpu", progress: Progress | None = None, stages: Stages | None = None,
+                mlc: MlcGeometry = LEGACY_GRID, cine: bool = False) -> arc_review.ArcEstimate:
+    """The control points of ``segment`` by ``method`` (``arc_review.reconstruct_segment``: tracking
+    ``stages``, default the inverse model's; one per leaf of ``mlc``), the models in eval mode."""
     for model in models:
         model.eval()
-    return arc_review.reconstruct_segment(method, models, segment, device, stages=stages, progress=progress, mlc=mlc)
+    return arc_review.reconstruct_segment(method, models, segment, device, stages=stages, progress=progress, mlc=mlc,
+                                          cine=cine)
 
 
 def measured_qa(models: tuple[nn.Module, nn.Module], series: MeasuredSeries, placement: timeline.Placement,
@@ -313,8 +311,8 @@ def measured_qa(models: tuple[nn.Module, nn.Module], series: MeasuredSeries, pla
     """The QA of measured frames (not an integrated image) placed on a beam: every frame of the
     timeline predicted over its span (or ``predicted``, the timeline's frames where the caller has
     them: the plan's own for frames naming control points), the measured frames calibrated
-    (``calibrate``), gamma per frame, the longest run of consecutive frames reconstructed by
-    ``method``. Returns the ``PlanQA`` and the calibration {method, scale}; ``stage`` is told each step."""
+    (``calibrate``), gamma per frame, the longest run of consecutive frames moved back by the sag
+    and reconstructed by ``method``. Returns the ``PlanQA``, the calibration; ``stage`` hears each step."""
     say = stage or (lambda message: None)
     measured = placed_frames(series, placement)
     points = match_frames(placement.beam, measured)
@@ -327,10 +325,12 @@ def measured_qa(models: tuple[nn.Module, nn.Module], series: MeasuredSeries, pla
     say(f"gamma of {len(points)} measured frames: 3 %/2 mm and 2 %/2 mm global, cutoff 10 %")
     gamma = frame_gamma(frames, compared, device, batch_size)
     run = longest_run(points)
-    segment = plan_segment(placement.beam, points[run], frames[run])
+    segment = plan_segment(placement.beam, points[run],
+                           timeline.with_sag(models[0], frames[run], timeline.frame_gantry(placement)[run], undo=True))
+    cine = not placement.by_control_points
     say(f"reconstructing control points {segment.first}-{segment.first + len(segment) - 1} of the "
-        f"{'plan' if placement.placed_by == 'control points' else 'timeline'} from the measured frames ({method})")
-    estimate = reconstruct(models, segment, method, device, mlc=placement.beam.geometry)
+        f"{'timeline' if cine else 'plan'} from the measured frames ({method})")
+    estimate = reconstruct(models, segment, method, device, mlc=placement.beam.geometry, cine=cine)
     return PlanQA(placement.beam, measured, points, compared, gamma, segment, estimate), calibration
 
 

@@ -48,6 +48,7 @@ from epid.dicom.image import FIELD_LEVEL
 from epid.dicom.plan import PlanBeam
 from epid.dicom.series import MeasuredSeries
 from epid.models.families import predict_frames
+from epid.models.panel import shift_frames
 from epid.synthesis.geometry import FRAME_SHAPE, LEAF_WIDTH_MM, MLC_Y_MIN_MM, NUM_LEAF_PAIRS, SUB_APERTURES
 from epid.synthesis.sequences import ControlPoints, leaf_weights
 
@@ -86,6 +87,11 @@ class Placement:
     dropped: int
 
     @property
+    def by_control_points(self) -> bool:
+        """The frames name their control points (the project's own frames), not a cine series or image."""
+        return self.placed_by == "control points"
+
+    @property
     def whole_beam(self) -> bool:
         """One frame over the whole beam (an integrated image of all its MU)."""
         total = float(cumulative_mu(self.plan)[-1])
@@ -96,7 +102,7 @@ class Placement:
         """One line: how many frames were placed by what, and the dropped ones."""
         frames = len(self.frame_of)
         text = f"{frames} measured frame{'s' if frames != 1 else ''} placed by {self.placed_by}"
-        if self.placed_by != "control points":
+        if not self.by_control_points:
             text += (f" on MU {self.boundaries_mu[0]:.4g}-{self.boundaries_mu[-1]:.4g} of {self.plan.beam_mu:g} "
                      f"(gantry {self.beam.gantry_deg[0]:.1f} -> {self.beam.gantry_deg[-1]:.1f} deg)")
         return text + (f"; {self.dropped} dropped frame(s) between them" if self.dropped else "")
@@ -331,13 +337,38 @@ def piece_inputs(plan: PlanBeam, start: np.ndarray, end: np.ndarray) -> tuple[Te
     return pair("leaf_a"), pair("leaf_b"), torch.from_numpy(scalars.astype(np.float32))
 
 
+def piece_gantry(plan: PlanBeam, start: np.ndarray, end: np.ndarray) -> np.ndarray:
+    """The gantry angle (P,) deg at the middle of each piece [start, end] (P,) of cumulative MU."""
+    middle = (start + end) / 2
+    return positions_at(plan, middle, _interval_of(cumulative_mu(plan), middle))["gantry_deg"]
+
+
+def with_sag(forward_model: nn.Module, frames: Tensor, gantry_deg: np.ndarray | None, undo: bool = False) -> Tensor:
+    """Predicted ``frames`` (P, 256, 256) of pieces at gantry angles ``gantry_deg`` (P,) moved by the
+    forward model's panel sag (``epid.models.panel``), or with ``undo`` measured frames moved back
+    onto the model's geometry; unchanged where the model has no sag (or no angles are given)."""
+    sag = getattr(forward_model, "sag_mm", None)
+    if gantry_deg is None or sag is None or not (sag.requires_grad or bool(sag.any())):
+        return frames
+    shift = forward_model.panel_shift(torch.from_numpy(np.asarray(gantry_deg))).to(frames.device)
+    return shift_frames(frames, -shift if undo else shift)
+
+
+def frame_gantry(placement: Placement) -> np.ndarray:
+    """The gantry angle (F,) deg at the middle of each measured frame's span."""
+    boundaries = placement.boundaries_mu
+    return piece_gantry(placement.plan, boundaries[placement.frame_of - 1], boundaries[placement.frame_of])
+
+
 def predict_intervals(forward_model: nn.Module, leaf_a: Tensor, leaf_b: Tensor, scalars: Tensor,
                       device: torch.device | str = "cpu", batch_size: int = 64, progress: Progress | None = None,
-                      frame_of: np.ndarray | None = None, frames: int | None = None) -> Tensor:
+                      frame_of: np.ndarray | None = None, frames: int | None = None,
+                      gantry_deg: np.ndarray | None = None) -> Tensor:
     """Frames of consecutive intervals of a delivery (inputs as ``piece_inputs`` gives them, P
     intervals) predicted by ``forward_model`` (on ``device``, switched to eval mode) ``batch_size``
     at a time, summed into ``frames`` frames (frames, 256, 256) float32 on the CPU: interval i
-    into frame ``frame_of[i] - 1`` (default: one frame per interval).
+    into frame ``frame_of[i] - 1`` (default: one frame per interval), each moved by the panel's sag
+    at its gantry angle ``gantry_deg[i]`` where given (``with_sag``).
 
     A model that learned the detector's lag (``takes_prev_frame``) is linear in the recorded
     frame before: each output frame is the sum of its intervals' predictions after no frame plus
@@ -352,7 +383,8 @@ def predict_intervals(forward_model: nn.Module, leaf_a: Tensor, leaf_b: Tensor, 
             dark = torch.zeros((stop - start, 1, *FRAME_SHAPE), device=device)
             epid, _ = predict_frames(forward_model, leaf_a[start:stop].to(device), leaf_b[start:stop].to(device),
                                      scalars[start:stop].to(device), dark)
-            output.index_add_(0, torch.from_numpy(frame_of[start:stop] - 1), epid[:, 0].float().cpu())
+            epid = with_sag(forward_model, epid[:, 0], None if gantry_deg is None else gantry_deg[start:stop])
+            output.index_add_(0, torch.from_numpy(frame_of[start:stop] - 1), epid.float().cpu())
             if progress is not None:
                 progress(stop - start)
         if getattr(forward_model, "takes_prev_frame", False):
@@ -365,12 +397,18 @@ def predict_intervals(forward_model: nn.Module, leaf_a: Tensor, leaf_b: Tensor, 
 def predict_spans(forward_model: nn.Module, placement: Placement, device: torch.device | str = "cpu",
                   batch_size: int = 64, progress: Progress | None = None) -> Tensor:
     """Every frame of ``placement``'s timeline (J, 256, 256) float32 on the CPU: the sum of the
-    forward model's predictions of its pieces (``pieces``, ``predict_intervals``); ``progress``
-    counts pieces."""
+    forward model's predictions of its pieces (``pieces``, ``predict_intervals``), each moved by the
+    panel's sag at its gantry angle; ``progress`` counts pieces. One image over the whole span (an
+    integrated image) keeps the lag's share: the panel carries it from readout to readout within
+    the image, where a cine frame passes it on to the next frame."""
     start, end, frame = pieces(placement.plan, placement.boundaries_mu)
     leaf_a, leaf_b, scalars = piece_inputs(placement.plan, start, end)
-    return predict_intervals(forward_model, leaf_a, leaf_b, scalars, device, batch_size, progress, frame_of=frame,
-                             frames=len(placement.boundaries_mu) - 1)
+    predicted = predict_intervals(forward_model, leaf_a, leaf_b, scalars, device, batch_size, progress,
+                                  frame_of=frame, frames=len(placement.boundaries_mu) - 1,
+                                  gantry_deg=piece_gantry(placement.plan, start, end))
+    if len(predicted) == 1 and getattr(forward_model, "takes_prev_frame", False):
+        predicted /= 1.0 - float(forward_model.lag_fraction.detach())
+    return predicted
 
 
 def calibration_scale(measured: Tensor, predicted: Tensor, level: float = FIELD_LEVEL) -> float:

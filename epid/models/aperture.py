@@ -16,7 +16,8 @@ the one exception is a measured response (``DetectorResponse.start_from``, when 
 a kernel file): the response then starts as that kernel, which the generic mixture fitted too
 loosely for the reconstruction (its leaves' motion within a frame is read from the shape of the
 blurred edges, and under a 12 mm wide response a learned kernel a little too narrow or wide
-reads as motion that is not there).
+reads as motion that is not there). The beam's off-axis profile and field-size output and the
+panel's sag (``epid.models.panel``) are held at zero in training and fitted by commissioning.
 Latent: the fluence pooled to 4 mm (B, 1, 64, 64).
 
 Inverse model (``LeafEdgeInverseModel``): each frame is normalised by its maximum. Per leaf
@@ -48,6 +49,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from epid.models.legacy import LATENT_SIZE, NUM_LEAVES, NUM_SCALARS, _check_vector, as_frame_batch
+from epid.models.panel import COMMISSIONING_PARAMETERS, BeamProfile, sag_shift
 from epid.synthesis.fluence import aperture_fluence
 from epid.synthesis.geometry import (
     GRID_SIZE,
@@ -295,9 +297,10 @@ class ApertureForwardModel(nn.Module):
                         "aperture.jaw_transmission_percent", "aperture.interleaf_leakage_percent",
                         "aperture.tongue_groove_mm", "lag_percent", "response.radial_log_width",
                         "response.radial_weight", "response.broad_log_width", "response.broad_gain",
-                        "response.measured_logit", "response.measured", "response.measured_present")
-    """Parameters that checkpoints written before the realistic physics lack; their initial values
-    leave the model as it was."""
+                        "response.measured_logit", "response.measured", "response.measured_present",
+                        *COMMISSIONING_PARAMETERS)
+    """Parameters that checkpoints written before the realistic physics (and before commissioning's
+    beam and panel forms) lack; their initial values leave the model as it was."""
 
     def __init__(self, config: ApertureForwardConfig | None = None) -> None:
         super().__init__()
@@ -307,20 +310,33 @@ class ApertureForwardModel(nn.Module):
             self.config.response_reach, self.config.response_widths_mm, self.config.start_width_mm
         )
         self.lag_percent = nn.Parameter(torch.zeros(()))
+        self.beam = BeamProfile()
+        self.sag_mm = nn.Parameter(torch.zeros(2, 2), requires_grad=False)
 
     def parameter_groups(self) -> list[tuple[list[nn.Parameter], float]]:
-        """Every parameter is physical: one group at ``PHYSICS_LR_FACTOR``."""
-        return [(list(self.parameters()), PHYSICS_LR_FACTOR)]
+        """Every trainable parameter is physical: one group at ``PHYSICS_LR_FACTOR``."""
+        return [([p for p in self.parameters() if p.requires_grad], PHYSICS_LR_FACTOR)]
 
     @property
     def lag_fraction(self) -> Tensor:
         """The learned share of a recorded frame carried into the next one (0-d)."""
         return self.lag_percent / 100.0
 
-    def render(self, leaf_a: Tensor, leaf_b: Tensor, scalars: Tensor) -> tuple[Tensor, Tensor]:
-        """(signal per MU without lag (B, 256, 256), leaf-grid fluence (B, 260, 256))."""
+    def fluence(self, leaf_a: Tensor, leaf_b: Tensor, scalars: Tensor) -> Tensor:
+        """The frame's fluence per MU on the leaf grid (B, 260, 256): the aperture's, times the beam's
+        off-axis profile."""
         fluence = self.aperture(leaf_a.float(), leaf_b.float(), scalars.float())
-        return self.response(fluence), fluence
+        return self.beam.profile(fluence, leaf_grid_centres(fluence.device), column_centres(fluence.device))
+
+    def render(self, leaf_a: Tensor, leaf_b: Tensor, scalars: Tensor) -> tuple[Tensor, Tensor]:
+        """(signal per MU without lag (B, 256, 256), leaf-grid fluence (B, 260, 256)): the response
+        to the fluence times the field-size output."""
+        fluence = self.fluence(leaf_a, leaf_b, scalars)
+        return self.response(fluence) * self.beam.output(fluence)[:, None, None], fluence
+
+    def panel_shift(self, gantry_deg: Tensor) -> Tensor:
+        """How far the panel's sag moves the image at gantry angles ``gantry_deg`` (P,): (P, 2) [x, y] mm."""
+        return sag_shift(self.sag_mm, gantry_deg.to(self.sag_mm.device))
 
     def forward(self, leaf_a: Tensor, leaf_b: Tensor, scalars: Tensor,
                 epid_prev: Tensor | None = None) -> tuple[Tensor, Tensor]:

@@ -208,15 +208,16 @@ def _evaluate(forward_model: nn.Module, signals: Tensor, x: Tensor, batch_frames
             points = x[:, chunk.start:chunk.stop + 1].clone().requires_grad_(with_gradient)
             pairs = torch.stack([points[:, :-1], points[:, 1:]], 2).flatten(0, 1)  # (K, 2 [prev, curr], UNKNOWNS)
             scalars = torch.cat([pairs.new_ones(len(pairs), 1), pairs[:, :, EDGES], pairs[:, :, EDGES + 1]], 1)
-            fluence = forward_model.aperture(pairs[:, :, :NUM_LEAF_PAIRS].flatten(1),
-                                             pairs[:, :, NUM_LEAF_PAIRS:EDGES].flatten(1), scalars)
+            fluence = forward_model.fluence(pairs[:, :, :NUM_LEAF_PAIRS].flatten(1),
+                                            pairs[:, :, NUM_LEAF_PAIRS:EDGES].flatten(1), scalars)
         with torch.no_grad():
-            rendered = forward_model.response(fluence.detach())
+            output = forward_model.beam.output(fluence.detach())[:, None, None]
+            rendered = forward_model.response(fluence.detach()) * output
             per_leaf, frame_mu, residuals = frame_misfits(rendered, signals[:, chunk].flatten(0, 1))
             misfits[:, chunk] = per_leaf.view(runs, -1, NUM_LEAF_PAIRS)
             mu[:, chunk] = frame_mu.view(runs, -1)
             if with_gradient:
-                towards = forward_model.response.adjoint(-2 * frame_mu[:, None, None] * residuals)
+                towards = forward_model.response.adjoint(-2 * frame_mu[:, None, None] * output * residuals)
         if with_gradient:
             with torch.inference_mode(False):
                 part, = torch.autograd.grad(fluence, points, towards.clone())

@@ -29,14 +29,17 @@ ParameterGroups = list[tuple[list[nn.Parameter], float]]
 
 def model_parameter_groups(model: nn.Module) -> ParameterGroups:
     """``(parameters, lr_factor)`` pairs of one model: its ``parameter_groups()``, checked to name
-    every parameter once with a positive finite factor, or all parameters at factor 1."""
+    every trainable parameter (``requires_grad``) once with a positive finite factor, or all
+    trainable parameters at factor 1. Parameters a model holds (``epid.models.panel``) stay out of
+    the optimizer, so that checkpoints written before they existed still resume."""
+    trainable = [parameter for parameter in model.parameters() if parameter.requires_grad]
     if not hasattr(model, "parameter_groups"):
-        return [(list(model.parameters()), 1.0)]
+        return [(trainable, 1.0)]
     groups = [(list(parameters), float(factor)) for parameters, factor in model.parameter_groups()]
     name = f"{type(model).__name__}.parameter_groups()"
     named = [id(parameter) for parameters, _ in groups for parameter in parameters]
-    if len(named) != len(set(named)) or set(named) != {id(parameter) for parameter in model.parameters()}:
-        raise ValueError(f"{name} must name every parameter of the model exactly once")
+    if len(named) != len(set(named)) or set(named) != {id(parameter) for parameter in trainable}:
+        raise ValueError(f"{name} must name every trainable parameter of the model exactly once")
     for _, factor in groups:
         if not (math.isfinite(factor) and factor > 0):
             raise ValueError(f"{name}: learning-rate factor {factor}; expected a positive number")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import scipy.ndimage
 import torch
 
 from epid.core.errors import InputError
@@ -161,6 +162,50 @@ def test_lag_is_carried_from_frame_to_frame_of_the_timeline(beam):
     for k in range(1, len(expected)):
         expected[k] += lag * expected[k - 1]
     torch.testing.assert_close(with_lag, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_an_integrated_image_keeps_the_lag_share(beam):
+    torch.manual_seed(0)
+    forward = build_models("tiny", "aperture")[0].eval()
+    whole = timeline.place_frames(beam, series_of(beam, np.array([reference_cumulative(beam)[-1]]),
+                                                  angles=np.array([np.nan])))
+    with torch.no_grad():
+        forward.lag_percent.fill_(5.0)
+        with_lag = timeline.predict_spans(forward, whole)
+        forward.lag_percent.fill_(0.0)
+        without = timeline.predict_spans(forward, whole)
+        expected = direct_integral(forward, beam, whole.boundaries_mu[None])
+    # the panel carries the lag from readout to readout within the image: the whole signal is in it
+    torch.testing.assert_close(with_lag, without, atol=1e-4, rtol=1e-4)
+    assert float(with_lag.sum()) == pytest.approx(float(expected.sum()), rel=2e-3)
+
+
+def test_the_panels_sag_moves_each_piece_and_the_measured_frames_back(beam):
+    torch.manual_seed(0)
+    forward = build_models("tiny", "aperture")[0].eval()
+    placement = timeline.place_frames(beam, series_of(beam, cine_ends(beam, 150)))
+    angles = timeline.frame_gantry(placement)
+    np.testing.assert_allclose(angles, reference_angles(beam, placement.boundaries_mu[:-1] + np.diff(
+        placement.boundaries_mu) / 2), atol=1e-3)
+    with torch.no_grad():
+        still = timeline.predict_spans(forward, placement)
+        forward.sag_mm.copy_(torch.tensor([[1.5, 0.0], [0.0, 1.0]]))
+        sagged = timeline.predict_spans(forward, placement)
+        back = timeline.with_sag(forward, sagged, angles, undo=True)
+    radians = np.deg2rad(angles)
+    for k in (20, 70, 110):
+        # each frame moved by the sag at its own angle (its pieces' angles within 2.4 deg of it)
+        expected = scipy.ndimage.shift(still[k].numpy(), (-(1 - np.cos(radians[k])), 1.5 * np.sin(radians[k])),
+                                       order=1, mode="constant")
+        assert float(np.abs(sagged[k].numpy() - expected).max()) < 0.01 * float(still[k].max())
+    def centroid(frames):  # (F, 2) [x, y] mm, row 0 the most positive y
+        weights = frames / frames.sum((1, 2), keepdim=True)
+        centres = torch.arange(256) - 127.5
+        return torch.stack([(weights.sum(1) * centres).sum(1), (weights.sum(2) * -centres).sum(1)], 1)
+
+    shift = np.stack([1.5 * np.sin(radians), 1 - np.cos(radians)], 1)
+    np.testing.assert_allclose((centroid(sagged) - centroid(still)).numpy(), shift, atol=0.05)
+    np.testing.assert_allclose((centroid(back) - centroid(still)).numpy(), 0.0, atol=0.05)
 
 
 def test_calibration_scale_recovers_the_units_factor(beam, model):

@@ -12,6 +12,7 @@ import torch
 from epid.models import aperture as aperture_module
 from epid.models.checkpoint import build_models_from_checkpoint
 from epid.models.families import PairConfig, build_models
+from epid.models.panel import COMMISSIONING_PARAMETERS
 from epid.synthesis import geometry
 from epid.synthesis.fluence import rasterize
 
@@ -102,7 +103,9 @@ def test_inverse_model_layout_and_parameter_groups(size):
     assert all(torch.isfinite(t).all() for t in out)
     for model in (forward, inverse):
         grouped = [id(p) for params, _ in model.parameter_groups() for p in params]
-        assert sorted(grouped) == sorted(id(p) for p in model.parameters())
+        assert sorted(grouped) == sorted(id(p) for p in model.parameters() if p.requires_grad)
+    held = {name for name, p in forward.named_parameters() if not p.requires_grad}
+    assert held == set(COMMISSIONING_PARAMETERS)
     sum(t.sum() for t in out).backward()
     assert inverse.stem.weight.grad is not None and inverse.leaf_readout[0].net[0].weight.grad is not None
 

@@ -271,3 +271,29 @@ def test_a_pair_that_cannot_render_gets_the_network_estimate():
     for a, b in zip(network[:3], unrefined, strict=True):
         torch.testing.assert_close(a, b)
     assert not torch.equal(refined[0], network[0])  # the fit moved the estimate, under inference mode
+
+
+def test_a_cine_fit_is_taken_between_the_frames():
+    steps = torch.arange(7.0)[None, :, None]  # (1 run, 7 control points, 1)
+    zigzag = torch.tensor([2.0, -2.0, 2.0, -2.0, 2.0, -2.0, 2.0])[None, :, None]
+    ends = zigzag * torch.tensor([1.0, 0, 0, 0, 0, 0, 1.0])[None, :, None]
+    run = estimate_module.ControlPointRun((-30 + 1.5 * steps + zigzag).expand(1, 7, 52),
+                                          (10 + 0.5 * steps - zigzag).expand(1, 7, 52),
+                                          torch.tensor([-40.0, 45.0]).expand(1, 7, 2) + zigzag)
+    settled = estimate_module.between_frames(run)
+    # (x[k - 1] + 2 x[k] + x[k + 1]) / 4: the zig-zag gone, the steady motion and both ends kept
+    torch.testing.assert_close(settled.leaf_a, (-30 + 1.5 * steps + ends).expand(1, 7, 52))
+    torch.testing.assert_close(settled.leaf_b, (10 + 0.5 * steps - ends).expand(1, 7, 52))
+    torch.testing.assert_close(settled.jaws, torch.tensor([-40.0, 45.0]) + ends.expand(1, 7, 2))
+    calls = []
+    original = estimate_module.between_frames
+    with mock.patch.object(estimate_module, "between_frames", lambda fit: calls.append(fit) or original(fit)):
+        forward = forward_with_2mm_response()
+        leaf_a, leaf_b, jaws = out_and_back(5)
+        mu = torch.full((4,), 10.0)
+        frames = record(forward, leaf_a, leaf_b, jaws, mu, torch.zeros(256, 256))
+        network = ShiftedTruth(frames, leaf_a, leaf_b, jaws, mu)
+        reconstruct_arc(forward, network, frames, frame_before=torch.zeros(256, 256))
+        assert not calls, "the project's own frames keep the tracked points"
+        reconstruct_arc(forward, network, frames, frame_before=torch.zeros(256, 256), cine=True)
+        assert len(calls) == 1 and calls[0].leaf_a.shape == (1, 5, 52)

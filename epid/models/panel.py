@@ -1,0 +1,87 @@
+"""A clinic's beam and panel: the off-axis profile, the field-size output and the panel's sag.
+
+Three forms a real linac and EPID show that the synthesis does not have, which the aperture
+family's forward model (``epid.models.aperture``) carries so that commissioning
+(``epid.evaluation.commission``) can fit them to a clinic's measured images:
+
+- *off-axis profile* (``BeamProfile.profile``): the fluence times
+  1 + t_x x / R + t_y y / R + c_2 (r / R)^2 + c_4 (r / R)^4, R = ``PROFILE_RADIUS_MM``: a flattened
+  beam's horns (its fluence rises off the axis) and a steering tilt;
+- *field-size output* (``BeamProfile.output``): the frame times 1 + k ln(A / ``REFERENCE_AREA_MM2``),
+  A the field's area (the 1 mm cells whose fluence reaches ``FIELD_SHARE`` of the frame's highest,
+  at least ``MIN_AREA_MM2``; the leaves' transmission adds nothing): head scatter and the panel's
+  own scatter make a large field's output per MU higher than a small one's;
+- *sag* (``panel_shift``): the panel and its image move with the gantry angle g, by
+  s_xs sin g + s_xc (1 - cos g) along x and s_ys sin g + s_yc (1 - cos g) along y (mm at the
+  isocentre); a prediction is moved by it piece by piece (``shift_frames``), a measured frame is
+  moved back before its leaves are reconstructed.
+
+Every coefficient starts at 0 (the model as it was) and is held during training (the synthesis has
+none of these forms, and a parameter no loss reaches would stall DistributedDataParallel);
+commissioning frees them (``COMMISSIONING_PARAMETERS``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+PROFILE_RADIUS_MM = 100.0
+"""Radius that scales the off-axis profile's coordinates."""
+REFERENCE_AREA_MM2 = 1.0e4
+"""Open area at which the field-size output is 1 (a 10 x 10 cm field)."""
+FIELD_SHARE = 0.5
+"""Share of a frame's highest fluence a cell reaches to count in the field's area."""
+MIN_AREA_MM2 = 100.0
+"""Smallest open area the field-size output takes (a closed aperture keeps a finite output)."""
+COMMISSIONING_PARAMETERS = ("beam.off_axis", "beam.output_per_log_area", "sag_mm")
+"""The forward model's parameters of these forms: held in training, fitted in commissioning."""
+
+
+class BeamProfile(nn.Module):
+    """The off-axis profile and the field-size output (module docstring): ``off_axis`` (4,) the
+    coefficients t_x, t_y, c_2, c_4 and ``output_per_log_area`` k, all 0 at the start."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.off_axis = nn.Parameter(torch.zeros(4), requires_grad=False)
+        self.output_per_log_area = nn.Parameter(torch.zeros(()), requires_grad=False)
+
+    def profile(self, fluence: Tensor, y_mm: Tensor, x_mm: Tensor) -> Tensor:
+        """``fluence`` (B, Y, X) on cells centred at ``y_mm`` (Y,) and ``x_mm`` (X,) times the off-axis
+        profile."""
+        y, x = y_mm[:, None] / PROFILE_RADIUS_MM, x_mm[None, :] / PROFILE_RADIUS_MM
+        radius2 = x * x + y * y
+        t_x, t_y, c_2, c_4 = self.off_axis
+        return fluence * (1.0 + t_x * x + t_y * y + c_2 * radius2 + c_4 * radius2 * radius2)
+
+    def output(self, fluence: Tensor) -> Tensor:
+        """The field-size output (B,) of fluences per MU (B, Y, X) on 1 mm cells."""
+        cells = fluence.detach().flatten(1)
+        area = (cells >= FIELD_SHARE * cells.amax(1, keepdim=True)).sum(1).to(fluence.dtype).clamp_min(MIN_AREA_MM2)
+        return 1.0 + self.output_per_log_area * torch.log(area / REFERENCE_AREA_MM2)
+
+
+def sag_shift(sag_mm: Tensor, gantry_deg: Tensor) -> Tensor:
+    """The panel's shift (P, 2) [x, y] mm at gantry angles ``gantry_deg`` (P,) for sag coefficients
+    ``sag_mm`` (2, 2): rows x and y, columns the sin g and 1 - cos g terms (module docstring)."""
+    angle = torch.deg2rad(gantry_deg.to(sag_mm.dtype))
+    terms = torch.stack([torch.sin(angle), 1.0 - torch.cos(angle)], 1)  # (P, 2)
+    return terms @ sag_mm.T
+
+
+def shift_frames(frames: Tensor, shift_mm: Tensor, pixel_mm: float = 1.0) -> Tensor:
+    """``frames`` (P, H, W) (row 0 the most positive y) with their content moved by ``shift_mm``
+    (P, 2) [x, y] mm, linearly interpolated, zero where it enters from beyond the frame;
+    differentiable in both."""
+    count, height, width = frames.shape
+    theta = frames.new_zeros(count, 2, 3)
+    theta[:, 0, 0] = 1.0
+    theta[:, 1, 1] = 1.0
+    # grid_sample reads the source at the output's normalised position + offset: content moved by +x
+    # reads from -x; +y (upwards, towards row 0) reads from the rows below
+    theta[:, 0, 2] = -2.0 * shift_mm[:, 0].to(frames.dtype) / (width * pixel_mm)
+    theta[:, 1, 2] = 2.0 * shift_mm[:, 1].to(frames.dtype) / (height * pixel_mm)
+    grid = F.affine_grid(theta, [count, 1, height, width], align_corners=False)
+    return F.grid_sample(frames[:, None], grid, mode="bilinear", padding_mode="zeros", align_corners=False)[:, 0]

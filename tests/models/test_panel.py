@@ -1,0 +1,74 @@
+"""The beam and panel forms commissioning fits (epid.models.panel): the off-axis profile, the
+field-size output and the sag, checked against hand-worked values and scipy, and neutral until
+fitted."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import scipy.ndimage
+import torch
+
+from epid.models.aperture import column_centres, leaf_grid_centres
+from epid.models.families import build_models
+from epid.models.panel import BeamProfile, sag_shift, shift_frames
+from tests.models.test_aperture import whole_mm_control_points
+
+
+def test_the_sag_follows_the_gantry_angle_as_written():
+    sag = torch.tensor([[0.7, 0.2], [0.1, 0.5]], dtype=torch.float64)
+    shifts = sag_shift(sag, torch.tensor([0.0, 90.0, 180.0, 270.0]))
+    # x = 0.7 sin g + 0.2 (1 - cos g), y = 0.1 sin g + 0.5 (1 - cos g)
+    expected = [[0.0, 0.0], [0.9, 0.6], [0.4, 1.0], [-0.5, 0.4]]
+    np.testing.assert_allclose(shifts.numpy(), expected, atol=1e-12)
+
+
+@pytest.mark.parametrize("shift", [(1.3, -0.7), (-2.0, 0.25)])
+def test_a_frame_moves_as_scipy_moves_it(shift):
+    rng = np.random.default_rng(3)
+    image = scipy.ndimage.gaussian_filter(rng.random((64, 80)), 3.0)
+    moved = shift_frames(torch.from_numpy(image)[None], torch.tensor([shift], dtype=torch.float64))[0].numpy()
+    # row 0 is the most positive y: +y moves the content towards row 0
+    expected = scipy.ndimage.shift(image, (-shift[1], shift[0]), order=1, mode="constant")
+    inner = (slice(4, -4), slice(4, -4))
+    np.testing.assert_allclose(moved[inner], expected[inner], atol=1e-9)
+    back = shift_frames(torch.from_numpy(moved)[None], -torch.tensor([shift], dtype=torch.float64))[0].numpy()
+    np.testing.assert_allclose(back[inner], image[inner], atol=0.02 * image.max())
+
+
+def test_the_off_axis_profile_and_the_field_size_output_by_hand():
+    beam = BeamProfile()
+    with torch.no_grad():
+        beam.off_axis.copy_(torch.tensor([0.01, -0.02, 0.03, 0.005]))
+        beam.output_per_log_area.fill_(0.03)
+    y, x = leaf_grid_centres(), column_centres()
+    profile = beam.profile(torch.ones(1, len(y), len(x)), y, x)[0]
+    row, column = int(torch.argmin((y - 49.5).abs())), int(torch.argmin((x - 99.5).abs()))
+    u, v = 99.5 / 100, 49.5 / 100
+    r2 = u * u + v * v
+    assert float(profile[row, column]) == pytest.approx(1 + 0.01 * u - 0.02 * v + 0.03 * r2 + 0.005 * r2 * r2, rel=1e-6)
+    # a 100 x 100 mm field: output 1; 50 x 50 mm: 1 + 0.03 ln(1/4); 5 x 5 mm: the 1 cm^2 floor
+    fluence = torch.full((3, len(y), len(x)), 0.015)  # the leaves' transmission is not field
+    fluence[0, 80:180, 78:178] = 1.0
+    fluence[1, 105:155, 103:153] = 0.8
+    fluence[1, 105:130, 103:153] = 0.6  # reaches half of the highest: in the field
+    fluence[2, 128:133, 128:133] = 1.0  # 25 mm^2, below the floor
+    output = beam.output(fluence)
+    np.testing.assert_allclose(output.numpy(), [1.0, 1 + 0.03 * math.log(0.25), 1 + 0.03 * math.log(0.01)], rtol=1e-6)
+
+
+def test_the_forms_leave_the_forward_model_as_it_was_until_fitted():
+    torch.manual_seed(0)
+    forward = build_models("tiny", "aperture")[0].eval()
+    leaf_a, leaf_b, scalars = whole_mm_control_points(2, seed=4, move_mm=3.0)
+    with torch.no_grad():
+        fluence = forward.aperture(leaf_a, leaf_b, scalars)
+        rendered = forward.render(leaf_a, leaf_b, scalars)[0]
+        torch.testing.assert_close(rendered, forward.response(fluence), rtol=0, atol=0)
+        assert not forward.panel_shift(torch.tensor([90.0, 270.0])).any()
+        forward.beam.output_per_log_area.fill_(0.05)
+        area = float((fluence[0] >= 0.5 * fluence[0].max()).sum())
+        scaled = forward.render(leaf_a, leaf_b, scalars)[0]
+    torch.testing.assert_close(scaled[0], forward.response(fluence)[0] * (1 + 0.05 * math.log(area / 1e4)))
