@@ -133,8 +133,8 @@ def parse_arguments(argv: Sequence[str] | None, config: Config) -> argparse.Name
                             "measured images of these plans (pairs of an RT Plan and its cine series: a folder, "
                             "glob or file); writes commissioned.pth, commissioning.json and commissioning.png "
                             "to --output-dir")
-    dicom.add_argument("--commission-steps", type=_positive_int, default=150, metavar="N",
-                       help="optimizer steps of --commission (default %(default)s)")
+    dicom.add_argument("--commission-steps", type=_positive_int, metavar="N",
+                       help="optimizer steps of --commission (default: epid.evaluation.commission.DEFAULT_STEPS, 300)")
     dicom.add_argument("--export-plan", metavar="FILE",
                        help="write the synthetic arc of the one selected dataset ID (--dataset-ids N) as an RT Plan")
     dicom.add_argument("--export-frames", metavar="FILE",
@@ -402,6 +402,7 @@ def commission_run(args: argparse.Namespace) -> int:
     if not os.path.isfile(args.checkpoint):
         raise InputError(f"--checkpoint {args.checkpoint!r}: no such file (train first, or pass --checkpoint)")
     check_writable(Path(args.output_dir).absolute(), "--output-dir")
+    steps = args.commission_steps or commission.DEFAULT_STEPS
     started = time.perf_counter()
     _stage(f"loading checkpoint {args.checkpoint}")
     checkpoint, (forward_model, inverse_model) = load_models(args.checkpoint, "cpu")
@@ -412,13 +413,13 @@ def commission_run(args: argparse.Namespace) -> int:
     for measurement in measurements:
         _stage(f"  beam {measurement.beam.beam_number} of {measurement.beam.path}: "
                f"{measurement.placement.describe()}")
-    _stage(f"commissioning the forward model on {len(measurements)} plan(s): {args.commission_steps} steps")
+    _stage(f"commissioning the forward model on {len(measurements)} plan(s): {steps} steps")
 
     def report(step: int, loss: float) -> None:
-        if step % 25 == 0 or step == args.commission_steps:
-            _stage(f"  step {step}/{args.commission_steps}: loss {loss:.4g}")
+        if step % 25 == 0 or step == steps:
+            _stage(f"  step {step}/{steps}: loss {loss:.4g}")
 
-    result = commission.commission(forward_model, measurements, args.commission_steps, progress=report)
+    result = commission.commission(forward_model, measurements, steps, progress=report)
     if hasattr(inverse_model, "lag_percent"):
         inverse_model.lag_percent.data.copy_(result.model.lag_percent.data)
     payload = {**checkpoint, "forward_model": result.model.state_dict(), "inverse_model": inverse_model.state_dict(),

@@ -60,8 +60,9 @@ OUT_OF_FIELD_WEIGHT = 0.3
 """Weight in the loss of the pixels below ``FIELD_LEVEL`` of a window's predicted peak (out of the field)."""
 BEAM_LR_FACTOR = 0.2
 """The beam's off-axis and field-size coefficients (``epid.models.panel``, a few hundredths each) move
-this many times slower: a step of 0.006. At 0.1 the field-size output came only halfway (0.015 of
-0.03) in 150 steps on frames the test's model rendered."""
+this many times slower: a step of 0.004. At 0.1 the field-size output came only halfway (0.015 of
+0.03) in 300 steps on the frames of the tests' model; at 0.3 (no schedule) the commissioning of
+``bench_error_detection``'s simulated panel was noisy (its plans' 2 %/2 mm 83 -> 69 %)."""
 HELD = ("response.log_gain",)
 """Parameters commissioning leaves as they are: the response's overall gain, which the calibration
 scale stands for (fitting both would leave their product alone defined)."""
