@@ -525,6 +525,9 @@ def review_plan(args: argparse.Namespace) -> int:
         _stage(f"  calibration: {calibration['method']}, scale {calibration['scale']:.6g}")
         return integrated_report(args, beam, series, measured_frames, compared, {**context, "calibration": calibration},
                                  output_dir, started)
+    if args.reconstruction == "pair" and not placement.by_control_points:
+        _stage("  warning: --reconstruction pair reads a cine series' leaves from single frame pairs, ~2 mm off on a "
+               "real panel's blur; arc (the default) takes them between the frames")
     qa, calibration = plan_qa.measured_qa(models, series, placement, args.calibration, commissioned,
                                           args.reconstruction or "arc", device, args.batch_size, _stage, image,
                                           predicted if placement.by_control_points else None)
