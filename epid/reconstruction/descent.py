@@ -99,7 +99,7 @@ class ResponseCorrelation:
         with torch.no_grad():
             kernel = (response.kernel() * response.log_gain.exp()).double().cpu()
             broad = response.broad_taps().double().cpu()
-            mean_broad = float(response.broad_weight("cpu").double().mean())
+            mean_broad = float(response.broad_weight(response.broad_gain.device).double().mean())
             kernel = kernel + mean_broad * torch.outer(broad, broad)
             centre = max(kernel.shape[0] - 1, GRID_SIZE)  # C reaches 2 x the kernel's reach; the tables +-256 mm
             size = 2 * centre + 2
