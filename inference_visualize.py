@@ -465,7 +465,7 @@ def review_plan(args: argparse.Namespace) -> int:
     """--plan: predict the beam's frames; with --frames, the delivery QA report (epid.evaluation.plan_qa)."""
     from epid.dicom.image import write_frames
     from epid.dicom.series import read_series
-    from epid.evaluation import inference, plan_qa, timeline
+    from epid.evaluation import inference, plan_qa, qa_report, timeline
     from epid.training.preflight import check_writable
 
     beam = select_beam(args.plan, args.beam)
@@ -495,7 +495,7 @@ def review_plan(args: argparse.Namespace) -> int:
     _stage(f"predicting its {frames} frames (batches of {args.batch_size})")
     with _counter(frames, "frame") as advance:
         predicted = plan_qa.predict_plan_frames(models[0], beam.control_points, device, args.batch_size, advance)
-    plan_qa.write_plan_frames(predicted, beam, output_dir / "plan_frames.png", run_label)
+    qa_report.write_plan_frames(predicted, beam, output_dir / "plan_frames.png", run_label)
     if args.export_frames:
         write_frames(args.export_frames, predicted, plan_path=args.plan, beam=beam.beam_number,
                      description="predicted")
@@ -531,8 +531,8 @@ def review_plan(args: argparse.Namespace) -> int:
     qa, calibration = plan_qa.measured_qa(models, series, placement, args.calibration, commissioned,
                                           args.reconstruction or "arc", device, args.batch_size, _stage, image,
                                           predicted if placement.by_control_points else None)
-    summary = plan_qa.write_report(qa, output_dir, run_label, **context, calibration=calibration)
-    print(plan_qa.verdict_table(summary))
+    summary = qa_report.write_report(qa, output_dir, run_label, **context, calibration=calibration)
+    print(qa_report.verdict_table(summary))
     _stage(f"wrote plan_frames.png, qa_summary.json, qa_frames.csv, qa_leaves.csv, qa_leaf_errors.csv, qa_gamma.png, "
            f"qa_leaves.png and qa_worst_frame.png to {output_dir}; done in {time.perf_counter() - started:.1f} s")
     return 0
@@ -542,13 +542,13 @@ def integrated_report(args: argparse.Namespace, beam: PlanBeam, series, measured
                       predicted: torch.Tensor, context: dict, output_dir: Path, started: float) -> int:
     """The QA of an integrated image: gamma against the beam's predicted integrated image,
     qa_summary.json and qa_integrated.png."""
-    from epid.evaluation import plan_qa
+    from epid.evaluation import plan_qa, qa_report
 
     gamma = plan_qa.frame_gamma(measured, predicted, "cpu")
     summary = {**context, **plan_qa.integrated_summary(beam, series.path, gamma)}
     (output_dir / "qa_summary.json").write_text(json.dumps(summary, indent=2, allow_nan=False) + "\n")
-    plan_qa.write_integrated_figure(measured[0].numpy(), predicted[0].numpy(), gamma, beam,
-                                    output_dir / "qa_integrated.png", f"{Path(args.checkpoint).name}")
+    qa_report.write_integrated_figure(measured[0].numpy(), predicted[0].numpy(), gamma, beam,
+                                      output_dir / "qa_integrated.png", f"{Path(args.checkpoint).name}")
     rate = summary["gamma_3_2mm_integrated"]
     print(f"Integrated-image QA of beam {beam.beam_number}: 3 %/2 mm {rate:.2f} % (TG-218 tolerance "
           f"{plan_qa.TG218_TOLERANCE_PERCENT:g} %), 2 %/2 mm {summary['gamma_2_2mm_integrated']:.2f} %: "

@@ -29,26 +29,14 @@ MU): the project's own frames are, and measured ones are brought there by one le
 per delivery (``timeline.calibration_scale``, reported; it absorbs a global MU error).
 
 An integrated image (one per beam) gets gamma only (``integrated_summary``), no reconstruction.
-
-``write_report`` writes to a folder:
-
-- ``qa_summary.json``: the keys of ``SUMMARY_KEYS`` (see ``summarise``);
-- ``qa_frames.csv``: one row per measured frame, columns ``FRAME_COLUMNS``;
-- ``qa_leaves.csv``: one row per leaf, bank and reconstructed control point (long form),
-  columns ``LEAF_COLUMNS``;
-- ``qa_gamma.png`` (pass rates over the arc), ``qa_leaves.png`` (leaf error per leaf and
-  control point, the worst leaves' trajectories, jaws, MU) and ``qa_worst_frame.png`` (the
-  frame of lowest 3 %/2 mm pass rate: measured, predicted, gamma, difference).
+The report's files: ``epid.evaluation.qa_report``.
 """
 
 from __future__ import annotations
 
-import csv
-import json
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -56,11 +44,10 @@ import torch
 from torch import Tensor, nn
 
 from epid.core.errors import InputError
-from epid.core.tables import format_table
 from epid.dicom.image import MeasuredFrames
 from epid.dicom.plan import PlanBeam
 from epid.dicom.series import MeasuredSeries
-from epid.evaluation import arc_review, delivery_errors, plots, timeline
+from epid.evaluation import arc_review, delivery_errors, timeline
 from epid.evaluation.gamma import GammaCriteria, gamma_maps, gamma_pass_rates
 from epid.evaluation.timeline import Progress
 from epid.reconstruction.estimate import Stages
@@ -98,15 +85,8 @@ SUMMARY_KEYS = (
     "jaw_mae_mm", "jaw_max_mm", "mu_error_percent", "mu_planned", "mu_reconstructed", "mu_total_error_percent",
     "criteria", "pass", "delivery_errors",
 )
-FRAME_COLUMNS = (
-    "control_point", "gantry_deg", "mu_planned", "mu_reconstructed", "gamma_3_2mm_percent", "gamma_2_2mm_percent",
-    "passes_3_2mm", "leaves_scored", "leaf_mae_mm", "leaf_max_mm", "jaw_1_planned_mm", "jaw_1_reconstructed_mm",
-    "jaw_2_planned_mm", "jaw_2_reconstructed_mm",
-)
-LEAF_COLUMNS = (
-    "control_point", "gantry_deg", "bank", "leaf", "leaf_y_mm", "in_band", "planned_mm", "reconstructed_mm",
-    "error_mm",
-)
+
+
 LEAF_CENTRES_MM = MLC_Y_MIN_MM + LEAF_WIDTH_MM * (np.arange(NUM_LEAF_PAIRS) + 0.5)
 
 
@@ -474,147 +454,3 @@ def _criteria(summary: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     return {name: {"rule": rule, "value": _finite(value), "limit": limit,
                    "pass": bool(math.isfinite(value) and value >= limit)}
             for name, (rule, value, limit) in items.items()}
-
-
-# --------------------------------------------------------------------------- files
-
-
-def frame_rows(qa: PlanQA) -> list[dict[str, Any]]:
-    """One row per measured frame (``FRAME_COLUMNS``); the reconstruction's columns are empty for
-    a frame whose control point was not reconstructed."""
-    cp, estimate = qa.beam.control_points, qa.estimate
-    error_a, error_b, band = (t.numpy() for t in arc_review.leaf_errors(estimate, qa.segment))
-    scored_row = {int(point): row for row, point in enumerate(qa.scored_points())}
-    rows = []
-    for index, point in enumerate(qa.points.tolist()):
-        row: dict[str, Any] = {
-            "control_point": point, "gantry_deg": float(qa.beam.gantry_deg[point]), "mu_planned": float(cp.mu[point]),
-            "gamma_3_2mm_percent": qa.gamma.pass_rates["3_2mm"][index],
-            "gamma_2_2mm_percent": qa.gamma.pass_rates["2_2mm"][index],
-            "passes_3_2mm": int(qa.gamma.pass_rates["3_2mm"][index] >= TG218_TOLERANCE_PERCENT),
-            "jaw_1_planned_mm": float(cp.jaw_1[point]), "jaw_2_planned_mm": float(cp.jaw_2[point]),
-        }
-        if point in scored_row:
-            r = scored_row[point]
-            errors = np.abs(np.concatenate([error_a[r][band[r]], error_b[r][band[r]]]))
-            row.update({
-                "mu_reconstructed": float(estimate.mu[r]), "leaves_scored": int(errors.size),
-                "leaf_mae_mm": float(errors.mean()) if errors.size else math.nan,
-                "leaf_max_mm": float(errors.max()) if errors.size else math.nan,
-                "jaw_1_reconstructed_mm": float(estimate.jaws[r, 0]),
-                "jaw_2_reconstructed_mm": float(estimate.jaws[r, 1]),
-            })
-        rows.append(row)
-    return rows
-
-
-def write_csv(path: Path, columns: tuple[str, ...], rows: list[Mapping[str, Any]]) -> None:
-    """Rows as CSV (floats with 6 significant digits, missing values empty)."""
-    with open(path, "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=columns, restval="")
-        writer.writeheader()
-        for row in rows:
-            writer.writerow({key: f"{value:.6g}" if isinstance(value, float) else value for key, value in row.items()})
-
-
-def write_leaves_csv(path: Path, qa: PlanQA) -> None:
-    """``qa_leaves.csv``: every leaf of both banks at every reconstructed control point."""
-    segment, estimate = qa.segment, qa.estimate
-    band = arc_review.leaf_errors(estimate, segment)[2].numpy()
-    with open(path, "w", newline="") as handle:
-        writer = csv.writer(handle)
-        writer.writerow(LEAF_COLUMNS)
-        for row, point in enumerate(qa.scored_points().tolist()):
-            gantry = f"{float(qa.beam.gantry_deg[point]):.6g}"
-            for bank, planned, reconstructed in (("A", segment.leaf_a, estimate.leaf_a), ("B", segment.leaf_b,
-                                                                                          estimate.leaf_b)):
-                values = reconstructed[row].numpy()
-                for leaf in range(NUM_LEAF_PAIRS):
-                    plan_mm, rec_mm = float(planned[row, leaf]), float(values[leaf])
-                    writer.writerow([point, gantry, bank, leaf, f"{LEAF_CENTRES_MM[leaf]:g}", int(band[row, leaf]),
-                                     f"{plan_mm:.6g}", f"{rec_mm:.6g}", f"{rec_mm - plan_mm:.6g}"])
-
-
-def write_report(qa: PlanQA, output_dir: str | Path, run_label: str, **context: Any) -> dict[str, Any]:
-    """Write the report files (module docstring) to ``output_dir``; ``context`` (e.g. the
-    checkpoint and its epoch) goes into the summary first. Returns the summary."""
-    output = Path(output_dir)
-    summary = {**context, **summarise(qa)}
-    (output / "qa_summary.json").write_text(json.dumps(summary, indent=2, allow_nan=False) + "\n")
-    write_csv(output / "qa_frames.csv", FRAME_COLUMNS, frame_rows(qa))
-    write_leaves_csv(output / "qa_leaves.csv", qa)
-    delivery_errors.write_leaf_table(output / "qa_leaf_errors.csv", leaf_error_rows(qa))
-    label = f"beam {qa.beam.beam_number} ({qa.beam.beam_name}) of {Path(qa.beam.path).name}; {run_label}"
-    plots.save_figure(plots.qa_gamma_figure(qa.points, qa.gamma.pass_rates, qa.gamma.integrated,
-                                            (TG218_TOLERANCE_PERCENT, TG218_ACTION_PERCENT),
-                                            f"Gamma per frame over the arc, {label}"), output / "qa_gamma.png")
-    _write_leaf_figure(qa, summary, output / "qa_leaves.png", label)
-    worst = qa.gamma.worst
-    plots.save_figure(plots.qa_frame_figure(
-        qa.measured.frames[worst], qa.predicted[worst].numpy(), qa.gamma.worst_map, GAMMA_CRITERIA[TG218_CRITERION],
-        f"Frame of lowest 3 %/2 mm pass rate: control point {int(qa.points[worst])} "
-        f"({qa.gamma.pass_rates[TG218_CRITERION][worst]:.1f} % pass), {label}"), output / "qa_worst_frame.png")
-    return summary
-
-
-def write_integrated_figure(measured: np.ndarray, predicted: np.ndarray, gamma: FrameGamma, beam: PlanBeam,
-                            path: Path, run_label: str) -> None:
-    """``qa_integrated.png``: the measured and predicted integrated images of the beam, their gamma
-    map (3 %/2 mm) and difference."""
-    rate = gamma.integrated[TG218_CRITERION]
-    plots.save_figure(plots.qa_frame_figure(
-        measured, predicted, gamma.worst_map, GAMMA_CRITERIA[TG218_CRITERION],
-        f"Integrated image of beam {beam.beam_number} ({beam.beam_name}) of {Path(beam.path).name}: {rate:.1f} % "
-        f"pass at 3 %/2 mm; {run_label}"), path)
-
-
-def write_plan_frames(predicted: Tensor, beam: PlanBeam, path: str | Path, run_label: str) -> None:
-    """``plots.plan_frames_figure`` of a beam's predicted frames (N - 1, 256, 256) as a PNG at ``path``."""
-    frames = len(predicted)
-    shown = np.unique(np.linspace(0, frames - 1, plots.PLAN_FRAMES_SHOWN).round().astype(int))
-    title = f"Predicted frames of beam {beam.beam_number} ({beam.beam_name}) of {Path(beam.path).name}; {run_label}"
-    plots.save_figure(plots.plan_frames_figure(predicted[shown].numpy(), shown + 1, beam.gantry_deg[shown + 1],
-                                               predicted.sum(0).numpy(), frames, title), path)
-
-
-def verdict_table(summary: Mapping[str, Any]) -> str:
-    """The QA verdict as text: one row per criterion, the leaf, jaw and MU figures, the overall result."""
-    def shown(value: float | None, form: str = "{:.2f}") -> str:
-        return "n/a" if value is None else form.format(value)
-
-    rows = [[name, item["rule"], shown(item["value"]), "PASS" if item["pass"] else "FAIL"]
-            for name, item in summary["criteria"].items()]
-    return (f"Delivery QA of beam {summary['beam']} ({summary['frames']} frames, reconstruction "
-            f"{summary['reconstruction']}):\n{format_table(['criterion', 'rule', 'value', 'result'], rows)}\n"
-            f"  leaf MAE {shown(summary['leaf_mae_mm'])} mm, max {shown(summary['leaf_max_mm'])} mm; jaw MAE "
-            f"{shown(summary['jaw_mae_mm'])} mm; total MU {shown(summary['mu_total_error_percent'], '{:+.2f} %')}\n"
-            f"  {_flags_line(summary['delivery_errors'])}\n"
-            f"  overall: {'PASS' if summary['pass'] else 'FAIL'}")
-
-
-def _flags_line(errors: Mapping[str, Any]) -> str:
-    """The delivery errors in one line: each bank's mean and spread, the flagged leaves, MU and frames."""
-    banks = "; ".join(f"bank {name} {item['mean_mm']:+.2f} +- {item['sd_mm']:.2f} mm"
-                      f"{' FLAGGED' if item['flagged'] else ''}" for name, item in errors["banks"].items()
-                      if item["mean_mm"] is not None and math.isfinite(item["mean_mm"]))
-    leaves = ", ".join(f"{leaf['bank']}{leaf['leaf']} (control points {leaf['flagged_control_points']})"
-                       for leaf in errors["leaves"][:5])
-    return (f"delivery errors: {banks or 'no leaf scored'}; flagged leaves: {errors['flagged_leaves']}"
-            f"{' (' + leaves + ')' if leaves else ''}; MU {'FLAGGED' if errors['mu_flagged'] else 'ok'}; frames below "
-            f"the gamma tolerance: {errors['flagged_frames']}")
-
-
-def _write_leaf_figure(qa: PlanQA, summary: Mapping[str, Any], path: Path, label: str) -> None:
-    segment, estimate = qa.segment, qa.estimate
-    planned = {name: getattr(segment, name) for name in ("leaf_a", "leaf_b", "jaw_1", "jaw_2", "mu")}
-    reconstructed = {"leaf_a": estimate.leaf_a.numpy(), "leaf_b": estimate.leaf_b.numpy(),
-                     "jaw_1": estimate.jaws[:, 0].numpy(), "jaw_2": estimate.jaws[:, 1].numpy(),
-                     "mu": estimate.mu.numpy()}
-    band = arc_review.leaf_errors(estimate, segment)[2].numpy()
-    verdict = "passes" if summary["criteria"]["leaf_1mm"]["pass"] else "fails"
-    mu_error = summary["mu_total_error_percent"]
-    mu_text = "no MU planned" if mu_error is None else f"total MU {mu_error:+.2f} %"
-    title = (f"Control points reconstructed from the measured frames ({estimate.method}) against the plan: "
-             f"TG-142 leaf check {verdict}; jaw MAE {summary['jaw_mae_mm']:.2f} mm, {mu_text}\n{label}")
-    plots.save_figure(plots.arc_figure(qa.scored_points(), planned, reconstructed, band, title,
-                                       labels=("plan", "reconstructed")), path)

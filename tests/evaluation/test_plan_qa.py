@@ -31,7 +31,7 @@ from epid.data.dataset import EpidData
 from epid.data.plans import scan_plans
 from epid.dicom.image import read_frames, write_frames
 from epid.dicom.plan import read_plan, write_plan
-from epid.evaluation import arc_review, plan_qa, timeline
+from epid.evaluation import arc_review, plan_qa, qa_report, timeline
 from epid.models.checkpoint import load_checkpoint
 from epid.models.families import build_models, predict_frames
 from epid.synthesis.frames import render_frames
@@ -173,10 +173,10 @@ def test_plan_with_measured_frames_writes_the_report(report):
     with open(output / "qa_frames.csv", newline="") as handle:
         frames = list(csv.DictReader(handle))
     assert [int(row["control_point"]) for row in frames] == list(range(1, 12))
-    assert set(frames[0]) == set(plan_qa.FRAME_COLUMNS)
+    assert set(frames[0]) == set(qa_report.FRAME_COLUMNS)
     with open(output / "qa_leaves.csv", newline="") as handle:
         leaves = list(csv.DictReader(handle))
-    assert len(leaves) == 11 * 104 and set(leaves[0]) == set(plan_qa.LEAF_COLUMNS)
+    assert len(leaves) == 11 * 104 and set(leaves[0]) == set(qa_report.LEAF_COLUMNS)
     for name in ("plan_frames.png", "qa_gamma.png", "qa_leaves.png", "qa_worst_frame.png"):
         assert (output / name).stat().st_size > 10_000
     assert "overall:" in report["stdout"]
@@ -318,7 +318,7 @@ def test_arc_fit_from_a_later_frame_scores_the_control_points_after_it(tmp_path)
     qa = qa_of(tmp_path, estimate_from_plan=False, first=3)
     assert qa.points.tolist() == list(range(3, 12)) and qa.scored_points().tolist() == list(range(4, 12))
     assert qa.estimate.method == "arc" and qa.estimate.leaf_a.shape == (8, 52)
-    summary = plan_qa.write_report(qa, tmp_path, "test")
+    summary = qa_report.write_report(qa, tmp_path, "test")
     assert summary["reconstructed_control_points"] == 8 and math.isfinite(summary["leaf_mae_mm"])
     assert summary["worst_leaf"]["control_point"] in range(4, 12) and summary["worst_leaf"]["bank"] in "AB"
     with open(tmp_path / "qa_frames.csv", newline="") as handle:
