@@ -386,7 +386,7 @@ def commission_run(args: argparse.Namespace) -> int:
     """--commission: the forward model's physics and the panel's calibration fitted to measured
     images of plans (epid.evaluation.commission), written as a commissioned checkpoint."""
     from epid.dicom.series import read_series
-    from epid.evaluation import commission, inference, plots
+    from epid.evaluation import commission, inference, plan_qa, plots
     from epid.models.checkpoint import save_checkpoint
     from epid.training.preflight import check_writable
 
@@ -396,9 +396,11 @@ def commission_run(args: argparse.Namespace) -> int:
     given = [name for name, value in (("--plan", args.plan), ("--frames", args.frames), ("--arc", args.arc)) if value]
     if given:
         raise InputError(f"{given[0]}: not with --commission (its plans and images are given in pairs)")
-    measurements = []
+    measurements, deliveries = [], []
     for plan, frames in zip(pairs[::2], pairs[1::2], strict=True):
-        measurements.append(commission.Measurement.of(select_beam(plan, None), read_series(frames)))
+        series = read_series(frames)
+        measurements.append(commission.Measurement.of(select_beam(plan, None), series))
+        deliveries.append((series, measurements[-1].placement))
     if not os.path.isfile(args.checkpoint):
         raise InputError(f"--checkpoint {args.checkpoint!r}: no such file (train first, or pass --checkpoint)")
     check_writable(Path(args.output_dir).absolute(), "--output-dir")
@@ -422,11 +424,15 @@ def commission_run(args: argparse.Namespace) -> int:
     result = commission.commission(forward_model, measurements, steps, progress=report)
     if hasattr(inverse_model, "lag_percent"):
         inverse_model.lag_percent.data.copy_(result.model.lag_percent.data)
+    _stage("reading the commissioning plans' MU against their reconstruction (the MU reference)")
+    mu_reference = plan_qa.commissioned_mu_reference((result.model, inverse_model), deliveries, result.scale)
+    _stage(f"  MU reference {mu_reference:.4f}")
     payload = {**checkpoint, "forward_model": result.model.state_dict(), "inverse_model": inverse_model.state_dict(),
-               "commissioning": {"calibration_scale": result.scale, "source": str(args.checkpoint),
+               "commissioning": {"calibration_scale": result.scale, "mu_reference": mu_reference,
+                                 "source": str(args.checkpoint),
                                  **{key: value for key, value in result.summary.items() if key != "parameters"}}}
     save_checkpoint(output_dir / "commissioned.pth", payload)
-    summary = {"checkpoint": str(args.checkpoint), **result.summary}
+    summary = {"checkpoint": str(args.checkpoint), **result.summary, "mu_reference": mu_reference}
     (output_dir / "commissioning.json").write_text(json.dumps(summary, indent=2) + "\n")
     plots.save_figure(plots.commissioning_figure(result.losses, result.summary), output_dir / "commissioning.png")
     rows = [[name, ", ".join(f"{v:.4g}" for v in item["before"]), ", ".join(f"{v:.4g}" for v in item["after"])]
@@ -509,7 +515,8 @@ def review_plan(args: argparse.Namespace) -> int:
     if outside > plan_qa.OUTSIDE_WARNING_PERCENT:
         _stage(f"  warning: up to {outside:.1f} % of a measured frame's field signal lies outside the "
                f"{FRAME_SHAPE[0]} mm grid and is not compared")
-    commissioned = (checkpoint.get("commissioning") or {}).get("calibration_scale")
+    commissioning = checkpoint.get("commissioning") or {}
+    commissioned = commissioning.get("calibration_scale")
     image = None if reference is None else plan_qa.calibration_image(models[0], reference, *args.calibration_field,
                                                                       args.calibration_mu, device)
     context = {"checkpoint": str(args.checkpoint), "epoch": checkpoint["epoch"], "placement": placement.describe(),
@@ -530,7 +537,8 @@ def review_plan(args: argparse.Namespace) -> int:
                "real panel's blur; arc (the default) takes them between the frames")
     qa, calibration = plan_qa.measured_qa(models, series, placement, args.calibration, commissioned,
                                           args.reconstruction or "arc", device, args.batch_size, _stage, image,
-                                          predicted if placement.by_control_points else None)
+                                          predicted if placement.by_control_points else None,
+                                          commissioning.get("mu_reference", 1.0))
     summary = qa_report.write_report(qa, output_dir, run_label, **context, calibration=calibration)
     print(qa_report.verdict_table(summary))
     _stage(f"wrote plan_frames.png, qa_summary.json, qa_frames.csv, qa_leaves.csv, qa_leaf_errors.csv, qa_gamma.png, "

@@ -112,18 +112,20 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as scratch:
         folder = Path(scratch)
-        measurements = []
+        measurements, deliveries = [], []
         for dataset_id in COMMISSIONING_IDS:
             beam = arc_plan(folder, dataset_id, args)
             delivery = panel.deliver(beam)
             paths = write_cine(delivery, folder / f"commission_{dataset_id}", physics)
             measurements.append(commission.Measurement.of(beam, read_series(paths)))
+            deliveries.append((read_series(paths), measurements[-1].placement))
             print(f"commissioning plan {dataset_id}: {len(paths)} cine frames", flush=True)
         commissioned = commission.commission(models[0], measurements, args.commission_steps)
         models = (commissioned.model, models[1])
-        results["commissioning"] = commissioned.summary
-        print(f"commissioned in {time.perf_counter() - started:.0f} s: scale {commissioned.scale:.4g}, gamma "
-              f"{[round(g['2_2mm'], 2) for g in commissioned.summary['gamma_before']]} -> "
+        mu_reference = plan_qa.commissioned_mu_reference(models, deliveries, commissioned.scale)
+        results["commissioning"] = {**commissioned.summary, "mu_reference": mu_reference}
+        print(f"commissioned in {time.perf_counter() - started:.0f} s: scale {commissioned.scale:.4g}, MU reference "
+              f"{mu_reference:.4f}, gamma {[round(g['2_2mm'], 2) for g in commissioned.summary['gamma_before']]} -> "
               f"{[round(g['2_2mm'], 2) for g in commissioned.summary['gamma_after']]} % (2 %/2 mm)", flush=True)
         rows = []
         for dataset_id in JUDGED_IDS[:args.plans]:
@@ -142,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
                     rows.append([str(dataset_id), name, str(len(paths)), "-", "-", "-", "refused", "-", "-", "refused"])
                     print(f"plan {dataset_id}, {name}: refused: {refusal}", flush=True)
                     continue
-                qa, calibration = plan_qa.measured_qa(models, series, placement, "commissioned", commissioned.scale)
+                qa, calibration = plan_qa.measured_qa(models, series, placement, "commissioned", commissioned.scale,
+                                                      mu_reference=mu_reference)
                 summary = plan_qa.summarise(qa)
                 seconds = time.perf_counter() - timer
                 if name == "none":

@@ -58,7 +58,8 @@ class ArcEstimate:
     """Reconstructed control points of an ``ArcSegment``: leaf_a, leaf_b (N, 52), jaws (N, 2)
     [jaw_1, jaw_2] mm and mu (N,), CPU float32; ``method`` names how (``estimate_module.METHODS``);
     ``from_start``: the share of open leaf positions where the arc fit kept the network's estimate
-    (``epid.reconstruction.fallback``; 0 for the other methods)."""
+    (``epid.reconstruction.fallback``; 0 for the other methods); ``signal_mu`` (N,): each frame's MU
+    from its whole signal (``fallback.frame_misfits``), the arc fit's only."""
 
     leaf_a: Tensor
     leaf_b: Tensor
@@ -66,6 +67,7 @@ class ArcEstimate:
     mu: Tensor
     method: str
     from_start: float = 0.0
+    signal_mu: Tensor | None = None
 
 
 def synthesise_segment(dataset_id: int, first: int, count: int, settings: SynthesisSettings,
@@ -115,9 +117,9 @@ def reconstruct_segment(method: str, models: tuple[nn.Module, nn.Module], segmen
             arc = estimate_module.reconstruct_arc(forward_model, inverse_model, frames[1:], frame_before=frames[0],
                                                   stages=stages, cine=cine, progress=progress)
             values = (arc.leaf_a[1:], arc.leaf_b[1:], arc.jaws[1:], arc.mu)
-            from_start = arc.from_start
+            from_start, signal_mu = arc.from_start, arc.signal_mu.float().cpu()
         else:
-            from_start = 0.0
+            from_start, signal_mu = 0.0, None
             pairs = [(begin, min(begin + batch, len(segment))) for begin in range(0, len(segment), batch)]
             parts = []
             for begin, end in pairs:
@@ -133,7 +135,7 @@ def reconstruct_segment(method: str, models: tuple[nn.Module, nn.Module], segmen
         leaf_a, leaf_b = (torch.from_numpy(np.ascontiguousarray(v)) for v in mlc.tied(leaf_a.numpy(), leaf_b.numpy()))
     if not mlc.y_jaws:
         jaws = torch.tensor([JAW_1_MIN_MM, JAW_2_MAX_MM]).expand_as(jaws).clone()
-    return ArcEstimate(leaf_a, leaf_b, jaws, mu, method=used, from_start=from_start)
+    return ArcEstimate(leaf_a, leaf_b, jaws, mu, method=used, from_start=from_start, signal_mu=signal_mu)
 
 
 def leaf_errors(estimate: ArcEstimate, segment: ArcSegment) -> tuple[Tensor, Tensor, Tensor]:

@@ -35,7 +35,7 @@ The report's files: ``epid.evaluation.qa_report``.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -168,7 +168,7 @@ def calibrate(mode: str, placement: timeline.Placement, measured: Tensor, predic
     (``timeline.calibration_scale``), commissioned (the scale ``commissioned`` a commissioned
     checkpoint holds), image (``image``, from ``calibration_image``) or auto (none for frames placed
     by their control points, the project's own; else the calibration image where one is given,
-    else commissioned where there is a scale, else fit). Returns {method, scale}."""
+    else commissioned where there is a scale, else fit). Returns {mode, method, scale}."""
     if mode == "auto":
         mode = "none" if placement.by_control_points else "image" if image is not None else \
             "fit" if commissioned is None else "commissioned"
@@ -177,14 +177,14 @@ def calibrate(mode: str, placement: timeline.Placement, measured: Tensor, predic
             raise InputError("--calibration image: no --calibration-image given")
         return image
     if mode == "none":
-        return {"method": "none: the measured frames are taken in the models' units", "scale": 1.0}
+        return {"mode": mode, "method": "none: the measured frames are taken in the models' units", "scale": 1.0}
     if mode == "commissioned":
         if commissioned is None:
             raise InputError("--calibration commissioned: the checkpoint is not commissioned (inference_visualize.py "
                              "--commission writes one)")
-        return {"method": "the commissioned panel calibration (a global MU error of the delivery shows)",
+        return {"mode": mode, "method": "the commissioned panel calibration (a global MU error of the delivery shows)",
                 "scale": float(commissioned)}
-    return {"method": "least-squares scale per delivery (it absorbs a global MU error of the delivery)",
+    return {"mode": "fit", "method": "least-squares scale per delivery (it absorbs a global MU error of the delivery)",
             "scale": timeline.calibration_scale(measured, predicted)}
 
 
@@ -208,8 +208,8 @@ def calibration_image(forward_model: nn.Module, series: MeasuredSeries, width_mm
         raise InputError(f"{series.path}: {len(series)} frames; a calibration image is one image of an open field")
     predicted = predict_plan_frames(forward_model, timeline.open_field(width_mm, length_mm, mu), device)
     scale = timeline.calibration_scale(torch.from_numpy(np.array(series.frames)), predicted)
-    return {"method": f"calibration image {series.path}: open field {width_mm:g} x {length_mm:g} mm, {mu:g} MU "
-                      "(a global MU error of the delivery shows)", "scale": scale}
+    return {"mode": "image", "method": f"calibration image {series.path}: open field {width_mm:g} x {length_mm:g} mm, "
+                                      f"{mu:g} MU (a global MU error of the delivery shows)", "scale": scale}
 
 
 # --------------------------------------------------------------------------- gamma
@@ -287,12 +287,14 @@ def measured_qa(models: tuple[nn.Module, nn.Module], series: MeasuredSeries, pla
                 calibration_mode: str = "auto", commissioned: float | None = None, method: str = "arc",
                 device: torch.device | str = "cpu", batch_size: int = 16,
                 stage: Callable[[str], None] | None = None, image: dict[str, Any] | None = None,
-                predicted: Tensor | None = None) -> tuple[PlanQA, dict[str, Any]]:
+                predicted: Tensor | None = None, mu_reference: float = 1.0) -> tuple[PlanQA, dict[str, Any]]:
     """The QA of measured frames (not an integrated image) placed on a beam: every frame of the
     timeline predicted over its span (or ``predicted``, the timeline's frames where the caller has
     them: the plan's own for frames naming control points), the measured frames calibrated
     (``calibrate``), gamma per frame, the longest run of consecutive frames moved back by the sag
-    and reconstructed by ``method``. Returns the ``PlanQA``, the calibration; ``stage`` hears each step."""
+    and reconstructed by ``method``. ``mu_reference``: a commissioned checkpoint's (``PlanQA``),
+    taken where the calibration is the commissioned one. Returns the ``PlanQA``, the calibration;
+    ``stage`` hears each step."""
     say = stage or (lambda message: None)
     measured = placed_frames(series, placement)
     points = match_frames(placement.beam, measured)
@@ -311,7 +313,23 @@ def measured_qa(models: tuple[nn.Module, nn.Module], series: MeasuredSeries, pla
     say(f"reconstructing control points {segment.first}-{segment.first + len(segment) - 1} of the "
         f"{'timeline' if cine else 'plan'} from the measured frames ({method})")
     estimate = reconstruct(models, segment, method, device, mlc=placement.beam.geometry, cine=cine)
-    return PlanQA(placement.beam, measured, points, compared, gamma, segment, estimate), calibration
+    reference = mu_reference if calibration["mode"] == "commissioned" else 1.0
+    return PlanQA(placement.beam, measured, points, compared, gamma, segment, estimate, reference), calibration
+
+
+def commissioned_mu_reference(models: tuple[nn.Module, nn.Module], deliveries: Sequence[tuple[MeasuredSeries,
+                              timeline.Placement]], scale: float, device: torch.device | str = "cpu") -> float:
+    """``PlanQA.mu_reference`` of a commissioned model pair and calibration ``scale``: the planned MU
+    over the signal MU (``fallback.frame_misfits``) of the commissioning ``deliveries`` (each measured
+    series and its placement), as their QA reconstructs them."""
+    planned = signal = 0.0
+    for series, placement in deliveries:
+        qa, _ = measured_qa(models, series, placement, "commissioned", scale, device=device)
+        planned += float(qa.segment.mu.sum())
+        signal += float(_signal_mu(qa.estimate).sum())
+    if not signal > 0:
+        raise InputError("the commissioning deliveries' reconstruction holds no signal; no MU reference")
+    return planned / signal
 
 
 # --------------------------------------------------------------------------- summary
@@ -321,7 +339,9 @@ def measured_qa(models: tuple[nn.Module, nn.Module], series: MeasuredSeries, pla
 class PlanQA:
     """Everything the report shows: the beam, the measured frames (K) and the control points
     they end on, the predictions of those frames (K, 256, 256), their gamma, and the
-    reconstruction of the segment's control points."""
+    reconstruction of the segment's control points; ``mu_reference``: the planned over the
+    reconstructed signal MU of the plans a commissioned model was commissioned on
+    (``commissioned_mu_reference``; 1 without), which the total MU is read against."""
 
     beam: PlanBeam
     measured: MeasuredFrames
@@ -330,10 +350,16 @@ class PlanQA:
     gamma: FrameGamma
     segment: arc_review.ArcSegment
     estimate: arc_review.ArcEstimate
+    mu_reference: float = 1.0
 
     def scored_points(self) -> np.ndarray:
         """Control points reconstructed and scored (S,)."""
         return np.arange(self.segment.first, self.segment.first + len(self.segment))
+
+
+def _signal_mu(estimate: arc_review.ArcEstimate) -> Tensor:
+    """The frames' MU (N,) the totals are read from: the arc fit's signal MU, else the estimate's MU."""
+    return estimate.mu if estimate.signal_mu is None else estimate.signal_mu
 
 
 def _finite(value: float) -> float | None:
@@ -358,8 +384,10 @@ def summarise(qa: PlanQA) -> dict[str, Any]:
     leaves_scored (in-band leaf positions, both banks), leaf_mae_mm, leaf_rms_mm, leaf_bias_mm
     (reconstructed - planned), leaf_max_mm, leaf_within_1mm_percent, worst_leaf {bank, leaf,
     control_point, error_mm}; jaw_mae_mm, jaw_max_mm (jaw_1 and jaw_2); mu_error_percent (mean
-    relative error of the frames' MU, frames with planned MU), mu_planned and mu_reconstructed
-    (sums over the reconstructed frames), mu_total_error_percent. criteria: per criterion
+    relative error of the frames' least-squares MU, frames with planned MU), mu_planned and
+    mu_reconstructed (sums over the reconstructed frames; the latter of the arc fit's signal MU
+    times ``PlanQA.mu_reference``, which a frame's whole signal measures alike in every plan where
+    the least-squares MU rests on the field's shape), mu_total_error_percent. criteria: per criterion
     {rule, value, limit, pass}; pass: every criterion passes.
     """
     beam, gamma, estimate, segment = qa.beam, qa.gamma, qa.estimate, qa.segment
@@ -377,6 +405,7 @@ def summarise(qa: PlanQA) -> dict[str, Any]:
     mu_planned, mu_reconstructed = segment.mu.astype(np.float64), estimate.mu.numpy().astype(np.float64)
     delivering = mu_planned > 0
     mu_relative = np.abs(mu_reconstructed - mu_planned)[delivering] / mu_planned[delivering]
+    mu_total = float(_signal_mu(estimate).double().sum()) * qa.mu_reference
     summary: dict[str, Any] = {
         "plan": beam.path, "beam": beam.beam_number, "beam_name": beam.beam_name, "machine": beam.machine,
         "mlc": beam.mlc, "banks": BANK_NAMES, "unverifiable_leaf_pairs": beam.geometry.hidden_pairs,
@@ -401,9 +430,9 @@ def summarise(qa: PlanQA) -> dict[str, Any]:
                                               lambda errors: 100 * np.mean(errors <= TG142_LEAF_TOLERANCE_MM)),
         "worst_leaf": worst_leaf, "jaw_mae_mm": float(jaws.mean()), "jaw_max_mm": float(jaws.max()),
         "mu_error_percent": _statistic(100 * mu_relative, np.mean), "mu_planned": round(float(mu_planned.sum()), 4),
-        "mu_reconstructed": float(mu_reconstructed.sum()),
-        "mu_total_error_percent": 100 * (mu_reconstructed.sum() - mu_planned.sum()) / mu_planned.sum()
-        if mu_planned.sum() > 0 else math.nan,
+        "mu_reconstructed": mu_total,
+        "mu_total_error_percent": 100 * (mu_total - mu_planned.sum()) / mu_planned.sum() if mu_planned.sum() > 0
+        else math.nan,
     })
     summary["criteria"] = _criteria(summary)
     summary["pass"] = all(item["pass"] for item in summary["criteria"].values())

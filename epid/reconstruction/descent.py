@@ -186,7 +186,8 @@ def descend(forward_model: nn.Module, domain: RowDomain, signals: Tensor, points
         better = trial_rendering.misfits.sum((-2, -1)) < rendering.misfits.sum((-2, -1))  # (B,)
         x = torch.where(better[:, None, None], trial, x)
         rendering = Rendering(torch.where(better[:, None, None], trial_rendering.misfits, rendering.misfits),
-                              torch.where(better[:, None], trial_rendering.mu, rendering.mu))
+                              torch.where(better[:, None], trial_rendering.mu, rendering.mu),
+                              torch.where(better[:, None], trial_rendering.signal_mu, rendering.signal_mu))
         if not last:
             gradient = torch.where(better[:, None, None], trial_gradient, gradient)
         damping = torch.where(better, damping / 3, damping * 4)
@@ -200,7 +201,7 @@ def _evaluate(forward_model: nn.Module, signals: Tensor, x: Tensor, batch_frames
     256, 256) and, when asked for, the gradient (B, F + 1, ``UNKNOWNS``) of the summed misfit."""
     runs, frames = signals.shape[:2]
     misfits = signals.new_zeros(runs, frames, NUM_LEAF_PAIRS)
-    mu = signals.new_zeros(runs, frames)
+    mu, signal_mu = signals.new_zeros(runs, frames), signals.new_zeros(runs, frames)
     gradient = torch.zeros_like(x) if with_gradient else None
     for begin in range(0, frames, batch_frames):
         chunk = slice(begin, min(begin + batch_frames, frames))
@@ -213,16 +214,16 @@ def _evaluate(forward_model: nn.Module, signals: Tensor, x: Tensor, batch_frames
         with torch.no_grad():
             output = forward_model.beam.output(fluence.detach())[:, None, None]
             rendered = forward_model.response(fluence.detach()) * output
-            per_leaf, frame_mu, residuals = frame_misfits(rendered, signals[:, chunk].flatten(0, 1))
+            per_leaf, frame_mu, frame_signal_mu, residuals = frame_misfits(rendered, signals[:, chunk].flatten(0, 1))
             misfits[:, chunk] = per_leaf.view(runs, -1, NUM_LEAF_PAIRS)
-            mu[:, chunk] = frame_mu.view(runs, -1)
+            mu[:, chunk], signal_mu[:, chunk] = frame_mu.view(runs, -1), frame_signal_mu.view(runs, -1)
             if with_gradient:
                 towards = forward_model.response.adjoint(-2 * frame_mu[:, None, None] * output * residuals)
         if with_gradient:
             with torch.inference_mode(False):
                 part, = torch.autograd.grad(fluence, points, towards.clone())
             gradient[:, chunk.start:chunk.stop + 1] += part
-    return Rendering(misfits, mu), gradient
+    return Rendering(misfits, mu, signal_mu), gradient
 
 
 def _curvature(domain: RowDomain, correlation: ResponseCorrelation, x: Tensor, mu: Tensor) -> tuple[Tensor, Tensor]:

@@ -9,7 +9,8 @@ import torch
 
 from epid.core.errors import InputError
 from epid.dicom.plan import read_plan, write_plan
-from epid.evaluation import commission, timeline
+from epid.dicom.series import MeasuredSeries
+from epid.evaluation import arc_review, commission, plan_qa, timeline
 from epid.models.families import build_models
 from epid.synthesis.sequences import generate_control_points
 from tests.evaluation.test_timeline import cine_ends, series_of
@@ -102,3 +103,40 @@ def test_commissioning_that_lowers_the_gamma_keeps_the_physics_it_was_given(meas
     for name, value in start.state_dict().items():
         torch.testing.assert_close(result.model.state_dict()[name], value)
     assert result.scale == pytest.approx(1 / UNITS, rel=0.2)
+
+
+def test_the_commissioning_plans_mu_reference_reads_another_plans_mu_error(measurements, monkeypatch):
+    """A reconstruction that finds every plan's control points and reads each frame's signal MU 1 %
+    over (a calibration 1 % off): the commissioning plans' reference takes the 1 % out of a third plan
+    delivered 2 % over, where the calibration is the commissioned one."""
+    truth, measured = measurements
+    over = {"mu": 1.01}
+
+    def plan_itself(models, segment, method="arc", device="cpu", progress=None, stages=None, mlc=None, cine=False):
+        jaws = torch.from_numpy(np.stack([segment.jaw_1, segment.jaw_2], 1))
+        mu = torch.from_numpy(segment.mu)
+        return arc_review.ArcEstimate(torch.from_numpy(segment.leaf_a), torch.from_numpy(segment.leaf_b), jaws,
+                                      0.9 * mu, "arc", signal_mu=over["mu"] * mu)
+
+    monkeypatch.setattr(plan_qa, "reconstruct", plan_itself)
+    models = (truth, truth)
+
+    def delivered(measurement: commission.Measurement):
+        series = series_of(measurement.beam, cine_ends(measurement.beam, 25))
+        series = MeasuredSeries(**{**series.__dict__, "frames": measurement.frames.numpy()})
+        return series, timeline.place_frames(measurement.beam, series)
+
+    reference = plan_qa.commissioned_mu_reference(models, [delivered(m) for m in measured[:2]], 1 / UNITS)
+    assert reference == pytest.approx(1 / 1.01, rel=1e-6)
+    over["mu"] = 1.01 * 1.02
+    series, placement = delivered(measured[2])
+    errors = {}
+    for mode, given in (("commissioned", reference), ("commissioned", 1.0), ("fit", reference)):
+        qa, calibration = plan_qa.measured_qa(models, series, placement, mode, 1 / UNITS, mu_reference=given)
+        assert calibration["mode"] == mode
+        summary = plan_qa.summarise(qa)
+        errors[mode, given] = summary["mu_total_error_percent"]
+        assert summary["mu_error_percent"] == pytest.approx(10.0, rel=1e-4), "per frame: the least-squares MU"
+    assert errors["commissioned", reference] == pytest.approx(2.0, abs=1e-3)
+    assert errors["commissioned", 1.0] == pytest.approx(3.02, abs=1e-3)
+    assert errors["fit", reference] == pytest.approx(3.02, abs=1e-3), "the reference belongs to the commissioned scale"

@@ -1,0 +1,34 @@
+"""The frames' MU read by the fallback's rendering (epid.reconstruction.fallback.frame_misfits)."""
+
+from __future__ import annotations
+
+import numpy as np
+import scipy.ndimage
+import torch
+
+from epid.reconstruction.fallback import frame_misfits
+
+
+def test_the_signal_mu_holds_where_the_responses_shape_is_wrong_and_the_least_squares_mu_does_not():
+    fluence = np.zeros((3, 256, 256))
+    fluence[0, 100:140, 90:170] = 1.0  # 40 x 80 mm
+    fluence[1, 120:130, 120:135] = 1.0  # 10 x 15 mm: the shape matters most
+    fluence[2, 60:200, 50:210] = 1.0
+    rendered = np.stack([scipy.ndimage.gaussian_filter(f, 2.0, mode="constant") for f in fluence])
+    # the measured frames: 1.3 MU through a response twice as broad with a 10 % tail of 15 mm, both
+    # conserving the signal (the fields lie far enough inside the frame)
+    broad = np.stack([0.9 * scipy.ndimage.gaussian_filter(f, 4.0, mode="constant")
+                      + 0.1 * scipy.ndimage.gaussian_filter(f, 15.0, mode="constant") for f in fluence])
+    measured = 1.3 * broad
+    np.testing.assert_allclose(measured.sum((1, 2)), 1.3 * fluence.sum((1, 2)), rtol=1e-4)
+    per_leaf, mu, signal_mu, residuals = frame_misfits(torch.from_numpy(rendered).float(),
+                                                     torch.from_numpy(measured).float())
+    np.testing.assert_allclose(signal_mu.numpy(), 1.3, rtol=1e-4)
+    least_squares = (rendered * measured).sum((1, 2)) / (rendered * rendered).sum((1, 2))
+    np.testing.assert_allclose(mu.numpy(), least_squares, rtol=1e-5)
+    assert np.all(np.abs(least_squares / 1.3 - 1) > 0.01), "the least-squares MU rests on the field's shape"
+    assert abs(least_squares[1] / 1.3 - 1) > abs(least_squares[2] / 1.3 - 1), "the more so the smaller the field"
+    np.testing.assert_allclose(residuals.numpy(), measured - least_squares[:, None, None] * rendered, atol=1e-5)
+    rows = np.square(residuals.numpy()).sum(-1)  # rows of 1 mm, row r centred at y = 127.5 - r mm
+    np.testing.assert_allclose(per_leaf.numpy()[:, 25], rows[:, 128:133].sum(-1), rtol=1e-4)  # y in [-5, 0)
+    np.testing.assert_allclose(per_leaf.numpy().sum(-1), rows.sum(-1), rtol=1e-4)
