@@ -8,6 +8,7 @@ from __future__ import annotations
 from unittest import mock
 
 import numpy as np
+import pytest
 import torch
 from torch import nn
 
@@ -297,3 +298,36 @@ def test_a_cine_fit_is_taken_between_the_frames():
         assert not calls, "the project's own frames keep the tracked points"
         reconstruct_arc(forward, network, frames, frame_before=torch.zeros(256, 256), cine=True)
         assert len(calls) == 1 and calls[0].leaf_a.shape == (1, 5, 52)
+
+
+@pytest.mark.parametrize("first_pair", [True, False])
+def test_every_other_frame_pair_gives_each_control_point_one_estimate(first_pair):
+    """Frames whose value is their index; the stand-in network estimates the pair (k - 1, k) as
+    control points k - 1 and k at positions 10 k - 10 and 10 k, and frame k's MU as k."""
+    calls = []
+
+    class Indexed(nn.Module):
+        def forward(self, epid_prev, epid_curr):
+            calls.append(len(epid_curr))
+            prev, curr = epid_prev.mean((1, 2, 3)), epid_curr.mean((1, 2, 3))
+            leaves = torch.cat([10 * prev[:, None].expand(-1, 52), 10 * curr[:, None].expand(-1, 52)], 1)
+            scalars = torch.stack([curr, 10 * prev, 10 * curr, 10 * prev + 1, 10 * curr + 1], 1)
+            return leaves, -leaves, scalars, None
+
+    recorded = torch.arange(10.0)[:, None, None].expand(10, 4, 4)  # the frame before, then 9 frames
+    for step in (1, 2):
+        calls.clear()
+        leaf_a, leaf_b, jaws, mu = estimate_module._pair_estimates(Indexed(), recorded, 3, first_pair, step)
+        first = 0 if first_pair else 1
+        begins = sorted(set(range(first, 9, step)) | {8})  # the last pair always
+        assert sum(calls) == len(begins) and max(calls) <= 3
+        points = torch.arange(10.0)
+        if not first_pair:
+            points[0] = 0.0  # extrapolated from points 1 and 2
+        torch.testing.assert_close(leaf_a, 10 * points[:, None].expand(10, 52))
+        torch.testing.assert_close(leaf_b, -10 * points[:, None].expand(10, 52))
+        torch.testing.assert_close(jaws, torch.stack([10 * points, 10 * points + 1], 1))
+        estimated = torch.zeros(9, dtype=torch.bool)
+        estimated[begins] = True
+        torch.testing.assert_close(mu[estimated], torch.tensor(begins, dtype=torch.float32) + 1)
+        assert torch.isnan(mu[~estimated]).all()
