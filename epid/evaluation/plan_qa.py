@@ -85,8 +85,6 @@ SUMMARY_KEYS = (
     "jaw_mae_mm", "jaw_max_mm", "mu_error_percent", "mu_planned", "mu_reconstructed", "mu_total_error_percent",
     "criteria", "pass", "delivery_errors",
 )
-
-
 LEAF_CENTRES_MM = MLC_Y_MIN_MM + LEAF_WIDTH_MM * (np.arange(NUM_LEAF_PAIRS) + 0.5)
 
 
@@ -385,9 +383,8 @@ def summarise(qa: PlanQA) -> dict[str, Any]:
     (reconstructed - planned), leaf_max_mm, leaf_within_1mm_percent, worst_leaf {bank, leaf,
     control_point, error_mm}; jaw_mae_mm, jaw_max_mm (jaw_1 and jaw_2); mu_error_percent (mean
     relative error of the frames' least-squares MU, frames with planned MU), mu_planned and
-    mu_reconstructed (sums over the reconstructed frames; the latter of the arc fit's signal MU
-    times ``PlanQA.mu_reference``, which a frame's whole signal measures alike in every plan where
-    the least-squares MU rests on the field's shape), mu_total_error_percent. criteria: per criterion
+    mu_reconstructed (sums over the reconstructed frames; the latter of the arc fit's signal MU,
+    ``fallback.frame_misfits``, times ``PlanQA.mu_reference``), mu_total_error_percent. criteria: per criterion
     {rule, value, limit, pass}; pass: every criterion passes.
     """
     beam, gamma, estimate, segment = qa.beam, qa.gamma, qa.estimate, qa.segment
