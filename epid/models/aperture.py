@@ -33,9 +33,8 @@ the predicted aperture (learned in-field weights per row and column account for 
 reaching past the imager). The curr frame's lag (a learned share of the prev frame) is taken out
 first. Latent: the predicted aperture's fluence pooled to 4 mm.
 
-The inverse model returns the network's estimate; ``epid.reconstruction.estimate`` refines it by tracking the
-leaf edges through the measured frames with the forward model's physics (``epid.reconstruction.leaves``:
-a frame pair, or a whole arc).
+The inverse model returns the network's estimate; ``epid.reconstruction.estimate`` refines it by tracking the leaf
+edges through the measured frames with the forward model's physics (``epid.reconstruction.leaves``: pair or arc).
 """
 
 from __future__ import annotations
@@ -48,6 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from epid.core.fft import cropped_irfft2, padded_rfft2
 from epid.models.legacy import LATENT_SIZE, NUM_LEAVES, NUM_SCALARS, _check_vector, as_frame_batch
 from epid.models.panel import COMMISSIONING_PARAMETERS, BeamProfile, sag_shift
 from epid.synthesis.fluence import aperture_fluence
@@ -245,8 +245,8 @@ class DetectorResponse(nn.Module):
         images = images.float()
         with torch.autocast(images.device.type, enabled=False):
             weighted = torch.stack([images, self.broad_weight(images.device)[:, None] * images], 1)
-            spectrum = (torch.fft.rfft2(to_leaf_grid(weighted), s=self.fft_shape) * self._spectra().conj()).sum(1)
-            return torch.fft.irfft2(spectrum, s=self.fft_shape)[..., :LEAF_GRID_ROWS, :GRID_SIZE]
+            spectrum = (padded_rfft2(to_leaf_grid(weighted), self.fft_shape) * self._spectra().conj()).sum(1)
+            return cropped_irfft2(spectrum, self.fft_shape, slice(LEAF_GRID_ROWS), slice(GRID_SIZE))
 
     def broad_taps(self) -> Tensor:
         """The broad term's Gaussian along each axis, on the response's offsets (sum 1)."""
@@ -268,9 +268,9 @@ class DetectorResponse(nn.Module):
         broad term (the fluence's wide blur weighted per row)."""
         fluence = fluence.float()
         with torch.autocast(fluence.device.type, enabled=False):
-            spectrum = torch.fft.rfft2(fluence, s=self.fft_shape)
-            images = torch.fft.irfft2(spectrum[:, None] * self._spectra(), s=self.fft_shape)
-        images = to_imager(images[..., :LEAF_GRID_ROWS, :GRID_SIZE])  # (B, 2, 256, 256)
+            images = cropped_irfft2(padded_rfft2(fluence, self.fft_shape)[:, None] * self._spectra(), self.fft_shape,
+                                    slice(LEAF_GRID_ROWS), slice(GRID_SIZE))
+        images = to_imager(images)  # (B, 2, 256, 256)
         return torch.stack([images[:, 0], self.broad_weight(fluence.device)[:, None] * images[:, 1]], 1)
 
 

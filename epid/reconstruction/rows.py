@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from epid.core.fft import cropped_irfft2, padded_rfft2
 from epid.models.aperture import frame_sub_apertures, leaf_grid_centres
 from epid.synthesis.fluence import cell_coverage
 from epid.synthesis.geometry import (
@@ -171,9 +172,9 @@ class RowDomain:
         shape = frames.shape
         padded = F.pad(frames.reshape(-1, 1, *shape[-2:]), (EDGE_PAD,) * 4, mode="replicate").view(
             *shape[:-2], *(size + 2 * EDGE_PAD for size in shape[-2:]))
-        seen = torch.fft.irfft2(torch.fft.rfft2(padded, s=self.fft_shape) * self.wiener, s=self.fft_shape)
         first = EDGE_PAD - IMAGER_MARGIN
-        return seen[..., first:first + LEAF_GRID_ROWS, EDGE_PAD:EDGE_PAD + GRID_SIZE]
+        return cropped_irfft2(padded_rfft2(padded, self.fft_shape) * self.wiener, self.fft_shape,
+                              slice(first, first + LEAF_GRID_ROWS), slice(EDGE_PAD, EDGE_PAD + GRID_SIZE))
 
     @staticmethod
     def leaf_profiles(rows: Tensor, row_weights: Tensor) -> Tensor:

@@ -27,6 +27,7 @@ import scipy.fft
 import torch
 
 from epid.core.devices import Device, resolve_device
+from epid.core.fft import cropped_irfft2, padded_rfft2
 from epid.synthesis.fluence import (
     ApertureEdges,
     LeafGridBags,
@@ -282,9 +283,9 @@ class FrameRenderer:
             kernel = torch.from_numpy(self.kernel).to(self.device, torch.float32)
             spectrum = torch.fft.rfft2(kernel, s=shape)
             self._operators[key] = spectrum
-        product = torch.fft.rfft2(images, s=shape) * spectrum
-        full = torch.fft.irfft2(product, s=shape)
-        return full[..., centre_h : centre_h + height, centre_w : centre_w + width].contiguous()
+        product = padded_rfft2(images, shape) * spectrum
+        return cropped_irfft2(product, shape, slice(centre_h, centre_h + height),
+                              slice(centre_w, centre_w + width)).contiguous()
 
 
 _RENDERER_CACHE: OrderedDict[tuple[str, str], FrameRenderer] = OrderedDict()

