@@ -472,3 +472,33 @@ def test_commissioning_refuses_bad_input_before_writing(cine, trained, tmp_path,
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
     expected = "expected pairs of an RT Plan" if case == "odd" else "aperture-family"
     assert expected in result.stderr and not output.exists()
+
+
+def test_a_commissioned_checkpoint_carries_its_scale_and_mu_reference_into_the_qa(cine, trained, tmp_path):
+    """An aperture-family run of two steps commissioned on the cine series (two steps), then the
+    QA of that series with the commissioned checkpoint: calibrated by the commissioned scale, its
+    total MU read against the stored reference."""
+    run_checkpoint = tmp_path / "aperture" / "epid.pth"
+    trained_run = run("generate_and_train.py", **{**TINY_RUN, "EPID_MODEL": "aperture"},
+                      EPID_PLANS=str(trained["root"] / "plans"), EPID_BATCH_SIZE="4", EPID_GAMMA_SAMPLES="0",
+                      EPID_EPOCHS="1", EPID_STEPS_PER_EPOCH="2", EPID_CACHE_DIR=str(trained["cache"]),
+                      EPID_CHECKPOINT_PATH=str(run_checkpoint))
+    assert trained_run.returncode == 0, trained_run.stderr[-3000:]
+    commissioned = tmp_path / "commissioned"
+    result = run("inference_visualize.py", "--checkpoint", str(run_checkpoint), "--commission",
+                 str(trained["plan_200"]), str(trained["root"] / "cine" / "series"), "--output-dir", str(commissioned),
+                 "--commission-steps", "2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    stored = load_checkpoint(commissioned / "commissioned.pth")["commissioning"]
+    assert stored["calibration_scale"] > 0 and math.isfinite(stored["mu_reference"]) and stored["mu_reference"] > 0
+    assert json.loads((commissioned / "commissioning.json").read_text())["mu_reference"] == stored["mu_reference"]
+    assert "MU reference" in result.stderr + result.stdout
+    output = tmp_path / "qa"
+    result = run("inference_visualize.py", "--checkpoint", str(commissioned / "commissioned.pth"), "--plan",
+                 str(trained["plan_200"]), "--frames", str(trained["root"] / "cine" / "series"), "--output-dir",
+                 str(output), "--device", "cpu")
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((output / "qa_summary.json").read_text())
+    assert summary["calibration"]["mode"] == "commissioned"
+    assert summary["calibration"]["scale"] == pytest.approx(stored["calibration_scale"])
+    assert math.isfinite(summary["mu_total_error_percent"])
