@@ -428,9 +428,10 @@ def commission_run(args: argparse.Namespace) -> int:
     mu_reference = plan_qa.commissioned_mu_reference((result.model, inverse_model), deliveries, result.scale)
     _stage(f"  MU reference {mu_reference:.4f}")
     payload = {**checkpoint, "forward_model": result.model.state_dict(), "inverse_model": inverse_model.state_dict(),
-               "commissioning": {"calibration_scale": result.scale, "mu_reference": mu_reference,
-                                 "source": str(args.checkpoint),
-                                 **{key: value for key, value in result.summary.items() if key != "parameters"}}}
+               "commissioning": {**{key: value for key, value in result.summary.items()
+                                    if key not in ("parameters", "calibration_scale")},
+                                 "calibration_scale": result.scale, "mu_reference": mu_reference,
+                                 "source": str(args.checkpoint)}}
     save_checkpoint(output_dir / "commissioned.pth", payload)
     summary = {"checkpoint": str(args.checkpoint), **result.summary, "mu_reference": mu_reference}
     (output_dir / "commissioning.json").write_text(json.dumps(summary, indent=2) + "\n")
