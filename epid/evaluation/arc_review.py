@@ -117,7 +117,8 @@ def reconstruct_segment(method: str, models: tuple[nn.Module, nn.Module], segmen
             arc = estimate_module.reconstruct_arc(forward_model, inverse_model, frames[1:], frame_before=frames[0],
                                                   stages=stages, cine=cine, progress=progress)
             values = (arc.leaf_a[1:], arc.leaf_b[1:], arc.jaws[1:], arc.mu)
-            from_start, signal_mu = arc.from_start, arc.signal_mu.float().cpu()
+            from_start = arc.from_start
+            signal_mu = None if arc.signal_mu is None else arc.signal_mu.float().cpu()
         else:
             from_start, signal_mu = 0.0, None
             pairs = [(begin, min(begin + batch, len(segment))) for begin in range(0, len(segment), batch)]

@@ -304,27 +304,37 @@ def measured_qa(models: tuple[nn.Module, nn.Module], series: MeasuredSeries, pla
     say(f"  calibration: {calibration['method']}, scale {calibration['scale']:.6g}")
     say(f"gamma of {len(points)} measured frames: 3 %/2 mm and 2 %/2 mm global, cutoff 10 %")
     gamma = frame_gamma(frames, compared, device, batch_size)
+    segment, estimate = _reconstructed(models, placement, points, frames, method, device, say)
+    reference = mu_reference if calibration["mode"] == "commissioned" else 1.0
+    return PlanQA(placement.beam, measured, points, compared, gamma, segment, estimate, reference), calibration
+
+
+def _reconstructed(models: tuple[nn.Module, nn.Module], placement: timeline.Placement, points: np.ndarray,
+                   frames: Tensor, method: str, device: torch.device | str, say: Callable[[str], None]
+                   ) -> tuple[arc_review.ArcSegment, arc_review.ArcEstimate]:
+    """The longest run of consecutive calibrated ``frames`` (K, 256, 256), ending on ``points`` (K,),
+    moved back by the sag and reconstructed by ``method``: its segment and estimate."""
     run = longest_run(points)
     segment = plan_segment(placement.beam, points[run],
                            timeline.with_sag(models[0], frames[run], timeline.frame_gantry(placement)[run], undo=True))
     cine = not placement.by_control_points
     say(f"reconstructing control points {segment.first}-{segment.first + len(segment) - 1} of the "
         f"{'timeline' if cine else 'plan'} from the measured frames ({method})")
-    estimate = reconstruct(models, segment, method, device, mlc=placement.beam.geometry, cine=cine)
-    reference = mu_reference if calibration["mode"] == "commissioned" else 1.0
-    return PlanQA(placement.beam, measured, points, compared, gamma, segment, estimate, reference), calibration
+    return segment, reconstruct(models, segment, method, device, mlc=placement.beam.geometry, cine=cine)
 
 
 def commissioned_mu_reference(models: tuple[nn.Module, nn.Module], deliveries: Sequence[tuple[MeasuredSeries,
                               timeline.Placement]], scale: float, device: torch.device | str = "cpu") -> float:
     """``PlanQA.mu_reference`` of a commissioned model pair and calibration ``scale``: the planned MU
     over the signal MU (``fallback.frame_misfits``) of the commissioning ``deliveries`` (each measured
-    series and its placement), as their QA reconstructs them."""
+    series and its placement), as their QA reconstructs them (no prediction, no gamma)."""
     planned = signal = 0.0
     for series, placement in deliveries:
-        qa, _ = measured_qa(models, series, placement, "commissioned", scale, device=device)
-        planned += float(qa.segment.mu.sum())
-        signal += float(_signal_mu(qa.estimate).sum())
+        points = match_frames(placement.beam, placed_frames(series, placement))
+        frames = torch.from_numpy(np.array(series.frames, dtype=np.float32)).mul_(scale)
+        segment, estimate = _reconstructed(models, placement, points, frames, "arc", device, lambda message: None)
+        planned += float(segment.mu.sum())
+        signal += float(_signal_mu(estimate).sum())
     if not signal > 0:
         raise InputError("the commissioning deliveries' reconstruction holds no signal; no MU reference")
     return planned / signal
