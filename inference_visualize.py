@@ -22,8 +22,10 @@ on the arc by gantry angle, one integrated image, or frames naming their control
 units calibrated by --calibration) it also writes the delivery QA report (epid.evaluation.plan_qa): gamma per frame
 (3 %/2 mm and 2 %/2 mm), the control points reconstructed from the measured frames (--reconstruction,
 default arc) against the plan, TG-218 and TG-142 pass/fail, qa_summary.json, qa_frames.csv,
-qa_leaves.csv and figures. Without --plan, --export-plan and --export-frames write the synthetic
-arc of one dataset ID (--dataset-ids N) as an RT Plan and its synthesised frames as an RT Image.
+qa_leaves.csv and figures; for a plan of several beams given the images of all of them (each naming
+its beam), every beam's report in beam_<n>/ and qa_plan.json. Without --plan, --export-plan and
+--export-frames write the synthetic arc of one dataset ID (--dataset-ids N) as an RT Plan and its
+synthesised frames as an RT Image.
 Frames are in the collimator's frame (x along the leaves' travel).
 
 Examples:
@@ -63,6 +65,7 @@ from epid.synthesis.sequences import NUM_DATASETS, PATTERNS, pattern_for
 
 if TYPE_CHECKING:
     from epid.dicom.plan import PlanBeam
+    from epid.dicom.series import MeasuredSeries
 
 PROGRAM = "inference_visualize.py"
 PROGRESS_BAR_MIN_ITEMS = 8
@@ -468,18 +471,52 @@ def select_beam(path: str, beam: int | None) -> PlanBeam:
     return beams[0]
 
 
+def plan_deliveries(args: argparse.Namespace) -> list[tuple[PlanBeam, MeasuredSeries | None]]:
+    """The beams of ``--plan`` to review, each with its measured series from ``--frames`` (None
+    without): ``--beam``, or the plan's only treatment beam, with every image given; or, for a plan
+    of several treatment beams whose images name their beams (``ReferencedBeamNumber``), every beam
+    with its own images. InputError where a beam cannot be told or has no images."""
+    from epid.dicom.plan import read_plan
+    from epid.dicom.series import read_beam_series, read_series
+
+    beams = read_plan(args.plan, args.beam)
+    if len(beams) == 1:
+        return [(beams[0], read_series(args.frames) if args.frames else None)]
+    listed = ", ".join(f"{item.beam_number} ({item.beam_name})" for item in beams)
+    if not args.frames or args.export_frames:
+        raise InputError(f"{args.plan}: {len(beams)} treatment beams ({listed}); choose one with --beam"
+                         + ("" if not args.frames else " (--export-frames writes one beam's frames)"))
+    measured = read_beam_series(args.frames)
+    if measured[0].beam_number is None:
+        raise InputError(f"{args.plan}: {len(beams)} treatment beams ({listed}) and the images of --frames name "
+                         "none (ReferencedBeamNumber); choose one with --beam")
+    by_number = {beam.beam_number: beam for beam in beams}
+    for series in measured:
+        if series.beam_number not in by_number:
+            raise InputError(f"{series.sources[0]}: an image of beam {series.beam_number}, which is not a treatment "
+                             f"beam of {args.plan} ({listed})")
+    seen = {series.beam_number for series in measured}
+    missing = [f"{beam.beam_number} ({beam.beam_name})" for beam in beams if beam.beam_number not in seen]
+    if missing:
+        raise InputError(f"--frames: no images of beam {', '.join(missing)} of {args.plan}; give the images of "
+                         "every beam, or choose one with --beam")
+    return [(by_number[series.beam_number], series) for series in measured]
+
+
 def review_plan(args: argparse.Namespace) -> int:
-    """--plan: predict the beam's frames; with --frames, the delivery QA report (epid.evaluation.plan_qa)."""
-    from epid.dicom.image import write_frames
+    """--plan: predict the beam's frames; with --frames, the delivery QA report (epid.evaluation.plan_qa)
+    of each beam measured, and for several beams qa_plan.json and their verdicts side by side."""
     from epid.dicom.series import read_series
-    from epid.evaluation import inference, plan_qa, qa_report, timeline
+    from epid.evaluation import inference, plan_qa, timeline
     from epid.training.preflight import check_writable
 
-    beam = select_beam(args.plan, args.beam)
-    series = read_series(args.frames) if args.frames else None
-    placement = timeline.place_frames(beam, series) if series is not None else None
-    if series is not None and not series.integrated:
-        plan_qa.match_frames(placement.beam, plan_qa.placed_frames(series, placement))
+    deliveries = plan_deliveries(args)
+    placements = []
+    for beam, series in deliveries:
+        placement = timeline.place_frames(beam, series) if series is not None else None
+        if series is not None and not series.integrated:
+            plan_qa.match_frames(placement.beam, plan_qa.placed_frames(series, placement))
+        placements.append(placement)
     reference = read_series(args.calibration_image) if args.calibration_image else None
     if reference is not None and len(reference) != 1:
         raise InputError(f"--calibration-image {args.calibration_image}: {len(reference)} frames; expected one image "
@@ -492,8 +529,38 @@ def review_plan(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     _stage(f"loading checkpoint {args.checkpoint}")
     checkpoint, models = load_models(args.checkpoint, device)
-    inference.check_plan_mlc(beam, checkpoint.get("config") or {}, args.checkpoint)
+    for beam, _ in deliveries:
+        inference.check_plan_mlc(beam, checkpoint.get("config") or {}, args.checkpoint)
     output_dir = prepare_output_dir(args.output_dir)
+    image = None if reference is None else plan_qa.calibration_image(models[0], reference, *args.calibration_field,
+                                                                      args.calibration_mu, device)
+    if len(deliveries) == 1:
+        beam_review(args, checkpoint, models, deliveries[0], placements[0], image, device, output_dir)
+        _stage(f"done in {time.perf_counter() - started:.1f} s")
+        return 0
+    summaries = []
+    for (beam, series), placement in zip(deliveries, placements, strict=True):
+        folder = prepare_output_dir(output_dir / f"beam_{beam.beam_number}")
+        _stage(f"beam {beam.beam_number} ({beam.beam_name}): {len(series)} measured frame(s), report in {folder}")
+        summaries.append(beam_review(args, checkpoint, models, (beam, series), placement, image, device, folder))
+    from epid.evaluation import qa_report
+
+    plan = qa_report.write_plan_summary(args.plan, summaries, output_dir)
+    print(qa_report.plan_table(plan))
+    _stage(f"wrote qa_plan.json and a report per beam (beam_<n>/) to {output_dir}; done in "
+           f"{time.perf_counter() - started:.1f} s")
+    return 0
+
+
+def beam_review(args: argparse.Namespace, checkpoint: dict, models: tuple,
+                delivery: tuple[PlanBeam, MeasuredSeries | None], placement, image, device,
+                output_dir: Path) -> dict | None:
+    """One beam of --plan: its predicted frames (plan_frames.png, --export-frames) and, with a
+    measured series, its QA report in ``output_dir``; returns the report's summary (None without)."""
+    from epid.dicom.image import write_frames
+    from epid.evaluation import plan_qa, qa_report, timeline
+
+    beam, series = delivery
     run_label = f"{Path(args.checkpoint).name}, epoch {checkpoint['epoch']}"
     frames = len(beam) - 1
     _stage(f"  beam {beam.beam_number} ({beam.beam_name}) of {args.plan}: {beam.machine}, {beam.mlc}, "
@@ -508,8 +575,8 @@ def review_plan(args: argparse.Namespace) -> int:
                      description="predicted")
         _stage(f"  wrote the {frames} predicted frames as an RT Image: {args.export_frames}")
     if series is None:
-        _stage(f"wrote plan_frames.png to {output_dir}; done in {time.perf_counter() - started:.1f} s")
-        return 0
+        _stage(f"wrote plan_frames.png to {output_dir}")
+        return None
 
     _stage(f"  {series.path}: {placement.describe()}")
     outside = float(series.outside_percent.max())
@@ -518,8 +585,6 @@ def review_plan(args: argparse.Namespace) -> int:
                f"{FRAME_SHAPE[0]} mm grid and is not compared")
     commissioning = checkpoint.get("commissioning") or {}
     commissioned = commissioning.get("calibration_scale")
-    image = None if reference is None else plan_qa.calibration_image(models[0], reference, *args.calibration_field,
-                                                                      args.calibration_mu, device)
     context = {"checkpoint": str(args.checkpoint), "epoch": checkpoint["epoch"], "placement": placement.describe(),
                "dropped_frames": placement.dropped, "outside_grid_percent": round(outside, 3)}
     if series.integrated:
@@ -532,7 +597,7 @@ def review_plan(args: argparse.Namespace) -> int:
                                                                  commissioned, image)
         _stage(f"  calibration: {calibration['method']}, scale {calibration['scale']:.6g}")
         return integrated_report(args, beam, series, measured_frames, compared, {**context, "calibration": calibration},
-                                 output_dir, started)
+                                 output_dir)
     if args.reconstruction == "pair" and not placement.by_control_points:
         _stage("  warning: --reconstruction pair reads a cine series' leaves from single frame pairs, ~2 mm off on a "
                "real panel's blur; arc (the default) takes them between the frames")
@@ -543,14 +608,14 @@ def review_plan(args: argparse.Namespace) -> int:
     summary = qa_report.write_report(qa, output_dir, run_label, **context, calibration=calibration)
     print(qa_report.verdict_table(summary))
     _stage(f"wrote plan_frames.png, qa_summary.json, qa_frames.csv, qa_leaves.csv, qa_leaf_errors.csv, qa_gamma.png, "
-           f"qa_leaves.png and qa_worst_frame.png to {output_dir}; done in {time.perf_counter() - started:.1f} s")
-    return 0
+           f"qa_leaves.png and qa_worst_frame.png to {output_dir}")
+    return summary
 
 
 def integrated_report(args: argparse.Namespace, beam: PlanBeam, series, measured: torch.Tensor,
-                      predicted: torch.Tensor, context: dict, output_dir: Path, started: float) -> int:
+                      predicted: torch.Tensor, context: dict, output_dir: Path) -> dict:
     """The QA of an integrated image: gamma against the beam's predicted integrated image,
-    qa_summary.json and qa_integrated.png."""
+    qa_summary.json and qa_integrated.png; returns the summary."""
     from epid.evaluation import plan_qa, qa_report
 
     gamma = plan_qa.frame_gamma(measured, predicted, "cpu")
@@ -562,9 +627,8 @@ def integrated_report(args: argparse.Namespace, beam: PlanBeam, series, measured
     print(f"Integrated-image QA of beam {beam.beam_number}: 3 %/2 mm {rate:.2f} % (TG-218 tolerance "
           f"{plan_qa.TG218_TOLERANCE_PERCENT:g} %), 2 %/2 mm {summary['gamma_2_2mm_integrated']:.2f} %: "
           f"{'PASS' if summary['pass'] else 'FAIL'}")
-    _stage(f"wrote plan_frames.png, qa_summary.json and qa_integrated.png to {output_dir}; done in "
-           f"{time.perf_counter() - started:.1f} s")
-    return 0
+    _stage(f"wrote plan_frames.png, qa_summary.json and qa_integrated.png to {output_dir}")
+    return summary
 
 
 def export_arc(args: argparse.Namespace, config: Config) -> int:

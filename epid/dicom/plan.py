@@ -27,8 +27,8 @@ The frames of a plan are in the collimator's frame (IEC BEAM LIMITING DEVICE coo
 along the leaves' travel, y across the leaf pairs. Gantry and collimator angles, the beam and
 machine names are kept as metadata only.
 
-Writing (``write_plan``): one arc as a single-beam VMAT plan on the MLC it was made for: each
-leaf at its strips' position (``MlcGeometry.leaves``), a leaf beyond the strips closed at the
+Writing (``write_plan``, ``write_arcs``): arcs as a VMAT plan of one beam per arc on the MLC they
+were made for: each leaf at its strips' position (``MlcGeometry.leaves``), a leaf beyond the strips closed at the
 middle of the nearest strip's opening, and ``ASYMY`` jaws where the MLC has Y jaws. The legacy
 grid is written as Agility (80 pairs of 5 mm, the strips its central 52), which like every
 single-layer MLC written here has exactly the devices {MLCX, ASYMY} that
@@ -43,7 +43,7 @@ the problem.
 from __future__ import annotations
 
 import datetime
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -322,6 +322,19 @@ def _tenth(values: np.ndarray) -> np.ndarray:
 # --------------------------------------------------------------------------- writing
 
 
+@dataclass(frozen=True)
+class Arc:
+    """One arc beam of a plan to write: its control points, MU (``beam_mu``, default the sum of
+    ``mu[1:]``) and the gantry's turn ``gantry_direction`` ("CW" or "CC") from
+    ``gantry_start_deg`` to ``gantry_stop_deg`` in equal steps."""
+
+    control_points: ControlPoints
+    beam_mu: float | None = None
+    gantry_start_deg: float = 181.0
+    gantry_stop_deg: float = 179.0
+    gantry_direction: str = "CW"
+
+
 def write_plan(
     path: str | Path,
     control_points: ControlPoints,
@@ -334,34 +347,51 @@ def write_plan(
     label: str = "EPID arc",
     mlc: MlcGeometry = LEGACY_GRID,
 ) -> None:
-    """Write ``control_points`` as a single-arc VMAT RT Plan (RT Plan Storage) to ``path``.
+    """Write ``control_points`` as a single-arc VMAT RT Plan (RT Plan Storage) to ``path``: beam 1,
+    "ARC" (``write_arcs`` with one ``Arc`` of these settings)."""
+    write_arcs(path, [Arc(control_points, beam_mu, gantry_start_deg, gantry_stop_deg, gantry_direction)],
+               machine=machine, label=label, mlc=mlc)
 
-    One beam, number 1, "ARC", on ``mlc`` (``MlcGeometry.leaves`` of the strips; the legacy grid
-    written as Agility, whose central 52 pairs are the strips): an MLCX, or a dual-layer MLC's
-    MLCX1 and MLCX2, and ASYMY jaws where the MLC has Y jaws, at every control point; the gantry
-    turns ``gantry_direction`` ("CW" or "CC") from ``gantry_start_deg`` to ``gantry_stop_deg`` in
-    equal steps. The cumulative meterset
-    weight of control point k is the sum of ``mu[1..k]``; ``BeamMeterset`` is ``beam_mu``
-    (default that sum), so ``read_plan`` gives back ``mu[1:]`` scaled by beam_mu / sum.
-    Positions are written in mm to 0.1, ``label`` is the RT Plan Label (at most 16 characters).
+
+def write_arcs(path: str | Path, arcs: Sequence[Arc], *, machine: str = "EPID", label: str = "EPID arc",
+               mlc: MlcGeometry = LEGACY_GRID) -> None:
+    """Write ``arcs`` as a VMAT RT Plan (RT Plan Storage) of one beam per arc to ``path``.
+
+    Beam k + 1 is arc k ("ARC" for a single arc, else "ARC 1", "ARC 2", ...), on ``mlc``
+    (``MlcGeometry.leaves`` of the strips; the legacy grid written as Agility, whose central 52
+    pairs are the strips): an MLCX, or a dual-layer MLC's MLCX1 and MLCX2, and ASYMY jaws where the
+    MLC has Y jaws, at every control point. The cumulative meterset weight of control point k is
+    the sum of ``mu[1..k]``; ``BeamMeterset`` is the arc's ``beam_mu`` (default that sum), so
+    ``read_plan`` gives back ``mu[1:]`` scaled by beam_mu / sum. Positions are written in mm to 0.1,
+    ``label`` is the RT Plan Label (at most 16 characters).
     """
-    if gantry_direction not in ("CW", "CC"):
-        raise ValueError(f"gantry_direction={gantry_direction!r}: expected 'CW' or 'CC'")
+    if not arcs:
+        raise ValueError("a plan needs at least one arc")
     if len(label) > 16:
         raise ValueError(f"label={label!r}: an RT Plan Label has at most 16 characters")
-    n = len(control_points)
-    if n < 2:
-        raise ValueError(f"an arc needs at least 2 control points, got {n}")
-    mu_tenths = np.rint(np.asarray(control_points.mu, dtype=np.float64) * 10).astype(np.int64)
-    cumulative = np.concatenate([[0], np.cumsum(mu_tenths[1:])])
-    if cumulative[-1] <= 0:
-        raise ValueError("the arc delivers no MU (mu[1:] sums to 0)")
-    meterset = cumulative[-1] / 10.0 if beam_mu is None else float(beam_mu)
+    beams, meterset = [], []
+    for number, arc in enumerate(arcs, start=1):
+        if arc.gantry_direction not in ("CW", "CC"):
+            raise ValueError(f"arc {number}: gantry_direction={arc.gantry_direction!r}: expected 'CW' or 'CC'")
+        n = len(arc.control_points)
+        if n < 2:
+            raise ValueError(f"arc {number}: an arc needs at least 2 control points, got {n}")
+        mu_tenths = np.rint(np.asarray(arc.control_points.mu, dtype=np.float64) * 10).astype(np.int64)
+        cumulative = np.concatenate([[0], np.cumsum(mu_tenths[1:])])
+        if cumulative[-1] <= 0:
+            raise ValueError(f"arc {number}: the arc delivers no MU (mu[1:] sums to 0)")
+        meterset.append(cumulative[-1] / 10.0 if arc.beam_mu is None else float(arc.beam_mu))
+        gantry = _gantry_angles(n, arc.gantry_start_deg, arc.gantry_stop_deg, arc.gantry_direction)
+        beams.append(_arc_beam(arc.control_points, cumulative, machine, gantry, arc.gantry_direction,
+                               MLC_GEOMETRIES["agility"] if mlc == LEGACY_GRID else mlc,
+                               number, "ARC" if len(arcs) == 1 else f"ARC {number}"))
 
-    dataset = new_dataset(RT_PLAN_STORAGE, "RTPLAN", f"{label}: dataset {control_points.dataset_id}")
+    first = arcs[0].control_points
+    dataset = new_dataset(RT_PLAN_STORAGE, "RTPLAN", f"{label}: dataset {first.dataset_id}")
     now = datetime.datetime.now()
     dataset.RTPlanLabel = label
-    dataset.RTPlanName = f"dataset {control_points.dataset_id} ({control_points.pattern})"[:64]
+    datasets = ", ".join(str(arc.control_points.dataset_id) for arc in arcs)
+    dataset.RTPlanName = f"dataset{'s' if len(arcs) > 1 else ''} {datasets} ({first.pattern})"[:64]
     dataset.RTPlanDate = now.strftime("%Y%m%d")
     dataset.RTPlanTime = now.strftime("%H%M%S")
     dataset.RTPlanGeometry = "TREATMENT_DEVICE"
@@ -371,24 +401,25 @@ def write_plan(
     setup.PatientPosition = "HFS"
     dataset.PatientSetupSequence = DicomSequence([setup])
     dataset.FractionGroupSequence = DicomSequence([_fraction_group(meterset)])
-    dataset.BeamSequence = DicomSequence([_arc_beam(control_points, cumulative, machine,
-                                                    _gantry_angles(n, gantry_start_deg, gantry_stop_deg,
-                                                                   gantry_direction), gantry_direction,
-                                                    MLC_GEOMETRIES["agility"] if mlc == LEGACY_GRID else mlc)])
+    dataset.BeamSequence = DicomSequence(beams)
     _as_explicit_little_endian(dataset)
     save_dataset(path, dataset)
 
 
-def _fraction_group(meterset: float) -> Dataset:
-    reference = Dataset()
-    reference.ReferencedBeamNumber = 1
-    reference.BeamMeterset = _decimal(meterset)
+def _fraction_group(meterset: Sequence[float]) -> Dataset:
+    """Fraction group 1: beam k + 1 delivers ``meterset[k]`` MU."""
+    references = []
+    for number, value in enumerate(meterset, start=1):
+        reference = Dataset()
+        reference.ReferencedBeamNumber = number
+        reference.BeamMeterset = _decimal(value)
+        references.append(reference)
     group = Dataset()
     group.FractionGroupNumber = 1
     group.NumberOfFractionsPlanned = 1
-    group.NumberOfBeams = 1
+    group.NumberOfBeams = len(references)
     group.NumberOfBrachyApplicationSetups = 0
-    group.ReferencedBeamSequence = DicomSequence([reference])
+    group.ReferencedBeamSequence = DicomSequence(references)
     return group
 
 
@@ -450,11 +481,11 @@ def _as_explicit_little_endian(dataset: Dataset) -> None:
 
 
 def _arc_beam(control_points: ControlPoints, cumulative: np.ndarray, machine: str, gantry: np.ndarray,
-              direction: str, mlc: MlcGeometry) -> Dataset:
+              direction: str, mlc: MlcGeometry, number: int, name: str) -> Dataset:
     n = len(control_points)
     beam = Dataset()
-    beam.BeamNumber = 1
-    beam.BeamName = "ARC"
+    beam.BeamNumber = number
+    beam.BeamName = name
     beam.BeamDescription = f"synthetic arc, dataset {control_points.dataset_id} ({control_points.pattern})"
     beam.BeamType = "DYNAMIC"
     beam.RadiationType = "PHOTON"

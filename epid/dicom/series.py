@@ -18,7 +18,8 @@ places it in the delivery:
 
 Frames are ordered by control point where every frame names one, else by time where every frame
 has one, else by ``InstanceNumber`` and the order given. A series is one beam: images naming
-different ``ReferencedBeamNumber`` are refused. ``epid.evaluation.timeline`` places the frames on a
+different ``ReferencedBeamNumber`` are refused; ``read_beam_series`` splits a whole plan's delivery
+into one series per beam by that number. ``epid.evaluation.timeline`` places the frames on a
 plan's arc.
 """
 
@@ -117,6 +118,32 @@ def read_series(given: str | Path | Sequence[str | Path]) -> MeasuredSeries:
         other = next(part for part in parts if part.beam_number not in (None, first.beam_number))
         raise ImageError(f"{other.path}: an image of beam {other.beam_number}, but {first.path} is of beam "
                          f"{first.beam_number}; a series is the delivery of one beam")
+    return _series(parts)
+
+
+def read_beam_series(given: str | Path | Sequence[str | Path]) -> list[MeasuredSeries]:
+    """The measured frames of each beam's delivery in ``given`` (RT Image files, folders or glob
+    patterns of a whole plan's delivery), grouped by the ``ReferencedBeamNumber`` the images name,
+    in beam-number order; images naming no beam join the one beam the others name, or form the
+    only series. ImageError, one line naming the file, for an image naming no beam beside images
+    of two or more beams, and for every problem ``read_series`` refuses within a beam."""
+    files = expand_paths(given)
+    parts = [read_rt_image(path, _image) for path in files]
+    beams = sorted({part.beam_number for part in parts if part.beam_number is not None})
+    if len(beams) <= 1:
+        return [_series(parts)]
+    unnamed = next((part for part in parts if part.beam_number is None), None)
+    if unnamed is not None:
+        raise ImageError(f"{unnamed.path}: names no beam (ReferencedBeamNumber) beside images of beams "
+                         f"{', '.join(map(str, beams))}; each image of a plan's delivery must name its beam")
+    return [_series([part for part in parts if part.beam_number == beam]) for beam in beams]
+
+
+def _series(parts: list[_Image]) -> MeasuredSeries:
+    """One beam's frames from its images ``parts`` (at most one beam number among them), in delivery
+    order (module docstring)."""
+    files = [part.path for part in parts]
+    beams = {part.beam_number for part in parts if part.beam_number is not None}
     control_points = np.concatenate([part.control_point_index for part in parts])
     named = control_points > 0
     if named.any() and not named.all():

@@ -10,7 +10,8 @@ to a folder:
   control point, the worst leaves' trajectories, jaws, MU) and ``qa_worst_frame.png`` (the
   frame of lowest 3 %/2 mm pass rate: measured, predicted, gamma, difference).
 
-Also the integrated image's figure, the plan's predicted frames and the verdict as text.
+Also the integrated image's figure, the plan's predicted frames, the verdict as text, and for a
+plan of several beams ``qa_plan.json`` (``write_plan_summary``) and their verdicts side by side.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from __future__ import annotations
 import csv
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -163,6 +164,35 @@ def verdict_table(summary: Mapping[str, Any]) -> str:
             f"{shown(summary['jaw_mae_mm'])} mm; total MU {shown(summary['mu_total_error_percent'], '{:+.2f} %')}\n"
             f"  {_flags_line(summary['delivery_errors'])}\n"
             f"  overall: {'PASS' if summary['pass'] else 'FAIL'}")
+
+
+PLAN_COLUMNS = ("beam", "beam_name", "report", "frames", "gamma_3_2mm_mean", "gamma_3_2mm_integrated",
+                "leaf_mae_mm", "leaf_within_1mm_percent", "mu_total_error_percent", "pass")
+"""What ``qa_plan.json`` keeps of each beam's summary (None where that beam's kind of QA has no such figure)."""
+
+
+def write_plan_summary(plan: str, summaries: Sequence[Mapping[str, Any]], output_dir: str | Path) -> dict[str, Any]:
+    """``qa_plan.json`` in ``output_dir`` for the QA of a plan of several beams, each reported in
+    ``beam_<n>/``: the plan, each beam's ``PLAN_COLUMNS`` and ``pass`` (every beam passes). Returns it."""
+    beams = [{key: summary.get(key) for key in PLAN_COLUMNS} | {"report": f"beam_{summary['beam']}"}
+             for summary in summaries]
+    plan_summary = {"plan": plan, "beams": beams, "pass": all(beam["pass"] for beam in beams)}
+    (Path(output_dir) / "qa_plan.json").write_text(json.dumps(plan_summary, indent=2, allow_nan=False) + "\n")
+    return plan_summary
+
+
+def plan_table(plan_summary: Mapping[str, Any]) -> str:
+    """The verdict of a plan of several beams as text: one row per beam, then the plan's result."""
+    def shown(value: float | None, form: str = "{:.2f}") -> str:
+        return "n/a" if value is None else form.format(value)
+
+    rows = [[f"{beam['beam']} ({beam['beam_name']})", shown(beam["frames"], "{:d}"), shown(beam["gamma_3_2mm_mean"]),
+             shown(beam["gamma_3_2mm_integrated"]), shown(beam["leaf_mae_mm"]),
+             shown(beam["mu_total_error_percent"], "{:+.2f}"), "PASS" if beam["pass"] else "FAIL"]
+            for beam in plan_summary["beams"]]
+    header = ["beam", "frames", "3 %/2 mm mean", "3 %/2 mm integrated", "leaf MAE mm", "total MU %", "result"]
+    return (f"QA of plan {plan_summary['plan']} ({len(rows)} beams):\n{format_table(header, rows)}\n"
+            f"  plan: {'PASS' if plan_summary['pass'] else 'FAIL'}")
 
 
 def _flags_line(errors: Mapping[str, Any]) -> str:

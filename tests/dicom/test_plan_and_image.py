@@ -16,7 +16,7 @@ from epid.core.errors import InputError
 from epid.dicom import files as files_module
 from epid.dicom.files import save_dataset
 from epid.dicom.image import RT_IMAGE_STORAGE, ImageError, read_frames, write_frames
-from epid.dicom.plan import RT_PLAN_STORAGE, PlanError, read_plan, write_plan
+from epid.dicom.plan import RT_PLAN_STORAGE, Arc, PlanError, read_plan, write_arcs, write_plan
 from epid.synthesis.frames import render_frames
 from epid.synthesis.kernel import default_kernel
 from epid.synthesis.sequences import generate_control_points, leaf_weights
@@ -191,6 +191,30 @@ def test_beam_mu_scales_the_frames_mu(tmp_path):
     np.testing.assert_allclose(beam.control_points.mu[1:], 2 * arc.mu[1:], atol=1e-3)
     turned = np.degrees(np.unwrap(np.radians(beam.gantry_deg)))
     assert turned[0] == pytest.approx(30) and turned[-1] - turned[0] == pytest.approx(-60)
+
+
+def test_two_arcs_are_written_as_two_beams_each_read_back_as_it_was(tmp_path):
+    """A two-arc plan: arc 1 clockwise with its own MU, arc 2 counter-clockwise back with 150 MU;
+    each beam's number, name, MU, angles and positions come back; pymedphys reads each beam."""
+    first, second = generate_control_points(100, 12), generate_control_points(300, CONTROL_POINTS)
+    path = tmp_path / "two_arcs.dcm"
+    write_arcs(path, [Arc(first), Arc(second, 150.0, 179.0, 181.0, "CC")], label="two arcs")
+    beams = read_plan(path)
+    assert [(beam.beam_number, beam.beam_name) for beam in beams] == [(1, "ARC 1"), (2, "ARC 2")]
+    assert beams[0].beam_mu == pytest.approx(float(np.sum(first.mu[1:])), abs=0.05) and beams[1].beam_mu == 150.0
+    for beam, arc, (start, span) in zip(beams, (first, second), ((181.0, 358.0), (179.0, -358.0)), strict=True):
+        for field in ("leaf_a", "leaf_b", "jaw_1", "jaw_2"):
+            np.testing.assert_allclose(getattr(beam.control_points, field), getattr(arc, field), atol=1e-4)
+        turned = np.degrees(np.unwrap(np.radians(beam.gantry_deg.astype(np.float64))))
+        assert turned[0] == pytest.approx(start) and turned[-1] - turned[0] == pytest.approx(span)
+    np.testing.assert_allclose(beams[1].control_points.mu[1:], 150.0 * second.mu[1:] / np.sum(second.mu[1:]),
+                               atol=1e-3)
+    assert read_plan(path, 2)[0].beam_name == "ARC 2"
+    pymedphys = pytest.importorskip("pymedphys")
+    delivery = pymedphys.Delivery.from_dicom(path)  # the plan's beams one after the other
+    mlc = np.asarray(delivery.mlc)[:, ::-1]
+    np.testing.assert_allclose(mlc[:, 14:66, 0], np.concatenate([first.leaf_b, second.leaf_b]), atol=1e-4)
+    np.testing.assert_allclose(np.diff(delivery.monitor_units)[len(first):].sum(), 150.0, atol=1e-3)
 
 
 # --------------------------------------------------------------------------- real MLC geometries

@@ -4,6 +4,8 @@ without a preamble, fields reaching past the grid, and the one-line errors on ba
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 from pydicom.dataset import Dataset, FileMetaDataset
@@ -12,7 +14,7 @@ from pydicom.uid import ExplicitVRLittleEndian, generate_uid
 
 from epid.dicom import files as files_module
 from epid.dicom.image import RT_IMAGE_STORAGE, ImageError
-from epid.dicom.series import expand_paths, read_series
+from epid.dicom.series import expand_paths, read_beam_series, read_series
 from tests.dicom.test_plan_and_image import assert_one_line, field_edges
 
 
@@ -131,6 +133,27 @@ def test_folders_and_glob_patterns_name_their_files(tmp_path):
 def small(**changes) -> Dataset:
     settings = {"rows": 64, "columns": 64, "pitch_mm": 4.0, "sid_mm": 1000.0, "gantry_deg": 0.0}
     return panel_image(*FIELD, **{**settings, **changes})
+
+
+def test_a_plans_delivery_splits_into_one_series_per_beam(tmp_path):
+    """Images of beams 2 and 1 interleaved (each beam's frames out of time order): one series per
+    beam in beam-number order, each in its own time order, holding only its own files."""
+    paths = []
+    for index, (beam, second) in enumerate([(2, 3), (1, 1), (2, 1), (1, 0), (2, 2)]):
+        image = small(beam=beam, instance=index + 1, gantry_deg=10.0 * index,
+                      acquired=f"20261126101500.{second * 100000:06d}")
+        paths.append(str(save(image, tmp_path / f"image_{index}.dcm")))
+    series = read_beam_series(paths)
+    assert [item.beam_number for item in series] == [1, 2]
+    assert [Path(source).name for source in series[0].sources] == ["image_3.dcm", "image_1.dcm"]
+    assert [Path(source).name for source in series[1].sources] == ["image_2.dcm", "image_4.dcm", "image_0.dcm"]
+    np.testing.assert_allclose(series[1].gantry_deg, [20.0, 40.0, 0.0])
+    np.testing.assert_allclose(series[1].time_s, [0.0, 0.1, 0.2], atol=1e-6)
+    one = read_beam_series(paths[1::2] + [str(save(small(beam=None, instance=9), tmp_path / "bare.dcm"))])
+    assert len(one) == 1 and one[0].beam_number == 1 and len(one[0]) == 3, "an image naming no beam joins the one"
+    with pytest.raises(ImageError) as error:
+        read_beam_series([*paths, str(tmp_path / "bare.dcm")])
+    assert_one_line(error, "bare.dcm", "names no beam", "beams 1, 2")
 
 
 @pytest.mark.parametrize("case", ["no spacing", "no sid", "two beams", "mixed references", "empty folder",

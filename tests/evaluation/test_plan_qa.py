@@ -30,7 +30,7 @@ from epid.data.cache import plan_cache_key
 from epid.data.dataset import EpidData
 from epid.data.plans import scan_plans
 from epid.dicom.image import read_frames, write_frames
-from epid.dicom.plan import read_plan, write_plan
+from epid.dicom.plan import Arc, read_plan, write_arcs, write_plan
 from epid.evaluation import arc_review, plan_qa, qa_report, timeline
 from epid.models.checkpoint import load_checkpoint
 from epid.models.families import build_models, predict_frames
@@ -44,7 +44,7 @@ ARCS = {5: 12, 200: 16}  # dataset ID -> control points of the arcs written as p
 pytestmark = pytest.mark.timeout(240)
 
 
-def write_arcs(folder: Path) -> dict[int, Path]:
+def write_arc_plans(folder: Path) -> dict[int, Path]:
     folder.mkdir(parents=True, exist_ok=True)
     paths = {}
     for dataset_id, count in ARCS.items():
@@ -69,7 +69,7 @@ def synthesised(dataset_id: int, count: int) -> np.ndarray:
 def trained(tmp_path_factory) -> dict[str, Path]:
     """Two plans and a checkpoint trained one epoch on them over two ranks, with a frame cache."""
     root = tmp_path_factory.mktemp("plans_run")
-    plans = write_arcs(root / "plans")
+    plans = write_arc_plans(root / "plans")
     checkpoint = root / "run" / "epid.pth"
     result = run("generate_and_train.py", **TINY_RUN, EPID_PLANS=str(root / "plans"), EPID_WORLD_SIZE="2",
                  EPID_BACKEND="gloo", EPID_BATCH_SIZE="4", EPID_GAMMA_SAMPLES="2", EPID_EPOCHS="1",
@@ -112,7 +112,7 @@ def test_training_on_plans_shards_the_arcs_and_caches_each_by_its_plan(trained):
 
 
 def test_plan_arcs_give_their_own_lengths_frames_and_cache_keys(tmp_path):
-    write_arcs(tmp_path / "plans")
+    write_arc_plans(tmp_path / "plans")
     arcs = scan_plans(tmp_path / "plans", 4)
     assert [arc.control_points for arc in arcs] == [12, 16]
     cached = EpidData([0, 1], noise_std=0.0, cache_dir=tmp_path / "cache", plan_arcs=arcs)
@@ -130,7 +130,7 @@ def test_plan_arcs_give_their_own_lengths_frames_and_cache_keys(tmp_path):
 
 def test_bad_plans_are_refused_when_the_config_is_read(tmp_path):
     plans = tmp_path / "plans"
-    write_arcs(plans)
+    write_arc_plans(plans)
     config = load_config({"EPID_PLANS": str(plans)})
     assert config.dataset_ids == (0, 1) and [config.arc_control_points(i) for i in (0, 1)] == [12, 16]
     assert Config.from_dict(config.to_dict()) == config
@@ -227,7 +227,7 @@ def test_a_plan_on_another_mlc_than_the_checkpoints_exits_2_naming_both(tmp_path
 @pytest.mark.parametrize("case", ["outside", "gap", "beam", "frames alone", "with ids", "export no id", "folder",
                                   "over the plan"])
 def test_bad_arguments_and_frames_are_refused_before_anything_is_written(tmp_path, case):
-    plan = write_arcs(tmp_path / "plans")[5]
+    plan = write_arc_plans(tmp_path / "plans")[5]
     frames = synthesised(5, 12)
     images = tmp_path / "frames.dcm"
     output = tmp_path / "out"
@@ -286,7 +286,7 @@ def qa_of(tmp_path: Path, estimate_from_plan: bool, first: int = 1) -> plan_qa.P
     """QA of arc 5 (12 control points) against its own synthesised frames from frame ``first``:
     predictions equal to the measured frames; the reconstruction the plan itself or an
     untrained aperture pair's short arc fit."""
-    plan = write_arcs(tmp_path / "plans")[5]
+    plan = write_arc_plans(tmp_path / "plans")[5]
     (beam,) = read_plan(plan)
     images = tmp_path / "frames.dcm"
     write_frames(images, synthesised(5, 12)[first - 1:], control_point_index=range(first, 12))
@@ -354,9 +354,17 @@ def cine_delivery(beam, ends: np.ndarray, steps: int = 6, leaf_shift_mm: float =
     return frames.reshape(len(ends), steps, 256, 256).sum(1)
 
 
-def write_cine(folder: Path, frames: np.ndarray, angles: np.ndarray, units: float, keep=None) -> list[Path]:
+def gantry_at(beam, ends: np.ndarray) -> np.ndarray:
+    """The gantry angle (deg) of ``beam`` where its cumulative MU reaches each of ``ends``."""
+    unwrapped = np.rad2deg(np.unwrap(np.deg2rad(beam.gantry_deg.astype(np.float64))))
+    return np.interp(ends, np.concatenate([[0.0], np.cumsum(beam.control_points.mu[1:])]), unwrapped) % 360
+
+
+def write_cine(folder: Path, frames: np.ndarray, angles: np.ndarray, units: float, keep=None,
+               beam: int | None = None) -> list[Path]:
     """Single-frame RT Images in measured units (x ``units``) carrying only a gantry angle (none where
-    NaN), an acquisition time at 9.5 frames/s and an instance number (frames not in ``keep`` dropped)."""
+    NaN), an acquisition time at 9.5 frames/s and an instance number (frames not in ``keep`` dropped),
+    and the beam they are of where ``beam`` is given."""
     folder.mkdir(parents=True, exist_ok=True)
     paths = []
     for index, (frame, angle) in enumerate(zip(frames, angles, strict=True)):
@@ -373,6 +381,8 @@ def write_cine(folder: Path, frames: np.ndarray, angles: np.ndarray, units: floa
         acquired = datetime.datetime(2026, 11, 26, 10, 15) + datetime.timedelta(seconds=index / 9.5)
         dataset.AcquisitionDateTime = acquired.strftime("%Y%m%d%H%M%S.%f")
         dataset.InstanceNumber = index + 1
+        if beam is not None:
+            dataset.ReferencedBeamNumber = beam
         dataset.save_as(path, enforce_file_format=True)
         paths.append(path)
     return paths
@@ -384,13 +394,10 @@ def cine(trained) -> dict[str, object]:
     one integrated image, both in measured units; the QA run of each, and of the series calibrated
     by an image of a 10 x 10 cm open field of 100 MU."""
     (beam,) = read_plan(trained["plan_200"])
-    total = float(np.sum(beam.control_points.mu))
-    ends = np.linspace(0.0, total, 37)[1:]
-    unwrapped = np.rad2deg(np.unwrap(np.deg2rad(beam.gantry_deg.astype(np.float64))))
-    angles = np.interp(ends, np.concatenate([[0.0], np.cumsum(beam.control_points.mu[1:])]), unwrapped) % 360
+    ends = np.linspace(0.0, float(np.sum(beam.control_points.mu)), 37)[1:]
     frames = cine_delivery(beam, ends)
     folder = trained["root"] / "cine"
-    write_cine(folder / "series", frames, angles, units=37.0, keep=set(range(36)) - {17})
+    write_cine(folder / "series", frames, gantry_at(beam, ends), units=37.0, keep=set(range(36)) - {17})
     (integrated,) = write_cine(folder / "integrated", frames.sum(0, keepdims=True), [math.nan], units=37.0)
     field = render_frames(timeline.open_field(100.0, 100.0, 100.0), [1], default_kernel(), dataset_id=0,
                           noise_std=0.0).numpy()
@@ -438,12 +445,48 @@ def test_an_integrated_image_gets_gamma_against_the_beams_integral(cine):
     assert "Integrated-image QA of beam 1" in cine["integrated"]["stdout"]
 
 
+def test_a_two_arc_plan_is_reviewed_beam_by_beam_in_one_run(trained, tmp_path):
+    """Arcs 5 and 200 as one plan (arc 2 back counter-clockwise), each delivered as a cine series
+    naming its beam and given together: one run writes each beam's report and qa_plan.json, and each
+    beam's figures are those of a run of that beam alone; a delivery missing a beam is refused."""
+    plan = tmp_path / "two_arcs.dcm"
+    write_arcs(plan, [Arc(generate_control_points(5, 12)),
+                      Arc(generate_control_points(200, 16), None, 179.0, 181.0, "CC")], label="two arcs")
+    folders = []
+    for beam in read_plan(plan):
+        ends = np.linspace(0.0, float(np.sum(beam.control_points.mu)), 2 * len(beam) - 1)[1:]
+        folders.append(tmp_path / f"cine_{beam.beam_number}")
+        write_cine(folders[-1], cine_delivery(beam, ends), gantry_at(beam, ends), units=37.0, beam=beam.beam_number)
+    common = ["--checkpoint", str(trained["checkpoint"]), "--plan", str(plan), "--device", "cpu"]
+    result = run("inference_visualize.py", *common, "--frames", *map(str, folders), "--output-dir",
+                 str(tmp_path / "qa"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    plan_summary = json.loads((tmp_path / "qa" / "qa_plan.json").read_text())
+    assert [(beam["beam"], beam["beam_name"], beam["frames"]) for beam in plan_summary["beams"]] == [
+        (1, "ARC 1", 22), (2, "ARC 2", 30)]
+    assert plan_summary["pass"] == all(beam["pass"] for beam in plan_summary["beams"])
+    assert "QA of plan" in result.stdout and "Delivery QA of beam 2" in result.stdout
+    alone = run("inference_visualize.py", *common, "--beam", "2", "--frames", str(folders[1]), "--output-dir",
+                str(tmp_path / "alone"))
+    assert alone.returncode == 0, alone.stderr[-3000:]
+    together = json.loads((tmp_path / "qa" / "beam_2" / "qa_summary.json").read_text())
+    by_itself = json.loads((tmp_path / "alone" / "qa_summary.json").read_text())
+    for key in ("frames", "gamma_3_2mm_mean", "gamma_2_2mm_integrated", "leaf_mae_mm", "jaw_mae_mm",
+                "mu_total_error_percent", "pass"):
+        assert together[key] == by_itself[key], key
+    assert (tmp_path / "qa" / "beam_1" / "qa_leaves.png").stat().st_size > 0
+    missing = run("inference_visualize.py", *common, "--frames", str(folders[0]), "--output-dir",
+                  str(tmp_path / "missing"))
+    assert missing.returncode == 2 and missing.stderr.count("\n") == 1, missing.stderr
+    assert "no images of beam 2 (ARC 2)" in missing.stderr and not (tmp_path / "missing").exists()
+
+
 def test_a_faulty_delivery_fails_where_the_error_free_one_passes(tmp_path):
     """Cine frames of arc 200 integrated directly (48 parts per frame, numpy's interpolation) by a
     forward model in measured units; the QA chain (placement by gantry angle, the plan integrated
     over each frame's span, calibration, gamma) passes the error-free delivery and fails one whose
     leaves all lie 5 mm off, frame by frame and on the integrated image."""
-    plan = write_arcs(tmp_path / "plans")[200]
+    plan = write_arc_plans(tmp_path / "plans")[200]
     (beam,) = read_plan(plan)
     total = float(np.sum(beam.control_points.mu))
     ends = np.linspace(0.0, total, 31)[1:]
