@@ -168,7 +168,8 @@ def _series(parts: list[_Image]) -> MeasuredSeries:
         return values
 
     first = parts[int(part_of[order[0]])]
-    frames = np.concatenate([part.frames for part in parts])[order]
+    within = np.concatenate([np.arange(len(part.frames)) for part in parts])
+    frames = np.stack([parts[part_of[i]].frames[within[i]] for i in order])  # one copy, in delivery order
     frames.flags.writeable = False
     times = times[order]
     times.flags.writeable = False
