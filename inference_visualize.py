@@ -57,6 +57,7 @@ from epid.config.load import Config, load_config
 from epid.core.cli import prepare_output_dir, run_main
 from epid.core.devices import resolve_device
 from epid.core.errors import InputError
+from epid.core.memory import keep_freed_memory
 from epid.core.tables import format_table
 from epid.data.sharding import select_dataset_ids
 from epid.evaluation.gamma import GammaCriteria, gamma_maps
@@ -250,6 +251,7 @@ def _counter(total: int | None, unit: str) -> Iterator[Callable[[int], None] | N
 def main(argv: Sequence[str] | None = None) -> int:
     config = load_config()
     args = parse_arguments(argv, config)
+    keep_freed_memory()
     if args.commission:
         return commission_run(args)
     if args.plan or args.frames or args.beam is not None or args.export_plan or args.export_frames:

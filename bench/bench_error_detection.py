@@ -35,6 +35,7 @@ import torch
 from bench.bench_quality import machine as describe_machine
 from bench.clinic_delivery import ClinicPanel, DeliveryErrors, PanelPhysics, write_cine, write_integrated
 from epid.core.errors import InputError
+from epid.core.memory import keep_freed_memory
 from epid.core.tables import format_table
 from epid.dicom.plan import read_plan, write_plan
 from epid.dicom.series import read_series
@@ -101,6 +102,7 @@ def integrated_qa(forward_model: torch.nn.Module, beam, path: Path, scale: float
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_arguments(argv)
+    keep_freed_memory()  # as inference_visualize.py reconstructs
     checkpoint = load_checkpoint(args.checkpoint)
     models = build_models_from_checkpoint(checkpoint, "cpu")
     physics = PanelPhysics()

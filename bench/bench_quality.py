@@ -64,6 +64,7 @@ from epid.config.load import Config, load_config
 from epid.core.cli import prepare_output_dir, run_main
 from epid.core.devices import resolve_device
 from epid.core.errors import InputError
+from epid.core.memory import keep_freed_memory
 from epid.core.tables import format_table
 from epid.evaluation import comparison_plots, inference, plots, quality
 from epid.models import families
@@ -318,6 +319,7 @@ def combine(folders: list[str], output: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_arguments(argv)
+    keep_freed_memory()  # as inference_visualize.py reconstructs
     output = prepare_output_dir(args.output_dir)
     if args.combine:
         combine(args.combine, output)

@@ -34,6 +34,7 @@ from epid.config.load import load_config
 from epid.core.cli import run_main
 from epid.core.devices import resolve_device
 from epid.core.errors import InputError
+from epid.core.memory import keep_freed_memory
 from epid.evaluation.arc_review import ArcSegment, arc_errors, pooled_errors, reconstruct_segment, synthesise_segment
 from epid.evaluation.gamma import GammaCriteria, gamma_pass_rates
 from epid.evaluation.inference import SynthesisSettings, load_synthesis_kernel, resolve_synthesis
@@ -124,6 +125,7 @@ def chosen_arcs(text: str, trained: set[int]) -> list[int]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_arguments(argv)
+    keep_freed_memory()  # as inference_visualize.py reconstructs
     device = resolve_device(args.device)
     checkpoint = load_checkpoint(args.checkpoint)
     models = build_models_from_checkpoint(checkpoint, device)
