@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 
 from epid.core.cli import run_main
+from epid.core.memory import keep_freed_memory
 
 
 def _count(minimum: int):
@@ -60,6 +61,7 @@ def main() -> int:
     parser.add_argument("--log-y", action="store_true", help="log scale for the losses in histories.png")
     parser.add_argument("--no-eval", action="store_true", help="compare histories, configs and weights only")
     args = parser.parse_args()
+    keep_freed_memory()  # its evaluation reconstructs control points, as inference_visualize.py does
     return compare(CompareOptions(
         checkpoints=args.checkpoints, dataset_range=args.dataset_range, dataset_ids=args.dataset_ids,
         samples_per_dataset=args.samples_per_dataset, seed=args.seed, device=args.device,
