@@ -19,7 +19,7 @@ import sys
 M_TRIM_THRESHOLD = -1
 M_MMAP_MAX = -4
 """``mallopt`` parameters (glibc's malloc.h)."""
-KEPT_BYTES = 2**31 - 1
+TRIM_THRESHOLD_BYTES = 2**31 - 1
 """Trim threshold (the largest ``mallopt`` takes): free heap top glibc keeps rather than hands back."""
 
 
@@ -35,4 +35,4 @@ def keep_freed_memory() -> bool:
     except (OSError, AttributeError):
         return False
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
-    return bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, KEPT_BYTES))
+    return bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))
