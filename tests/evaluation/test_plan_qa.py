@@ -445,6 +445,24 @@ def test_an_integrated_image_gets_gamma_against_the_beams_integral(cine):
     assert "Integrated-image QA of beam 1" in cine["integrated"]["stdout"]
 
 
+def test_a_plans_summary_holds_a_cine_and_an_integrated_beam(cine, tmp_path):
+    """qa_plan.json of a plan whose beam 1 was judged from a cine series and beam 2 from an integrated
+    image: each beam's own figures (None where its kind of QA has none), the plan passing only when
+    both do; the table shows n/a for what a beam lacks."""
+    summaries = [cine["cine"]["summary"], {**cine["integrated"]["summary"], "beam": 2, "beam_name": "ARC 2"}]
+    plan = qa_report.write_plan_summary("two.dcm", summaries, tmp_path)
+    assert json.loads((tmp_path / "qa_plan.json").read_text()) == plan
+    first, second = plan["beams"]
+    assert first["frames"] == 35 and first["leaf_mae_mm"] == summaries[0]["leaf_mae_mm"]
+    assert second["frames"] is None and second["leaf_mae_mm"] is None and second["report"] == "beam_2"
+    assert second["gamma_3_2mm_integrated"] == summaries[1]["gamma_3_2mm_integrated"]
+    assert plan["pass"] == (summaries[0]["pass"] and summaries[1]["pass"])
+    failing = qa_report.write_plan_summary("two.dcm", [summaries[0], {**summaries[1], "pass": False}], tmp_path)
+    assert failing["pass"] is False
+    table = qa_report.plan_table(failing)
+    assert "2 (ARC 2)" in table and "n/a" in table and table.endswith("plan: FAIL")
+
+
 def test_a_two_arc_plan_is_reviewed_beam_by_beam_in_one_run(trained, tmp_path):
     """Arcs 5 and 200 as one plan (arc 2 back counter-clockwise), each delivered as a cine series
     naming its beam and given together: one run writes each beam's report and qa_plan.json, and each
