@@ -475,20 +475,31 @@ def select_beam(path: str, beam: int | None) -> PlanBeam:
 
 def plan_deliveries(args: argparse.Namespace) -> list[tuple[PlanBeam, MeasuredSeries | None]]:
     """The beams of ``--plan`` to review, each with its measured series from ``--frames`` (None
-    without): ``--beam``, or the plan's only treatment beam, with every image given; or, for a plan
-    of several treatment beams whose images name their beams (``ReferencedBeamNumber``), every beam
-    with its own images. InputError where a beam cannot be told or has no images."""
+    without): ``--beam``, or the plan's only treatment beam, with its images among those given
+    (images of other beams left aside, and said so); or, for a plan of several treatment beams
+    whose images name their beams (``ReferencedBeamNumber``), every beam with its own images.
+    InputError where a beam cannot be told or has no images."""
     from epid.dicom.plan import read_plan
-    from epid.dicom.series import read_beam_series, read_series
+    from epid.dicom.series import read_beam_series
 
     beams = read_plan(args.plan, args.beam)
+    measured = read_beam_series(args.frames) if args.frames else []
     if len(beams) == 1:
-        return [(beams[0], read_series(args.frames) if args.frames else None)]
+        if len(measured) <= 1:
+            return [(beams[0], measured[0] if measured else None)]
+        beam = beams[0]
+        own = [series for series in measured if series.beam_number == beam.beam_number]
+        others = ", ".join(f"{len(series)} of beam {series.beam_number}" for series in measured
+                           if series.beam_number != beam.beam_number)
+        if not own:
+            raise InputError(f"--frames: no images of beam {beam.beam_number} ({beam.beam_name}) of {args.plan}, only "
+                             f"images of other beams ({others})")
+        _stage(f"  --frames: the {len(own[0])} frame(s) of beam {beam.beam_number}; left aside: {others}")
+        return [(beam, own[0])]
     listed = ", ".join(f"{item.beam_number} ({item.beam_name})" for item in beams)
     if not args.frames or args.export_frames:
         raise InputError(f"{args.plan}: {len(beams)} treatment beams ({listed}); choose one with --beam"
                          + ("" if not args.frames else " (--export-frames writes one beam's frames)"))
-    measured = read_beam_series(args.frames)
     if measured[0].beam_number is None:
         raise InputError(f"{args.plan}: {len(beams)} treatment beams ({listed}) and the images of --frames name "
                          "none (ReferencedBeamNumber); choose one with --beam")

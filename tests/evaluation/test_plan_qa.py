@@ -466,7 +466,8 @@ def test_a_plans_summary_holds_a_cine_and_an_integrated_beam(cine, tmp_path):
 def test_a_two_arc_plan_is_reviewed_beam_by_beam_in_one_run(trained, tmp_path):
     """Arcs 5 and 200 as one plan (arc 2 back counter-clockwise), each delivered as a cine series
     naming its beam and given together: one run writes each beam's report and qa_plan.json, and each
-    beam's figures are those of a run of that beam alone; a delivery missing a beam is refused."""
+    beam's figures are those of a run of that beam alone (--beam 2 takes its images from the whole
+    delivery); a delivery missing a beam is refused."""
     plan = tmp_path / "two_arcs.dcm"
     write_arcs(plan, [Arc(generate_control_points(5, 12)),
                       Arc(generate_control_points(200, 16), None, 179.0, 181.0, "CC")], label="two arcs")
@@ -484,9 +485,10 @@ def test_a_two_arc_plan_is_reviewed_beam_by_beam_in_one_run(trained, tmp_path):
         (1, "ARC 1", 22), (2, "ARC 2", 30)]
     assert plan_summary["pass"] == all(beam["pass"] for beam in plan_summary["beams"])
     assert "QA of plan" in result.stdout and "Delivery QA of beam 2" in result.stdout
-    alone = run("inference_visualize.py", *common, "--beam", "2", "--frames", str(folders[1]), "--output-dir",
+    alone = run("inference_visualize.py", *common, "--beam", "2", "--frames", *map(str, folders), "--output-dir",
                 str(tmp_path / "alone"))
     assert alone.returncode == 0, alone.stderr[-3000:]
+    assert "the 30 frame(s) of beam 2; left aside: 22 of beam 1" in alone.stdout
     together = json.loads((tmp_path / "qa" / "beam_2" / "qa_summary.json").read_text())
     by_itself = json.loads((tmp_path / "alone" / "qa_summary.json").read_text())
     for key in ("frames", "gamma_3_2mm_mean", "gamma_2_2mm_integrated", "leaf_mae_mm", "jaw_mae_mm",
@@ -497,6 +499,10 @@ def test_a_two_arc_plan_is_reviewed_beam_by_beam_in_one_run(trained, tmp_path):
                   str(tmp_path / "missing"))
     assert missing.returncode == 2 and missing.stderr.count("\n") == 1, missing.stderr
     assert "no images of beam 2 (ARC 2)" in missing.stderr and not (tmp_path / "missing").exists()
+    other = run("inference_visualize.py", *common, "--beam", "2", "--frames", str(folders[0]), "--output-dir",
+                str(tmp_path / "other"))
+    assert other.returncode == 2 and other.stderr.count("\n") == 1, other.stderr
+    assert "images of beam 1, compared with beam 2" in other.stderr
 
 
 def test_a_faulty_delivery_fails_where_the_error_free_one_passes(tmp_path):
