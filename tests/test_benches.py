@@ -13,7 +13,7 @@ BENCHES = sorted(path.stem for path in (ROOT / "bench").glob("bench_*.py"))
 
 def test_every_bench_answers_help_as_a_module():
     assert BENCHES == ["bench_dicom", "bench_error_detection", "bench_gamma", "bench_memory", "bench_models",
-                       "bench_quality", "bench_reconstruct", "bench_synthesis", "bench_train"]
+                       "bench_plan_qa", "bench_quality", "bench_reconstruct", "bench_synthesis", "bench_train"]
     processes = {
         name: subprocess.Popen([sys.executable, "-m", f"bench.{name}", "--help"], cwd=ROOT, env=clean_environment(),
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
