@@ -520,7 +520,7 @@ def review_plan(args: argparse.Namespace) -> int:
     """--plan: predict the beam's frames; with --frames, the delivery QA report (epid.evaluation.plan_qa)
     of each beam measured, and for several beams qa_plan.json and their verdicts side by side."""
     from epid.dicom.series import read_series
-    from epid.evaluation import inference, plan_qa, timeline
+    from epid.evaluation import inference, plan_qa, qa_report, timeline
     from epid.training.preflight import check_writable
 
     deliveries = plan_deliveries(args)
@@ -556,8 +556,6 @@ def review_plan(args: argparse.Namespace) -> int:
         folder = prepare_output_dir(output_dir / f"beam_{beam.beam_number}")
         _stage(f"beam {beam.beam_number} ({beam.beam_name}): {len(series)} measured frame(s), report in {folder}")
         summaries.append(beam_review(args, checkpoint, models, (beam, series), placement, image, device, folder))
-    from epid.evaluation import qa_report
-
     plan = qa_report.write_plan_summary(args.plan, summaries, output_dir)
     print(qa_report.plan_table(plan))
     _stage(f"wrote qa_plan.json and a report per beam (beam_<n>/) to {output_dir}; done in "
