@@ -12,8 +12,8 @@ series of single-frame RT Images (the two-arc plan's frames naming their beam). 
     inference_visualize.py --checkpoint commissioned.pth --plan two_arcs.dcm --frames cine_1/ cine_2/
 
 the second ``--repeats`` times, and prints the wall clock of each (the QA's median), the frames,
-the seconds per 1,500 frames against the target (60 s), and each beam's verdict and figures from
-``qa_plan.json``. Run from the repository root:
+the seconds per 1,500 frames against the target (60 s), and the plan's verdict table
+(``epid.evaluation.qa_report.plan_table`` of ``qa_plan.json``). Run from the repository root:
 
     python -m bench.bench_plan_qa --checkpoint quality_sharp/checkpoint.pth
 """
@@ -37,8 +37,8 @@ from bench.bench_reconstruct import chosen_arcs
 from bench.clinic_delivery import ClinicPanel, PanelPhysics, write_cine
 from epid.core.cli import run_main
 from epid.core.errors import InputError
-from epid.core.tables import format_table
 from epid.dicom.plan import Arc, read_plan, write_arcs
+from epid.evaluation import qa_report
 from epid.models.checkpoint import load_checkpoint
 from epid.synthesis.sequences import generate_control_points
 
@@ -64,7 +64,8 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
 
 
 def timed(*arguments: str) -> float:
-    """Wall clock (s) of one ``inference_visualize.py`` run; its output goes to this one's."""
+    """Wall clock (s) of one ``inference_visualize.py`` run (its output kept back; on failure its end is
+    printed and the bench stops)."""
     started = time.perf_counter()
     result = subprocess.run([sys.executable, str(ROOT / "inference_visualize.py"), *arguments], cwd=ROOT,
                             capture_output=True, text=True, check=False)
@@ -119,12 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     per_1500 = median * 1500 / sum(frames)
     results.update(frames=frames, commission_seconds=commission_seconds, qa_seconds=runs, qa_seconds_median=median,
                    seconds_per_1500_frames=per_1500, plan=verdict)
-    rows = [[f"{beam['beam']} ({beam['beam_name']})", str(beam['frames']), f"{beam['gamma_3_2mm_mean']:.2f}",
-             f"{beam['gamma_3_2mm_integrated']:.2f}", f"{beam['leaf_mae_mm']:.2f}",
-             f"{beam['leaf_within_1mm_percent']:.2f}", f"{beam['mu_total_error_percent']:+.2f}",
-             "PASS" if beam["pass"] else "FAIL"] for beam in verdict["beams"]]
-    print(format_table(["beam", "frames", "3/2 mean %", "3/2 integrated %", "leaf MAE mm", "within 1 mm %",
-                        "total MU %", "result"], rows))
+    print(qa_report.plan_table(verdict))
     print(f"two-arc plan QA ({sum(frames)} cine frames, {results['machine']}): median {median:.1f} s of "
           f"{args.repeats}, {per_1500:.1f} s per 1,500 frames (target {TARGET_SECONDS_PER_1500:g} s: "
           f"{'met' if per_1500 <= TARGET_SECONDS_PER_1500 else 'MISSED'})")

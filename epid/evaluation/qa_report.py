@@ -151,17 +151,19 @@ def write_plan_frames(predicted: Tensor, beam: PlanBeam, path: str | Path, run_l
                                                predicted.sum(0).numpy(), frames, title), path)
 
 
+def _shown(value: float | None, form: str = "{:.2f}") -> str:
+    """A figure as text in ``form``, "n/a" where there is none."""
+    return "n/a" if value is None else form.format(value)
+
+
 def verdict_table(summary: Mapping[str, Any]) -> str:
     """The QA verdict as text: one row per criterion, the leaf, jaw and MU figures, the overall result."""
-    def shown(value: float | None, form: str = "{:.2f}") -> str:
-        return "n/a" if value is None else form.format(value)
-
-    rows = [[name, item["rule"], shown(item["value"]), "PASS" if item["pass"] else "FAIL"]
+    rows = [[name, item["rule"], _shown(item["value"]), "PASS" if item["pass"] else "FAIL"]
             for name, item in summary["criteria"].items()]
     return (f"Delivery QA of beam {summary['beam']} ({summary['frames']} frames, reconstruction "
             f"{summary['reconstruction']}):\n{format_table(['criterion', 'rule', 'value', 'result'], rows)}\n"
-            f"  leaf MAE {shown(summary['leaf_mae_mm'])} mm, max {shown(summary['leaf_max_mm'])} mm; jaw MAE "
-            f"{shown(summary['jaw_mae_mm'])} mm; total MU {shown(summary['mu_total_error_percent'], '{:+.2f} %')}\n"
+            f"  leaf MAE {_shown(summary['leaf_mae_mm'])} mm, max {_shown(summary['leaf_max_mm'])} mm; jaw MAE "
+            f"{_shown(summary['jaw_mae_mm'])} mm; total MU {_shown(summary['mu_total_error_percent'], '{:+.2f} %')}\n"
             f"  {_flags_line(summary['delivery_errors'])}\n"
             f"  overall: {'PASS' if summary['pass'] else 'FAIL'}")
 
@@ -183,12 +185,9 @@ def write_plan_summary(plan: str, summaries: Sequence[Mapping[str, Any]], output
 
 def plan_table(plan_summary: Mapping[str, Any]) -> str:
     """The verdict of a plan of several beams as text: one row per beam, then the plan's result."""
-    def shown(value: float | None, form: str = "{:.2f}") -> str:
-        return "n/a" if value is None else form.format(value)
-
-    rows = [[f"{beam['beam']} ({beam['beam_name']})", shown(beam["frames"], "{:d}"), shown(beam["gamma_3_2mm_mean"]),
-             shown(beam["gamma_3_2mm_integrated"]), shown(beam["leaf_mae_mm"]),
-             shown(beam["mu_total_error_percent"], "{:+.2f}"), "PASS" if beam["pass"] else "FAIL"]
+    rows = [[f"{beam['beam']} ({beam['beam_name']})", _shown(beam["frames"], "{:d}"), _shown(beam["gamma_3_2mm_mean"]),
+             _shown(beam["gamma_3_2mm_integrated"]), _shown(beam["leaf_mae_mm"]),
+             _shown(beam["mu_total_error_percent"], "{:+.2f}"), "PASS" if beam["pass"] else "FAIL"]
             for beam in plan_summary["beams"]]
     header = ["beam", "frames", "3 %/2 mm mean", "3 %/2 mm integrated", "leaf MAE mm", "total MU %", "result"]
     return (f"QA of plan {plan_summary['plan']} ({len(rows)} beams):\n{format_table(header, rows)}\n"
