@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import math
 import os
@@ -67,6 +68,7 @@ from epid.synthesis.sequences import NUM_DATASETS, PATTERNS, pattern_for
 if TYPE_CHECKING:
     from epid.dicom.plan import PlanBeam
     from epid.dicom.series import MeasuredSeries
+    from epid.evaluation.plots import Draw
 
 PROGRAM = "inference_visualize.py"
 PROGRESS_BAR_MIN_ITEMS = 8
@@ -518,7 +520,19 @@ def plan_deliveries(args: argparse.Namespace) -> list[tuple[PlanBeam, MeasuredSe
 
 def review_plan(args: argparse.Namespace) -> int:
     """--plan: predict the beam's frames; with --frames, the delivery QA report (epid.evaluation.plan_qa)
-    of each beam measured, and for several beams qa_plan.json and their verdicts side by side."""
+    of each beam measured, and for several beams qa_plan.json and their verdicts side by side. The
+    figures are drawn by a worker process started before the frames are read."""
+    from epid.core.background import BackgroundCalls
+    from epid.evaluation import plots
+
+    started = time.perf_counter()
+    with BackgroundCalls() as background:
+        _review_plan(args, functools.partial(background.call, plots.draw))
+    _stage(f"done in {time.perf_counter() - started:.1f} s")
+    return 0
+
+
+def _review_plan(args: argparse.Namespace, draw: Draw) -> None:
     from epid.dicom.series import read_series
     from epid.evaluation import inference, plan_qa, qa_report, timeline
     from epid.training.preflight import check_writable
@@ -539,7 +553,6 @@ def review_plan(args: argparse.Namespace) -> int:
     check_writable(Path(args.output_dir).absolute(), "--output-dir")
     device = resolve_device(args.device, given=f"--device {args.device!r}")
 
-    started = time.perf_counter()
     _stage(f"loading checkpoint {args.checkpoint}")
     checkpoint, models = load_models(args.checkpoint, device)
     for beam, _ in deliveries:
@@ -548,26 +561,24 @@ def review_plan(args: argparse.Namespace) -> int:
     image = None if reference is None else plan_qa.calibration_image(models[0], reference, *args.calibration_field,
                                                                       args.calibration_mu, device)
     if len(deliveries) == 1:
-        beam_review(args, checkpoint, models, deliveries[0], placements[0], image, device, output_dir)
-        _stage(f"done in {time.perf_counter() - started:.1f} s")
-        return 0
+        beam_review(args, checkpoint, models, deliveries[0], placements[0], image, device, output_dir, draw)
+        return
     summaries = []
     for (beam, series), placement in zip(deliveries, placements, strict=True):
         folder = prepare_output_dir(output_dir / f"beam_{beam.beam_number}")
         _stage(f"beam {beam.beam_number} ({beam.beam_name}): {len(series)} measured frame(s), report in {folder}")
-        summaries.append(beam_review(args, checkpoint, models, (beam, series), placement, image, device, folder))
+        summaries.append(beam_review(args, checkpoint, models, (beam, series), placement, image, device, folder, draw))
     plan = qa_report.write_plan_summary(args.plan, summaries, output_dir)
     print(qa_report.plan_table(plan))
-    _stage(f"wrote qa_plan.json and a report per beam (beam_<n>/) to {output_dir}; done in "
-           f"{time.perf_counter() - started:.1f} s")
-    return 0
+    _stage(f"wrote qa_plan.json and a report per beam (beam_<n>/) to {output_dir}")
 
 
 def beam_review(args: argparse.Namespace, checkpoint: dict, models: tuple,
                 delivery: tuple[PlanBeam, MeasuredSeries | None], placement, image, device,
-                output_dir: Path) -> dict | None:
+                output_dir: Path, draw: Draw) -> dict | None:
     """One beam of --plan: its predicted frames (plan_frames.png, --export-frames) and, with a
-    measured series, its QA report in ``output_dir``; returns the report's summary (None without)."""
+    measured series, its QA report in ``output_dir``, the figures through ``draw``; returns the
+    report's summary (None without)."""
     from epid.dicom.image import write_frames
     from epid.evaluation import plan_qa, qa_report, timeline
 
@@ -577,10 +588,14 @@ def beam_review(args: argparse.Namespace, checkpoint: dict, models: tuple,
     _stage(f"  beam {beam.beam_number} ({beam.beam_name}) of {args.plan}: {beam.machine}, {beam.mlc}, "
            f"{len(beam)} control points, {beam.beam_mu:g} MU, gantry {beam.gantry_deg[0]:g} -> "
            f"{beam.gantry_deg[-1]:g} deg, collimator {beam.collimator_deg:g} deg")
-    _stage(f"predicting its {frames} frames (batches of {args.batch_size})")
-    with _counter(frames, "frame") as advance:
-        predicted = plan_qa.predict_plan_frames(models[0], beam.control_points, device, args.batch_size, advance)
-    qa_report.write_plan_frames(predicted, beam, output_dir / "plan_frames.png", run_label)
+    cine = series is not None and not series.integrated and not placement.by_control_points
+    predicted = None  # a cine series' plan_frames.png shows its own frames, which its QA predicts
+    if not cine or args.export_frames:
+        _stage(f"predicting its {frames} frames (batches of {args.batch_size})")
+        with _counter(frames, "frame") as advance:
+            predicted = plan_qa.predict_plan_frames(models[0], beam.control_points, device, args.batch_size, advance)
+        if not cine:
+            qa_report.write_plan_frames(predicted, beam, output_dir / "plan_frames.png", run_label, draw)
     if args.export_frames:
         write_frames(args.export_frames, predicted, plan_path=args.plan, beam=beam.beam_number,
                      description="predicted")
@@ -589,15 +604,8 @@ def beam_review(args: argparse.Namespace, checkpoint: dict, models: tuple,
         _stage(f"wrote plan_frames.png to {output_dir}")
         return None
 
-    _stage(f"  {series.path}: {placement.describe()}")
-    outside = float(series.outside_percent.max())
-    if outside > plan_qa.OUTSIDE_WARNING_PERCENT:
-        _stage(f"  warning: up to {outside:.1f} % of a measured frame's field signal lies outside the "
-               f"{FRAME_SHAPE[0]} mm grid and is not compared")
-    commissioning = checkpoint.get("commissioning") or {}
-    commissioned = commissioning.get("calibration_scale")
-    context = {"checkpoint": str(args.checkpoint), "epoch": checkpoint["epoch"], "placement": placement.describe(),
-               "dropped_frames": placement.dropped, "outside_grid_percent": round(outside, 3)}
+    context = beam_context(args, checkpoint, series, placement)
+    commissioned = (checkpoint.get("commissioning") or {}).get("calibration_scale")
     if series.integrated:
         if placement.whole_beam:
             compared = predicted.sum(0, keepdim=True)  # the plan's frames, their lag carried as trained
@@ -608,15 +616,44 @@ def beam_review(args: argparse.Namespace, checkpoint: dict, models: tuple,
                                                                  commissioned, image)
         _stage(f"  calibration: {calibration['method']}, scale {calibration['scale']:.6g}")
         return integrated_report(args, beam, series, measured_frames, compared, {**context, "calibration": calibration},
-                                 output_dir)
+                                 output_dir, draw)
+    return cine_review(args, models, checkpoint.get("commissioning") or {}, series, placement, image, device,
+                       output_dir, run_label, context, draw, None if cine else predicted)
+
+
+def beam_context(args: argparse.Namespace, checkpoint: dict, series: MeasuredSeries, placement) -> dict:
+    """What a beam's QA summary says first: the checkpoint and how the measured frames were placed
+    (said here, with a warning where part of a field lies outside the grid)."""
+    from epid.evaluation import plan_qa
+
+    _stage(f"  {series.path}: {placement.describe()}")
+    outside = float(series.outside_percent.max())
+    if outside > plan_qa.OUTSIDE_WARNING_PERCENT:
+        _stage(f"  warning: up to {outside:.1f} % of a measured frame's field signal lies outside the "
+               f"{FRAME_SHAPE[0]} mm grid and is not compared")
+    return {"checkpoint": str(args.checkpoint), "epoch": checkpoint["epoch"], "placement": placement.describe(),
+            "dropped_frames": placement.dropped, "outside_grid_percent": round(outside, 3)}
+
+
+def cine_review(args: argparse.Namespace, models: tuple, commissioning: dict, series: MeasuredSeries, placement,
+                image, device, output_dir: Path, run_label: str, context: dict, draw: Draw,
+                predicted: torch.Tensor | None = None) -> dict:
+    """The QA report of measured frames (not an integrated image) in ``output_dir``, with the
+    checkpoint's ``commissioning`` (calibration scale, MU reference) and ``predicted``, the plan's
+    frames for frames that name their control points; a cine series' own frames are predicted over
+    their spans and drawn as plan_frames.png. Returns the report's summary."""
+    from epid.evaluation import plan_qa, qa_report
+
     if args.reconstruction == "pair" and not placement.by_control_points:
         _stage("  warning: --reconstruction pair reads a cine series' leaves from single frame pairs, ~2 mm off on a "
                "real panel's blur; arc (the default) takes them between the frames")
-    qa, calibration = plan_qa.measured_qa(models, series, placement, args.calibration, commissioned,
+    qa, calibration = plan_qa.measured_qa(models, series, placement, args.calibration,
+                                          commissioning.get("calibration_scale"),
                                           args.reconstruction or "arc", device, args.batch_size, _stage, image,
-                                          predicted if placement.by_control_points else None,
-                                          commissioning.get("mu_reference", 1.0))
-    summary = qa_report.write_report(qa, output_dir, run_label, **context, calibration=calibration)
+                                          predicted, commissioning.get("mu_reference", 1.0))
+    if not placement.by_control_points:
+        qa_report.write_series_frames(qa, output_dir / "plan_frames.png", run_label, draw)
+    summary = qa_report.write_report(qa, output_dir, run_label, draw, **context, calibration=calibration)
     print(qa_report.verdict_table(summary))
     _stage(f"wrote plan_frames.png, qa_summary.json, qa_frames.csv, qa_leaves.csv, qa_leaf_errors.csv, qa_gamma.png, "
            f"qa_leaves.png and qa_worst_frame.png to {output_dir}")
@@ -624,7 +661,7 @@ def beam_review(args: argparse.Namespace, checkpoint: dict, models: tuple,
 
 
 def integrated_report(args: argparse.Namespace, beam: PlanBeam, series, measured: torch.Tensor,
-                      predicted: torch.Tensor, context: dict, output_dir: Path) -> dict:
+                      predicted: torch.Tensor, context: dict, output_dir: Path, draw: Draw) -> dict:
     """The QA of an integrated image: gamma against the beam's predicted integrated image,
     qa_summary.json and qa_integrated.png; returns the summary."""
     from epid.evaluation import plan_qa, qa_report
@@ -633,7 +670,7 @@ def integrated_report(args: argparse.Namespace, beam: PlanBeam, series, measured
     summary = {**context, **plan_qa.integrated_summary(beam, series.path, gamma)}
     (output_dir / "qa_summary.json").write_text(json.dumps(summary, indent=2, allow_nan=False) + "\n")
     qa_report.write_integrated_figure(measured[0].numpy(), predicted[0].numpy(), gamma, beam,
-                                      output_dir / "qa_integrated.png", f"{Path(args.checkpoint).name}")
+                                      output_dir / "qa_integrated.png", f"{Path(args.checkpoint).name}", draw)
     rate = summary["gamma_3_2mm_integrated"]
     print(f"Integrated-image QA of beam {beam.beam_number}: 3 %/2 mm {rate:.2f} % (TG-218 tolerance "
           f"{plan_qa.TG218_TOLERANCE_PERCENT:g} %), 2 %/2 mm {summary['gamma_2_2mm_integrated']:.2f} %: "

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +74,16 @@ def save_figure(figure: Figure, path: str | Path) -> None:
         os.replace(temporary, path)
     finally:
         temporary.unlink(missing_ok=True)
+
+
+Draw = Callable[..., None]
+"""A way to draw a figure, ``draw(build, path, *args, **kwargs)``: the module's ``draw`` (now), or
+the same queued on an ``epid.core.background.BackgroundCalls``."""
+
+
+def draw(build: Callable[..., Figure], path: str | Path, *args: Any, **kwargs: Any) -> None:
+    """Draw ``build(*args, **kwargs)`` and write it to ``path`` (``save_figure``) now."""
+    save_figure(build(*args, **kwargs), path)
 
 
 # --------------------------------------------------------------------------- one sample
@@ -474,21 +484,21 @@ QA_GAMMA_FIGSIZE = (15.0, 5.5)
 QA_FRAME_FIGSIZE = (19.0, 5.0)
 
 
-def plan_frames_figure(frames: np.ndarray, control_points: np.ndarray, gantry_deg: np.ndarray, integrated: np.ndarray,
-                       total: int, title: str) -> Figure:
-    """A plan's frames at a glance: the arc-integrated image (the sum of its ``total`` frames)
-    and up to ``PLAN_FRAMES_SHOWN`` frames (K, 256, 256) ending on ``control_points`` (K,) at
-    gantry angles ``gantry_deg`` (K,), on one colour scale."""
+def plan_frames_figure(frames: np.ndarray, names: Sequence[str], integrated: np.ndarray, integrated_name: str,
+                       title: str) -> Figure:
+    """A beam's predicted frames at a glance: the integrated image (the sum of the frames, its panel
+    titled ``integrated_name``) and up to ``PLAN_FRAMES_SHOWN`` frames (K, 256, 256), each titled by
+    ``names`` (K,), on one colour scale."""
     figure = new_figure(PLAN_FRAMES_FIGSIZE)
     figure.suptitle(title, fontsize=13)
     axes = figure.subplots(2, 4).ravel()
     shown = axes[0].imshow(integrated, extent=IMAGE_EXTENT, origin="upper", cmap="viridis", vmin=0)
-    _image_axes(axes[0], f"Sum of all {total} frames")
+    _image_axes(axes[0], integrated_name)
     figure.colorbar(shown, ax=axes[0], shrink=0.85, label="signal (a.u.)")
     top = max(float(frames.max()), 1e-12)
-    for panel, frame, point, gantry in zip(axes[1:], frames, control_points, gantry_deg, strict=False):
+    for panel, frame, name in zip(axes[1:], frames, names, strict=False):
         shown = panel.imshow(frame, extent=IMAGE_EXTENT, origin="upper", cmap="viridis", vmin=0, vmax=top)
-        _image_axes(panel, f"Frame ending on control point {int(point)}, gantry {float(gantry):.1f} deg")
+        _image_axes(panel, name)
     figure.colorbar(shown, ax=list(axes[1:]), shrink=0.85, label="signal (a.u.)")
     for panel in axes[1 + len(frames):]:
         panel.set_visible(False)

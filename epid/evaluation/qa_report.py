@@ -40,6 +40,7 @@ from epid.evaluation.plan_qa import (
     leaf_error_rows,
     summarise,
 )
+from epid.evaluation.plots import Draw
 from epid.synthesis.geometry import NUM_LEAF_PAIRS
 
 FRAME_COLUMNS = (
@@ -109,9 +110,11 @@ def write_leaves_csv(path: Path, qa: PlanQA) -> None:
                                      f"{plan_mm:.6g}", f"{rec_mm:.6g}", f"{rec_mm - plan_mm:.6g}"])
 
 
-def write_report(qa: PlanQA, output_dir: str | Path, run_label: str, **context: Any) -> dict[str, Any]:
-    """Write the report files (module docstring) to ``output_dir``; ``context`` (e.g. the
-    checkpoint and its epoch) goes into the summary first. Returns the summary."""
+def write_report(qa: PlanQA, output_dir: str | Path, run_label: str, draw: Draw = plots.draw,
+                 **context: Any) -> dict[str, Any]:
+    """Write the report files (module docstring) to ``output_dir``, the figures through ``draw``
+    (``plots.draw``, or one that queues it on a worker); ``context`` (e.g. the checkpoint and its
+    epoch) goes into the summary first. Returns the summary."""
     output = Path(output_dir)
     summary = {**context, **summarise(qa)}
     (output / "qa_summary.json").write_text(json.dumps(summary, indent=2, allow_nan=False) + "\n")
@@ -119,36 +122,53 @@ def write_report(qa: PlanQA, output_dir: str | Path, run_label: str, **context: 
     write_leaves_csv(output / "qa_leaves.csv", qa)
     delivery_errors.write_leaf_table(output / "qa_leaf_errors.csv", leaf_error_rows(qa))
     label = f"beam {qa.beam.beam_number} ({qa.beam.beam_name}) of {Path(qa.beam.path).name}; {run_label}"
-    plots.save_figure(plots.qa_gamma_figure(qa.points, qa.gamma.pass_rates, qa.gamma.integrated,
-                                            (TG218_TOLERANCE_PERCENT, TG218_ACTION_PERCENT),
-                                            f"Gamma per frame over the arc, {label}"), output / "qa_gamma.png")
-    _write_leaf_figure(qa, summary, output / "qa_leaves.png", label)
+    draw(plots.qa_gamma_figure, output / "qa_gamma.png", qa.points, qa.gamma.pass_rates, qa.gamma.integrated,
+         (TG218_TOLERANCE_PERCENT, TG218_ACTION_PERCENT), f"Gamma per frame over the arc, {label}")
+    _write_leaf_figure(qa, summary, output / "qa_leaves.png", label, draw)
     worst = qa.gamma.worst
-    plots.save_figure(plots.qa_frame_figure(
-        qa.measured.frames[worst], qa.predicted[worst].numpy(), qa.gamma.worst_map, GAMMA_CRITERIA[TG218_CRITERION],
-        f"Frame of lowest 3 %/2 mm pass rate: control point {int(qa.points[worst])} "
-        f"({qa.gamma.pass_rates[TG218_CRITERION][worst]:.1f} % pass), {label}"), output / "qa_worst_frame.png")
+    draw(plots.qa_frame_figure, output / "qa_worst_frame.png", qa.measured.frames[worst], qa.predicted[worst].numpy(),
+         qa.gamma.worst_map, GAMMA_CRITERIA[TG218_CRITERION],
+         f"Frame of lowest 3 %/2 mm pass rate: control point {int(qa.points[worst])} "
+         f"({qa.gamma.pass_rates[TG218_CRITERION][worst]:.1f} % pass), {label}")
     return summary
 
 
 def write_integrated_figure(measured: np.ndarray, predicted: np.ndarray, gamma: FrameGamma, beam: PlanBeam,
-                            path: Path, run_label: str) -> None:
+                            path: Path, run_label: str, draw: Draw = plots.draw) -> None:
     """``qa_integrated.png``: the measured and predicted integrated images of the beam, their gamma
     map (3 %/2 mm) and difference."""
     rate = gamma.integrated[TG218_CRITERION]
-    plots.save_figure(plots.qa_frame_figure(
-        measured, predicted, gamma.worst_map, GAMMA_CRITERIA[TG218_CRITERION],
-        f"Integrated image of beam {beam.beam_number} ({beam.beam_name}) of {Path(beam.path).name}: {rate:.1f} % "
-        f"pass at 3 %/2 mm; {run_label}"), path)
+    draw(plots.qa_frame_figure, path, measured, predicted, gamma.worst_map, GAMMA_CRITERIA[TG218_CRITERION],
+         f"Integrated image of beam {beam.beam_number} ({beam.beam_name}) of {Path(beam.path).name}: {rate:.1f} % "
+         f"pass at 3 %/2 mm; {run_label}")
 
 
-def write_plan_frames(predicted: Tensor, beam: PlanBeam, path: str | Path, run_label: str) -> None:
+def write_plan_frames(predicted: Tensor, beam: PlanBeam, path: str | Path, run_label: str,
+                      draw: Draw = plots.draw) -> None:
     """``plots.plan_frames_figure`` of a beam's predicted frames (N - 1, 256, 256) as a PNG at ``path``."""
-    frames = len(predicted)
-    shown = np.unique(np.linspace(0, frames - 1, plots.PLAN_FRAMES_SHOWN).round().astype(int))
+    shown = _spread(len(predicted))
+    names = [f"Frame ending on control point {point}, gantry {float(beam.gantry_deg[point]):.1f} deg"
+             for point in (shown + 1).tolist()]
     title = f"Predicted frames of beam {beam.beam_number} ({beam.beam_name}) of {Path(beam.path).name}; {run_label}"
-    plots.save_figure(plots.plan_frames_figure(predicted[shown].numpy(), shown + 1, beam.gantry_deg[shown + 1],
-                                               predicted.sum(0).numpy(), frames, title), path)
+    draw(plots.plan_frames_figure, path, predicted[shown].numpy(), names, predicted.sum(0).numpy(),
+         f"Sum of all {len(predicted)} frames", title)
+
+
+def write_series_frames(qa: PlanQA, path: str | Path, run_label: str, draw: Draw = plots.draw) -> None:
+    """``plots.plan_frames_figure`` of the predictions of a measured cine series' frames
+    (``PlanQA.predicted``, each over its span of the plan) as a PNG at ``path``."""
+    shown = _spread(len(qa.predicted))
+    names = [f"Frame {index + 1} of the series, gantry {float(qa.beam.gantry_deg[qa.points[index]]):.1f} deg"
+             for index in shown.tolist()]
+    title = (f"Predicted frames of the measured series of beam {qa.beam.beam_number} ({qa.beam.beam_name}) of "
+             f"{Path(qa.beam.path).name}; {run_label}")
+    draw(plots.plan_frames_figure, path, qa.predicted[shown].numpy(), names, qa.predicted.sum(0).numpy(),
+         f"Sum of the {len(qa.predicted)} predicted frames", title)
+
+
+def _spread(frames: int) -> np.ndarray:
+    """Indices of up to ``plots.PLAN_FRAMES_SHOWN`` frames spread evenly over ``frames``."""
+    return np.unique(np.linspace(0, frames - 1, plots.PLAN_FRAMES_SHOWN).round().astype(int))
 
 
 def _shown(value: float | None, form: str = "{:.2f}") -> str:
@@ -206,7 +226,7 @@ def _flags_line(errors: Mapping[str, Any]) -> str:
             f"the gamma tolerance: {errors['flagged_frames']}")
 
 
-def _write_leaf_figure(qa: PlanQA, summary: Mapping[str, Any], path: Path, label: str) -> None:
+def _write_leaf_figure(qa: PlanQA, summary: Mapping[str, Any], path: Path, label: str, draw: Draw) -> None:
     segment, estimate = qa.segment, qa.estimate
     planned = {name: getattr(segment, name) for name in ("leaf_a", "leaf_b", "jaw_1", "jaw_2", "mu")}
     reconstructed = {"leaf_a": estimate.leaf_a.numpy(), "leaf_b": estimate.leaf_b.numpy(),
@@ -218,5 +238,5 @@ def _write_leaf_figure(qa: PlanQA, summary: Mapping[str, Any], path: Path, label
     mu_text = "no MU planned" if mu_error is None else f"total MU {mu_error:+.2f} %"
     title = (f"Control points reconstructed from the measured frames ({estimate.method}) against the plan: "
              f"TG-142 leaf check {verdict}; jaw MAE {summary['jaw_mae_mm']:.2f} mm, {mu_text}\n{label}")
-    plots.save_figure(plots.arc_figure(qa.scored_points(), planned, reconstructed, band, title,
-                                       labels=("plan", "reconstructed")), path)
+    draw(plots.arc_figure, path, qa.scored_points(), planned, reconstructed, band, title,
+         labels=("plan", "reconstructed"))

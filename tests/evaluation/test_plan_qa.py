@@ -494,6 +494,10 @@ def test_a_two_arc_plan_is_reviewed_beam_by_beam_in_one_run(trained, tmp_path):
     for key in ("frames", "gamma_3_2mm_mean", "gamma_2_2mm_integrated", "leaf_mae_mm", "jaw_mae_mm",
                 "mu_total_error_percent", "pass"):
         assert together[key] == by_itself[key], key
+    for beam in (1, 2):  # plan_frames.png drawn from each series' own predicted frames, the plan's not predicted
+        assert (tmp_path / "qa" / f"beam_{beam}" / "plan_frames.png").stat().st_size > 0
+    assert "predicting its" not in result.stdout
+    assert result.stdout.count("frame(s) of the timeline over their spans") == 2
     assert (tmp_path / "qa" / "beam_1" / "qa_leaves.png").stat().st_size > 0
     missing = run("inference_visualize.py", *common, "--frames", str(folders[0]), "--output-dir",
                   str(tmp_path / "missing"))
