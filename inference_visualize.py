@@ -605,7 +605,7 @@ def beam_review(args: argparse.Namespace, checkpoint: dict, models: tuple,
         return None
 
     context = beam_context(args, checkpoint, series, placement)
-    commissioned = (checkpoint.get("commissioning") or {}).get("calibration_scale")
+    commissioning = checkpoint.get("commissioning") or {}
     if series.integrated:
         if placement.whole_beam:
             compared = predicted.sum(0, keepdim=True)  # the plan's frames, their lag carried as trained
@@ -613,12 +613,12 @@ def beam_review(args: argparse.Namespace, checkpoint: dict, models: tuple,
             _stage("predicting the integrated image over its span of the beam")
             compared = timeline.predict_spans(models[0], placement, device, args.batch_size)
         measured_frames, calibration = plan_qa.calibrated_frames(series, placement, compared, args.calibration,
-                                                                 commissioned, image)
+                                                                 commissioning.get("calibration_scale"), image)
         _stage(f"  calibration: {calibration['method']}, scale {calibration['scale']:.6g}")
         return integrated_report(args, beam, series, measured_frames, compared, {**context, "calibration": calibration},
                                  output_dir, draw)
-    return cine_review(args, models, checkpoint.get("commissioning") or {}, series, placement, image, device,
-                       output_dir, run_label, context, draw, None if cine else predicted)
+    return frames_review(args, models, commissioning, series, placement, image, device, output_dir, run_label,
+                         context, draw, None if cine else predicted)
 
 
 def beam_context(args: argparse.Namespace, checkpoint: dict, series: MeasuredSeries, placement) -> dict:
@@ -635,9 +635,9 @@ def beam_context(args: argparse.Namespace, checkpoint: dict, series: MeasuredSer
             "dropped_frames": placement.dropped, "outside_grid_percent": round(outside, 3)}
 
 
-def cine_review(args: argparse.Namespace, models: tuple, commissioning: dict, series: MeasuredSeries, placement,
-                image, device, output_dir: Path, run_label: str, context: dict, draw: Draw,
-                predicted: torch.Tensor | None = None) -> dict:
+def frames_review(args: argparse.Namespace, models: tuple, commissioning: dict, series: MeasuredSeries, placement,
+                  image, device, output_dir: Path, run_label: str, context: dict, draw: Draw,
+                  predicted: torch.Tensor | None = None) -> dict:
     """The QA report of measured frames (not an integrated image) in ``output_dir``, with the
     checkpoint's ``commissioning`` (calibration scale, MU reference) and ``predicted``, the plan's
     frames for frames that name their control points; a cine series' own frames are predicted over
