@@ -104,7 +104,7 @@ def forward_gamma(forward_model: torch.nn.Module, segment: ArcSegment, settings:
     stop = len(segment) + 1
     plan = ControlPoints(**{name: getattr(points, name)[:stop] for name in
                             ("leaf_a", "leaf_b", "jaw_1", "jaw_2", "mu", "leaf_weight")},
-                         dataset_id=points.dataset_id, pattern=points.pattern)
+                         dataset_id=points.dataset_id, pattern=points.pattern, mlc=points.mlc)
     predicted = predict_plan_frames(forward_model, plan, device)
     criteria = GammaCriteria(dose_percent=2.0, distance_mm=2.0, cutoff_percent=10.0)
     return float(gamma_pass_rates(segment.frames[1:], predicted, criteria, device).mean())

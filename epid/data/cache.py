@@ -42,13 +42,20 @@ CACHE_FORMAT_VERSION = 1
 CACHE_MAGIC = b"EPIDF16\n"
 CACHE_HEADER_BYTES = 4096
 CACHE_CHUNK_FRAMES = 64
+MLC_FLUENCE = "each layer's transmission, interleaf leakage between leaves only"
+"""How a real MLC whose strips are not its leaves is rendered (``epid.synthesis.fluence.frame_positions``);
+the frames cached before it (every strip boundary leaking, one layer) have keys without it."""
 
 
 def cache_key(n_control_points: int, kernel: np.ndarray | torch.Tensor, noise_std: float, noise_seed: int,
               render_id: str | None, physics: Physics | None = None, mlc: MlcGeometry = LEGACY_GRID) -> dict[str, Any]:
     """The key of the frames of one setting: control points per arc, kernel, noise, physics, frame
-    engine and, for an MLC other than the legacy grid (whose keys are as before), the MLC."""
-    return ({} if mlc == LEGACY_GRID else {"mlc": mlc.to_dict()}) | {
+    engine and, for an MLC other than the legacy grid (whose keys are as before), the MLC; for one
+    whose strips are not its leaves, also how its layers are rendered (``MLC_FLUENCE``)."""
+    mlc_key = {} if mlc == LEGACY_GRID else {"mlc": mlc.to_dict()}
+    if not mlc.identity:
+        mlc_key["mlc_fluence"] = MLC_FLUENCE
+    return mlc_key | {
         "physics": (physics or Physics()).to_dict(),
         "format_version": CACHE_FORMAT_VERSION,
         "n_control_points": n_control_points,

@@ -261,6 +261,7 @@ def _read_beam(path: str, beam: Dataset, metersets: dict[int, float], dataset_id
     control = ControlPoints(
         leaf_a=_tenth(leaf_a), leaf_b=_tenth(leaf_b), jaw_1=jaw_1, jaw_2=jaw_2, mu=_read_only(mu.astype(np.float32)),
         leaf_weight=_read_only(leaf_weights(jaw_1, jaw_2)), dataset_id=int(dataset_id), pattern="plan",
+        mlc=geometry,
     )
     return PlanBeam(
         path=path, beam_number=int(number), beam_name=name,

@@ -294,6 +294,7 @@ def resample(beam: PlanBeam, boundaries: np.ndarray) -> PlanBeam:
     control_points = ControlPoints(
         leaf_a=frozen(values["leaf_a"]), leaf_b=frozen(values["leaf_b"]), jaw_1=jaw_1, jaw_2=jaw_2, mu=frozen(mu),
         leaf_weight=frozen(leaf_weights(jaw_1, jaw_2)), dataset_id=beam.control_points.dataset_id, pattern="plan",
+        mlc=beam.control_points.mlc,
     )
     return replace(beam, gantry_deg=frozen(values["gantry_deg"]), control_points=control_points,
                    beam_mu=float(boundaries[-1] - boundaries[0]))

@@ -8,11 +8,13 @@ Positions within ``EDGE_TOLERANCE_MM`` of a whole millimetre count as that milli
 float round-off in interpolated positions cannot flip a pixel. Every pixel row lies in one leaf,
 so a row of an aperture is a box [column start, column stop): ``LeafGridBags`` sums the boxes of
 a frame's sub-apertures as weighted bags of rows of a cumulative table (``embedding_bag``).
+A real MLC's fluence (``physics_fluence``) is rendered layer by layer (``frame_positions``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -132,16 +134,15 @@ def _aperture_edges(leaf_a: np.ndarray, leaf_b: np.ndarray, jaw_1: np.ndarray, j
 def interpolated_positions(control_points: ControlPoints, frames: np.ndarray) -> tuple[np.ndarray, ...]:
     """leaf_a, leaf_b (F, 7, 52) and jaw_1, jaw_2 (F, 7) of the 7 sub-apertures of each frame,
     float64 mm: linear interpolation from CP f - 1 to CP f."""
-    t = (np.arange(SUB_APERTURES, dtype=np.float64) / (SUB_APERTURES - 1))[None, :, None]
+    return tuple(_sub_apertures(values[frames - 1], values[frames])
+                 for values in (getattr(control_points, name) for name in ("leaf_a", "leaf_b", "jaw_1", "jaw_2")))
 
-    def interpolate(values: np.ndarray) -> np.ndarray:
-        before = values[frames - 1].astype(np.float64)
-        after = values[frames].astype(np.float64)
-        if before.ndim == 1:
-            return before[:, None] + t[..., 0] * (after - before)[:, None]
-        return before[:, None, :] + t * (after - before)[:, None, :]
 
-    return tuple(interpolate(getattr(control_points, name)) for name in ("leaf_a", "leaf_b", "jaw_1", "jaw_2"))
+def _sub_apertures(before: np.ndarray, after: np.ndarray) -> np.ndarray:
+    """Values (F, ...) at CP f - 1 and CP f -> (F, 7, ...) float64 at the 7 sub-apertures between them."""
+    before, after = before.astype(np.float64), after.astype(np.float64)
+    t = (np.arange(SUB_APERTURES, dtype=np.float64) / (SUB_APERTURES - 1)).reshape(1, -1, *([1] * (before.ndim - 1)))
+    return before[:, None] + t * (after - before)[:, None]
 
 
 def frame_edges(control_points: ControlPoints, frames: np.ndarray) -> ApertureEdges:
@@ -160,7 +161,8 @@ def aperture_fluence(leaf_a: torch.Tensor, leaf_b: torch.Tensor, jaw_1: torch.Te
                      weights: torch.Tensor, *, leaf_end_offset_a: Setting = 0.0, leaf_end_offset_b: Setting = 0.0,
                      jaw_edge_offset: Setting = 0.0, tongue_groove_mm: Setting = 0.0,
                      leaf_transmission: Setting = 0.0, interleaf_leakage: Setting = 0.0,
-                     jaw_transmission: Setting = 0.0) -> torch.Tensor:
+                     jaw_transmission: Setting = 0.0, second_layer: tuple[torch.Tensor, torch.Tensor] | None = None,
+                     interleaf: torch.Tensor | None = None) -> torch.Tensor:
     """The fluence of B apertures on the leaf grid, (B, 260, 256), y ascending: the sum of the S
     sub-apertures of each (leaves (B, S, 52), jaws (B, S), mm) weighted by ``weights`` (B, S).
 
@@ -172,43 +174,93 @@ def aperture_fluence(leaf_a: torch.Tensor, leaf_b: torch.Tensor, jaw_1: torch.Te
     wide, centred on the boundary) is open only where both leaves are, and closed leaves transmit
     ``interleaf_leakage`` on top of ``leaf_transmission``. Transmissions are fractions. Serves the
     synthesis (``epid.synthesis.physics`` settings as numbers) and the aperture models (learned tensors).
+
+    A second layer of leaves (``second_layer``: its edges over each strip, (B, S, 52) each) stacks
+    its own transmission on the first's: a cell behind both layers transmits t squared.
+    ``interleaf`` (layers, 51): which boundaries between strips are boundaries between leaves of
+    each layer (``MlcGeometry.interleaf``; default every one, in one layer).
     """
     device, batch, sub_apertures = leaf_a.device, leaf_a.shape[0], leaf_a.shape[1]
     columns = torch.arange(GRID_SIZE, device=device, dtype=torch.float32) + (GRID_ORIGIN_MM + 0.5)
     rows = torch.arange(LEAF_GRID_ROWS, device=device, dtype=torch.float32) + (MLC_Y_MIN_MM + 0.5)
-    leaf_open = cell_coverage(leaf_a - leaf_end_offset_a, leaf_b + leaf_end_offset_b, columns).transpose(1, 2)
     jaw_open = cell_coverage(jaw_1 - jaw_edge_offset, jaw_2 + jaw_edge_offset, rows)  # (B, S, 260)
     jaw_fluence = (jaw_transmission + (1.0 - jaw_transmission) * jaw_open) * weights[:, :, None]
     jaw_fluence = jaw_fluence.view(batch, sub_apertures, NUM_LEAF_PAIRS, ROWS_PER_LEAF).permute(0, 2, 3, 1)
-    first_open, last_open = leaf_open, leaf_open  # (B, 52, S, 256): of a leaf's first and last rows
+    strip = None
     if isinstance(tongue_groove_mm, torch.Tensor) or tongue_groove_mm > 0:
         strip = (torch.as_tensor(tongue_groove_mm, device=device) / 2.0).clamp(0.0, 1.0)  # share of a row
-        both = torch.minimum(leaf_open[:, :-1], leaf_open[:, 1:])
-        first_open = torch.cat([leaf_open[:, :1], leaf_open[:, 1:] + strip * (both - leaf_open[:, 1:])], 1)
-        last_open = torch.cat([leaf_open[:, :-1] + strip * (both - leaf_open[:, :-1]), leaf_open[:, -1:]], 1)
-    open_fluence = torch.cat([  # (B, 52, 5, 256): sum over the sub-apertures of jaws x open fraction
-        torch.matmul(jaw_fluence[:, :, :1], first_open),
-        torch.matmul(jaw_fluence[:, :, 1:-1], leaf_open),
-        torch.matmul(jaw_fluence[:, :, -1:], last_open),
-    ], 2).view(batch, LEAF_GRID_ROWS, GRID_SIZE)
-    boundary = torch.zeros((LEAF_GRID_ROWS, 1), device=device)
-    boundary[ROWS_PER_LEAF - 1 : LEAF_GRID_ROWS - 1 : ROWS_PER_LEAF] = 1.0
-    boundary[ROWS_PER_LEAF :: ROWS_PER_LEAF] = 1.0
-    closed = leaf_transmission + interleaf_leakage * boundary  # (260, 1)
-    return open_fluence * (1.0 - closed) + jaw_fluence.sum(-1).reshape(batch, LEAF_GRID_ROWS, 1) * closed
+
+    def open_sum(lower: torch.Tensor, upper: torch.Tensor) -> torch.Tensor:
+        """(B, 260, 256) sum over the sub-apertures of jaws x the open fraction of leaf edges (B, S, 52)."""
+        leaf_open = cell_coverage(lower - leaf_end_offset_a, upper + leaf_end_offset_b, columns).transpose(1, 2)
+        first_open, last_open = leaf_open, leaf_open  # (B, 52, S, 256): of a leaf's first and last rows
+        if strip is not None:
+            both = torch.minimum(leaf_open[:, :-1], leaf_open[:, 1:])
+            first_open = torch.cat([leaf_open[:, :1], leaf_open[:, 1:] + strip * (both - leaf_open[:, 1:])], 1)
+            last_open = torch.cat([leaf_open[:, :-1] + strip * (both - leaf_open[:, :-1]), leaf_open[:, -1:]], 1)
+        return torch.cat([
+            torch.matmul(jaw_fluence[:, :, :1], first_open),
+            torch.matmul(jaw_fluence[:, :, 1:-1], leaf_open),
+            torch.matmul(jaw_fluence[:, :, -1:], last_open),
+        ], 2).view(batch, LEAF_GRID_ROWS, GRID_SIZE)
+
+    layers = 1 if second_layer is None else 2
+    if interleaf is None:
+        interleaf = torch.ones((layers, NUM_LEAF_PAIRS - 1), device=device)
+    boundary = torch.zeros((layers, NUM_LEAF_PAIRS, ROWS_PER_LEAF), device=device)
+    boundary[:, :-1, -1] = interleaf
+    boundary[:, 1:, 0] = interleaf
+    closed = leaf_transmission + interleaf_leakage * boundary.view(layers, LEAF_GRID_ROWS, 1)  # (layers, 260, 1)
+    jaw_sum = jaw_fluence.sum(-1).reshape(batch, LEAF_GRID_ROWS, 1)
+    if second_layer is None:
+        return open_sum(leaf_a, leaf_b) * (1.0 - closed[0]) + jaw_sum * closed[0]
+    first, second = closed
+    return (jaw_sum * (first * second) + open_sum(leaf_a, leaf_b) * ((1.0 - first) * second)
+            + open_sum(*second_layer) * (first * (1.0 - second))
+            + open_sum(torch.maximum(leaf_a, second_layer[0]), torch.minimum(leaf_b, second_layer[1]))
+            * ((1.0 - first) * (1.0 - second)))
+
+
+def layer_positions(control_points: ControlPoints, frames: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Per layer of the control points' MLC, the edges of its leaves over each strip (leaf_a,
+    leaf_b (F, 7, 52) float64 mm, ``MlcGeometry.layer_edges``) at the 7 sub-apertures of each
+    frame: each leaf moves linearly from CP f - 1 to CP f."""
+    mlc = control_points.mlc
+    before = mlc.layer_edges(control_points.leaf_a[frames - 1], control_points.leaf_b[frames - 1])
+    after = mlc.layer_edges(control_points.leaf_a[frames], control_points.leaf_b[frames])
+    return [(_sub_apertures(start[0], end[0]), _sub_apertures(start[1], end[1]))
+            for start, end in zip(before, after, strict=True)]
+
+
+def frame_positions(control_points: ControlPoints, frames: np.ndarray,
+                    device: torch.device) -> tuple[list[torch.Tensor], dict[str, Any]]:
+    """The positions of ``frames`` (F,) at their 7 sub-apertures on ``device``: [leaf_a, leaf_b
+    (F, 7, 52), jaw_1, jaw_2 (F, 7)] float32 mm, the leaves those of the first layer of the control
+    points' MLC, and the rest of its layers as ``aperture_fluence`` takes them (``second_layer``,
+    ``interleaf``; none for an MLC whose strips are its leaves)."""
+    positions = [torch.from_numpy(v).to(device, torch.float32) for v in interpolated_positions(control_points, frames)]
+    mlc = control_points.mlc
+    if mlc.identity:
+        return positions, {}
+    edges = [tuple(torch.from_numpy(v).to(device, torch.float32) for v in layer)
+             for layer in layer_positions(control_points, frames)]
+    positions[:2] = edges[0]
+    return positions, {"second_layer": edges[1] if len(edges) > 1 else None,
+                       "interleaf": torch.from_numpy(mlc.interleaf).to(device)}
 
 
 def physics_fluence(leaf_a: torch.Tensor, leaf_b: torch.Tensor, jaw_1: torch.Tensor, jaw_2: torch.Tensor,
-                    mu: torch.Tensor, physics: Physics) -> torch.Tensor:
+                    mu: torch.Tensor, physics: Physics, **layers: Any) -> torch.Tensor:
     """The fluence (B, 260, 256) of B frames with ``physics``: the 7 sub-apertures (leaves
-    (B, 7, 52), jaws (B, 7), mm) of each frame averaged and scaled by its MU (B,)."""
+    (B, 7, 52), jaws (B, 7), mm) of each frame averaged and scaled by its MU (B,); ``layers``: an
+    MLC's further layers and leaf boundaries (``frame_positions``)."""
     weights = (mu / SUB_APERTURES)[:, None].expand(-1, SUB_APERTURES)
     return aperture_fluence(
         leaf_a, leaf_b, jaw_1, jaw_2, weights,
         leaf_end_offset_a=physics.leaf_end_offset_mm, leaf_end_offset_b=physics.leaf_end_offset_mm,
         tongue_groove_mm=physics.tongue_groove_mm, leaf_transmission=physics.leaf_transmission_percent / 100.0,
         interleaf_leakage=physics.interleaf_leakage_percent / 100.0,
-        jaw_transmission=physics.jaw_transmission_percent / 100.0,
+        jaw_transmission=physics.jaw_transmission_percent / 100.0, **layers,
     )
 
 

@@ -32,7 +32,7 @@ from epid.synthesis.fluence import (
     ApertureEdges,
     LeafGridBags,
     frame_edges,
-    interpolated_positions,
+    frame_positions,
     mask_images,
     physics_fluence,
 )
@@ -214,10 +214,9 @@ class FrameRenderer:
             ramp = (physics.backscatter_percent / 100.0 * 2.0 * (rows + 0.5) / GRID_SIZE)[:, None]
         for start in range(0, len(frames), self.chunk_frames):
             chunk = frames[start : start + self.chunk_frames]
-            positions = [torch.from_numpy(v).to(self.device, torch.float32)
-                         for v in interpolated_positions(control_points, chunk)]
+            positions, layers = frame_positions(control_points, chunk, self.device)
             mu = torch.from_numpy(control_points.mu[chunk].astype(np.float32)).to(self.device)
-            fluence = physics_fluence(*positions, mu, physics)
+            fluence = physics_fluence(*positions, mu, physics, **layers)
             target = signals[start : start + len(chunk)]
             target.copy_(self._convolve_leaf_grid(fluence))
             if ramp is not None:

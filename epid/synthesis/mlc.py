@@ -15,6 +15,9 @@ not verifiable from an image), and for a dual-layer MLC (Halcyon) a strip's edge
 layers are open: bank A's edge the larger of its two leaves, bank B's the smaller. HD120's
 2.5 mm leaves are finer than the strips and not modelled.
 
+The synthesis of a real MLC renders each layer's leaves over the strips (``layer_edges``) and
+leaks only at the boundaries between two leaves of a layer (``interleaf``).
+
 ``leaves`` takes strip edges (..., 52) to the positions of each layer's leaves (a leaf over
 several strips at their mean, rounded to 0.1 mm outwards, or for a dual-layer MLC at the most open
 of its strips' edges), ``strips`` takes those back; ``strips(leaves(x))`` is what the MLC can
@@ -115,6 +118,21 @@ class MlcGeometry:
     def identity(self) -> bool:
         """Whether the strips are the leaves (one layer, one strip per leaf: ``strips(leaves(x)) == x``)."""
         return len(self.layers) == 1 and len(np.unique(self.strip_leaves[0])) == NUM_LEAF_PAIRS
+
+    @property
+    def interleaf(self) -> np.ndarray:
+        """(layers, 51) float32: 1 where the boundary between two neighbouring strips is one between
+        two of that layer's leaves (where interleaf leakage passes), 0 where both strips lie in one leaf."""
+        return np.stack([np.diff(leaves) != 0 for leaves in self.strip_leaves]).astype(np.float32)
+
+    def layer_edges(self, leaf_a: np.ndarray, leaf_b: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Strip edges leaf_a, leaf_b (..., 52) mm -> per layer, the edges (..., 52) of that layer's
+        leaves over each strip: a single layer's are the strip edges; a dual layer's leaves stand
+        at the most open positions their strips allow (``leaves``: the synthetic arcs' own)."""
+        if len(self.layers) == 1:
+            return [(np.asarray(leaf_a, dtype=np.float64), np.asarray(leaf_b, dtype=np.float64))]
+        return [(a[..., leaf], b[..., leaf]) for (a, b), leaf in zip(self.leaves(leaf_a, leaf_b, tenths=False),
+                                                                    self.strip_leaves, strict=True)]
 
     @property
     def hidden_pairs(self) -> int:

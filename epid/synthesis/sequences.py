@@ -85,6 +85,8 @@ class ControlPoints:
     jaw_1, jaw_2: (N,) lower and upper jaw positions, mm along y.
     mu: (N,) monitor units delivered at each CP.
     leaf_weight: (N, 52) 1.0 for leaves in [lo - 2, hi + 2) of the open band, else 0.5.
+    mlc: the MLC whose strips these are (``epid.synthesis.mlc``): its layers and leaf boundaries
+    shape the fluence of a real MLC (``epid.synthesis.fluence.physics_fluence``).
     """
 
     leaf_a: np.ndarray
@@ -95,6 +97,7 @@ class ControlPoints:
     leaf_weight: np.ndarray
     dataset_id: int
     pattern: str
+    mlc: MlcGeometry = LEGACY_GRID
 
     def __len__(self) -> int:
         return int(self.mu.shape[0])
@@ -177,6 +180,7 @@ def generate_control_points(dataset_id: int, n_control_points: int = DEFAULT_CON
         leaf_weight=_read_only(leaf_weights(jaw_1, jaw_2)),
         dataset_id=int(dataset_id),
         pattern=pattern,
+        mlc=mlc,
     )
 
 

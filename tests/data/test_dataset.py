@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
 import pickle
@@ -373,6 +374,19 @@ def test_cache_key_holds_the_physics():
     assert key(Physics(lag_percent=2.0, tongue_groove_mm=0.8)) == key(Physics(tongue_groove_mm=0.8, lag_percent=2))
     assert key(Physics(lag_percent=2.0)) != key(Physics(lag_percent=2.5))
     assert key(PRESETS["realistic"])["physics"] == PRESETS["realistic"].to_dict()
+
+
+def test_cache_key_holds_the_mlc_and_how_its_layers_are_rendered():
+    from epid.synthesis.mlc import MLC_GEOMETRIES
+
+    kernel = default_kernel(11)
+    keys = {name: cache.cache_key(12, kernel, 0.005, 0, "engine", PRESETS["realistic"], geometry)
+            for name, geometry in MLC_GEOMETRIES.items() if geometry.modelled}
+    assert "mlc" not in keys["legacy"] and "mlc_fluence" not in keys["legacy"]  # the legacy grid's keys as before
+    assert keys["agility"]["mlc"]["name"] == "agility" and "mlc_fluence" not in keys["agility"]  # strips = leaves
+    for name in ("millennium120", "mlci2", "halcyon"):
+        assert keys[name]["mlc_fluence"] == cache.MLC_FLUENCE and keys[name]["mlc"]["name"] == name
+    assert len({json.dumps(key, sort_keys=True) for key in keys.values()}) == len(keys)
 
 
 def test_data_renders_and_caches_its_physics(tmp_path):

@@ -129,6 +129,70 @@ def test_hand_worked_transmission_offset_and_tongue_and_groove():
     assert open_row.sum() == pytest.approx((40.0 + 2 * 0.5) * 0.99, rel=1e-6)
 
 
+def layered_reference(control_points, frame: int, physics: Physics) -> np.ndarray:
+    """The fluence per MU (260, 256) of one frame on an MLC of one or two layers, from its leaf
+    boundaries alone, sampled every 0.01 mm along x: each leaf of a layer stands at the mean of
+    the strip edges under it (a dual layer's at their most open, as the synthetic arcs place it)
+    and moves linearly between the control points; a sample behind a layer's leaf is multiplied
+    by that layer's transmission, plus the interleaf leakage in the 1 mm rows beside a boundary
+    between two of its leaves (none inside a leaf)."""
+    mlc = control_points.mlc
+    t_leaf, leak = physics.leaf_transmission_percent / 100, physics.interleaf_leakage_percent / 100
+    t_jaw, offset = physics.jaw_transmission_percent / 100, physics.leaf_end_offset_mm
+    rows = -129.5 + np.arange(260)
+    samples = -128.0 + 0.005 + 0.01 * np.arange(25600)
+    dual = len(mlc.layers) > 1
+    layers = []
+    for boundaries in (np.asarray(b) for b in mlc.layers):
+        leaf_of_row = np.searchsorted(boundaries, rows) - 1
+        leaf_of_strip = leaf_of_row[2::5]
+        inner = boundaries[1:-1]
+        beside = np.isin(np.round(rows - 0.5, 6), inner) | np.isin(np.round(rows + 0.5, 6), inner)
+        positions = []
+        for point in (frame - 1, frame):
+            a, b = (getattr(control_points, bank)[point].astype(np.float64) for bank in ("leaf_a", "leaf_b"))
+            leaf_a = {leaf: (a[leaf_of_strip == leaf].min() if dual else a[leaf_of_strip == leaf].mean())
+                      for leaf in set(leaf_of_row)}
+            leaf_b = {leaf: (b[leaf_of_strip == leaf].max() if dual else b[leaf_of_strip == leaf].mean())
+                      for leaf in set(leaf_of_row)}
+            positions.append((np.array([leaf_a[leaf] for leaf in leaf_of_row]),
+                              np.array([leaf_b[leaf] for leaf in leaf_of_row])))
+        layers.append((positions, t_leaf + leak * beside))
+    fluence = np.zeros((260, 25600))
+    for sub in range(7):
+        t = sub / 6
+        jaw_1, jaw_2 = (getattr(control_points, jaw)[frame - 1] * (1 - t) + getattr(control_points, jaw)[frame] * t
+                        for jaw in ("jaw_1", "jaw_2"))
+        covered = np.clip(np.minimum(jaw_2, rows + 0.5) - np.maximum(jaw_1, rows - 0.5), 0, 1)
+        transmitted = (t_jaw + (1 - t_jaw) * covered)[:, None] * np.ones_like(fluence)
+        for (before, after), closed in layers:
+            a = before[0] + t * (after[0] - before[0]) - offset
+            b = before[1] + t * (after[1] - before[1]) + offset
+            inside = (samples[None, :] >= a[:, None]) & (samples[None, :] < b[:, None])
+            transmitted *= np.where(inside, 1.0, closed[:, None])
+        fluence += transmitted / 7
+    return fluence.reshape(260, 256, 100).mean(-1)
+
+
+@pytest.mark.parametrize("name", ["mlci2", "halcyon"])
+def test_layers_and_leaf_boundaries_of_an_mlc_match_a_sampled_reference(name):
+    """A 10 mm leaf leaks only at its own boundaries, not between its two strips; behind both of a
+    dual layer's leaves the transmission is the square of one layer's."""
+    from epid.synthesis.mlc import MLC_GEOMETRIES
+
+    control_points = sequences.generate_control_points(170, N_CONTROL_POINTS, MLC_GEOMETRIES[name])
+    physics = dataclasses.replace(REALISTIC, tongue_groove_mm=0.0, interleaf_leakage_percent=3.0)
+    frame = 21
+    positions, layers = fluence_module.frame_positions(control_points, np.array([frame]), torch.device("cpu"))
+    fluence = fluence_module.physics_fluence(*positions, torch.tensor([1.0]), physics, **layers)[0].numpy()
+    expected = layered_reference(control_points, frame, physics)
+    np.testing.assert_allclose(fluence, expected, rtol=0, atol=1e-3)  # the 0.01 mm sampling
+    strips = [torch.from_numpy(v).float() for v in fluence_module.interpolated_positions(control_points,
+                                                                                         np.array([frame]))]
+    as_strips = fluence_module.physics_fluence(*strips, torch.tensor([1.0]), physics)[0].numpy()
+    assert np.abs(as_strips - expected).max() > 0.01  # the strips alone, one layer, would fail
+
+
 def test_lag_follows_its_recursion_and_a_frame_is_the_same_in_any_call():
     control_points = sequences.generate_control_points(300, N_CONTROL_POINTS)
     kernel = default_kernel()
