@@ -237,16 +237,19 @@ def frame_positions(control_points: ControlPoints, frames: np.ndarray,
     """The positions of ``frames`` (F,) at their 7 sub-apertures on ``device``: [leaf_a, leaf_b
     (F, 7, 52), jaw_1, jaw_2 (F, 7)] float32 mm, the leaves those of the first layer of the control
     points' MLC, and the rest of its layers as ``aperture_fluence`` takes them (``second_layer``,
-    ``interleaf``; none for an MLC whose strips are its leaves)."""
+    ``interleaf``; none for an MLC whose strips are its leaves). A single layer's leaves are the
+    strips' own positions; only a dual layer's are placed per layer (``layer_positions``)."""
     positions = [torch.from_numpy(v).to(device, torch.float32) for v in interpolated_positions(control_points, frames)]
     mlc = control_points.mlc
     if mlc.identity:
         return positions, {}
-    edges = [tuple(torch.from_numpy(v).to(device, torch.float32) for v in layer)
-             for layer in layer_positions(control_points, frames)]
-    positions[:2] = edges[0]
-    return positions, {"second_layer": edges[1] if len(edges) > 1 else None,
-                       "interleaf": torch.from_numpy(mlc.interleaf).to(device)}
+    layers: dict[str, Any] = {"interleaf": torch.from_numpy(mlc.interleaf).to(device)}
+    if len(mlc.layers) > 1:
+        first, second = ([torch.from_numpy(v).to(device, torch.float32) for v in layer]
+                         for layer in layer_positions(control_points, frames))
+        positions[:2] = first
+        layers["second_layer"] = tuple(second)
+    return positions, layers
 
 
 def physics_fluence(leaf_a: torch.Tensor, leaf_b: torch.Tensor, jaw_1: torch.Tensor, jaw_2: torch.Tensor,
