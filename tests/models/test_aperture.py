@@ -13,6 +13,7 @@ from epid.models import aperture as aperture_module
 from epid.models.checkpoint import build_models_from_checkpoint
 from epid.models.families import PairConfig, build_models
 from epid.models.panel import COMMISSIONING_PARAMETERS
+from epid.models.response import DetectorResponse, to_imager
 from epid.synthesis import geometry
 from epid.synthesis.fluence import rasterize
 
@@ -34,7 +35,7 @@ def test_fluence_of_a_still_aperture_is_the_frame_engines_mask():
     leaf_a, leaf_b, scalars = whole_mm_control_points(4)
     fluence = aperture_module.ApertureFluence()(leaf_a, leaf_b, scalars)
     masks = rasterize(leaf_a[:, 52:], leaf_b[:, 52:], scalars[:, 2], scalars[:, 4])
-    torch.testing.assert_close(aperture_module.to_imager(fluence), masks)
+    torch.testing.assert_close(to_imager(fluence), masks)
 
 
 def test_fluence_of_a_moving_aperture_averages_the_seven_sub_apertures():
@@ -42,7 +43,7 @@ def test_fluence_of_a_moving_aperture_averages_the_seven_sub_apertures():
     fluence = aperture_module.ApertureFluence()(leaf_a, leaf_b, scalars)
     expected = sum(rasterize(leaf_a[:, :52] + 2.0 * k, leaf_b[:, :52] + 2.0 * k, scalars[:, 1], scalars[:, 3])
                    for k in range(7)) / 7
-    torch.testing.assert_close(aperture_module.to_imager(fluence), expected)
+    torch.testing.assert_close(to_imager(fluence), expected)
 
 
 def test_fluence_covers_a_cell_by_the_length_of_the_opening_in_it():
@@ -50,7 +51,7 @@ def test_fluence_covers_a_cell_by_the_length_of_the_opening_in_it():
     leaf_a = torch.full((1, 104), -10.3)
     leaf_b = torch.full((1, 104), 20.25)
     scalars = torch.tensor([[1.0, -50.0, -50.0, 50.0, 50.0]])
-    row = aperture_module.to_imager(aperture(leaf_a, leaf_b, scalars))[0, 100]
+    row = to_imager(aperture(leaf_a, leaf_b, scalars))[0, 100]
     columns = aperture_module.column_centres()
     assert row[columns == -10.5].item() == pytest.approx(0.3)  # cell [-11, -10)
     assert row[columns == -9.5].item() == 1.0
@@ -58,13 +59,13 @@ def test_fluence_covers_a_cell_by_the_length_of_the_opening_in_it():
     assert row[columns == 21.5].item() == 0.0
     with torch.no_grad():
         aperture.edge_shift.fill_(0.5)
-    row = aperture_module.to_imager(aperture(leaf_a, leaf_b, scalars))[0, 100]
+    row = to_imager(aperture(leaf_a, leaf_b, scalars))[0, 100]
     assert row[columns == -10.5].item() == pytest.approx(0.8)
     assert row[columns == -11.5].item() == 0.0
 
 
 def test_detector_response_is_a_same_size_convolution_with_the_profiles_outer_product():
-    response = aperture_module.DetectorResponse(reach=20, widths_mm=(1.0, 3.0), start_width_mm=3.0)
+    response = DetectorResponse(reach=20, widths_mm=(1.0, 3.0), start_width_mm=3.0)
     with torch.no_grad():
         response.profile_x.logits.copy_(torch.tensor([0.3, -0.2]))
         response.log_gain.fill_(0.1)

@@ -12,9 +12,9 @@ import scipy.signal
 import torch
 
 from epid.config.load import load_config
-from epid.models.aperture import MEASURED_START_SHARE, to_imager
 from epid.models.checkpoint import build_models_from_checkpoint, load_weights
 from epid.models.families import PairConfig, build_models
+from epid.models.response import MEASURED_START_SHARE, to_imager
 from epid.synthesis.kernel import ResponseShape, response_kernel
 from epid.training.loop import starting_models
 

@@ -1,0 +1,154 @@
+"""The detector response of the aperture family's forward model (``DetectorResponse``): a learned
+2-D kernel (a separable mixture of Gaussians, isotropic Gaussians that make it non-separable, a
+measured kernel's share when the run names one) and a broad backscatter term weighted along y,
+applied by one FFT convolution from the leaf-grid fluence to the imager frame per MU; its adjoint
+serves the reconstruction's gradient (``epid.reconstruction.descent``)."""
+
+from __future__ import annotations
+
+import math
+
+import scipy.fft
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from epid.core.fft import cropped_irfft2, padded_rfft2
+from epid.synthesis.geometry import GRID_SIZE, IMAGER_MARGIN, LEAF_GRID_ROWS
+
+BROAD_START_WIDTH_MM = 32.0
+"""Starting width of the forward model's broad (backscatter) term."""
+MEASURED_START_SHARE = 0.98
+"""Share of a measured kernel in the response at the start (``DetectorResponse.start_from``)."""
+
+
+def to_imager(leaf_grid: Tensor) -> Tensor:
+    """(..., 260, W) leaf-grid rows (y ascending) -> (..., 256, W) imager rows (row 0 = most positive y)."""
+    return leaf_grid[..., IMAGER_MARGIN:IMAGER_MARGIN + GRID_SIZE, :].flip(-2)
+
+
+def to_leaf_grid(images: Tensor) -> Tensor:
+    """(..., 256, W) imager rows -> (..., 260, W) leaf-grid rows, the rows beyond the imager zero."""
+    return F.pad(images.flip(-2), (0, 0, IMAGER_MARGIN, IMAGER_MARGIN))
+
+
+def gaussian_taps(log_width: Tensor, offsets: Tensor) -> Tensor:
+    """Gaussians of widths exp(log_width) (K,) mm on ``offsets`` (n,) mm, each summing to 1: (K, n)."""
+    gaussians = torch.exp(-0.5 * (offsets[None, :] / log_width.exp()[:, None]).square())
+    return gaussians / gaussians.sum(-1, keepdim=True)
+
+
+class ResponseProfile(nn.Module):
+    """A learned 1-D response profile on the 1 mm grid, ``2 reach + 1`` taps: a mixture of
+    Gaussians of learned widths (starting at ``widths_mm``) and weights, each normalised on the
+    grid; at the start nearly all weight is on the Gaussian of width ``start_width_mm``."""
+
+    def __init__(self, reach: int, widths_mm: tuple[float, ...], start_width_mm: float) -> None:
+        super().__init__()
+        self.log_width = nn.Parameter(torch.tensor([math.log(w) for w in widths_mm]))
+        self.logits = nn.Parameter(torch.tensor([0.0 if w == start_width_mm else -6.0 for w in widths_mm]))
+        self.register_buffer("offsets", torch.arange(-reach, reach + 1, dtype=torch.float32), persistent=False)
+
+    def forward(self) -> Tensor:
+        return (torch.softmax(self.logits, 0)[:, None] * gaussian_taps(self.log_width, self.offsets)).sum(0)
+
+
+class DetectorResponse(nn.Module):
+    """Learned response: (B, 260, 256) leaf-grid fluence -> (B, 256, 256) imager frame per MU
+    (row 0 = most positive y), one FFT convolution with a 2-D kernel and a position-dependent
+    broad term.
+
+    The kernel is gain x (Ky Kx^T + sum_k c_k G_k G_k^T): a separable mixture (``ResponseProfile``
+    per axis) plus isotropic 2-D Gaussians of learned widths and signed weights c_k (starting
+    at 0), so it can be radially symmetric and not separable. Given a measured kernel M
+    (``start_from``), the kernel is gain x (s M + (1 - s) mixture), the learned share s starting
+    at ``MEASURED_START_SHARE``: the mixture is then a learned correction. The broad term is a wide
+    isotropic Gaussian blur of the fluence (learned width, starting at 32 mm) weighted per row
+    by b0 + b1 (row position, 0 at the top to 1 at the bottom), both starting at 0: backscatter
+    from a support arm on one side of the panel.
+    """
+
+    def __init__(self, reach: int, widths_mm: tuple[float, ...], start_width_mm: float) -> None:
+        super().__init__()
+        self.profile_y = ResponseProfile(reach, widths_mm, start_width_mm)
+        self.profile_x = ResponseProfile(reach, widths_mm, start_width_mm)
+        self.log_gain = nn.Parameter(torch.zeros(()))
+        self.radial_log_width = nn.Parameter(torch.tensor([math.log(w) for w in widths_mm]))
+        self.radial_weight = nn.Parameter(torch.zeros(len(widths_mm)))
+        self.broad_log_width = nn.Parameter(torch.tensor([math.log(BROAD_START_WIDTH_MM)]))
+        self.broad_gain = nn.Parameter(torch.zeros(2))
+        self.measured_logit = nn.Parameter(torch.zeros(()))
+        self.register_buffer("measured", torch.zeros(2 * reach + 1, 2 * reach + 1))
+        self.register_buffer("measured_present", torch.zeros(()))
+        self.reach = reach
+        self.fft_shape = (scipy.fft.next_fast_len(LEAF_GRID_ROWS + reach, real=True),
+                          scipy.fft.next_fast_len(GRID_SIZE + reach, real=True))
+
+    def kernel(self) -> Tensor:
+        """The 2-D kernel without the gain, (2 reach + 1, 2 reach + 1), rows along y."""
+        offsets = self.profile_y.offsets
+        radial = gaussian_taps(self.radial_log_width, offsets)
+        isotropic = torch.einsum("k,ki,kj->ij", self.radial_weight, radial, radial)
+        mixture = torch.outer(self.profile_y(), self.profile_x()) + isotropic
+        share = torch.sigmoid(self.measured_logit) * self.measured_present
+        return share * self.measured + (1 - share) * mixture
+
+    def start_from(self, kernel: Tensor) -> None:
+        """Start the response as a measured kernel (2-D, odd sides, centred, rows along y): cut
+        or zero-padded to the response's reach and normalised to sum 1; its share
+        ``MEASURED_START_SHARE``."""
+        if kernel.ndim != 2 or kernel.shape[0] % 2 == 0 or kernel.shape[1] % 2 == 0:
+            raise ValueError(f"a measured kernel must be 2-D with odd sides, got shape {tuple(kernel.shape)}")
+        size = 2 * self.reach + 1
+        centred = torch.zeros(size, size, dtype=torch.float64)
+        half_y, half_x = min(kernel.shape[0] // 2, self.reach), min(kernel.shape[1] // 2, self.reach)
+        cy, cx = kernel.shape[0] // 2, kernel.shape[1] // 2
+        centred[self.reach - half_y:self.reach + half_y + 1, self.reach - half_x:self.reach + half_x + 1] = (
+            torch.as_tensor(kernel, dtype=torch.float64)[cy - half_y:cy + half_y + 1, cx - half_x:cx + half_x + 1])
+        with torch.no_grad():
+            self.measured.copy_(centred / centred.sum())
+            self.measured_present.fill_(1.0)
+            self.measured_logit.fill_(math.log(MEASURED_START_SHARE / (1 - MEASURED_START_SHARE)))
+
+    def _spectrum(self, kernel: Tensor) -> Tensor:
+        """rfft2 of a centred kernel, wrapped so that its centre is at index (0, 0)."""
+        padded = F.pad(kernel, (0, self.fft_shape[1] - kernel.shape[1], 0, self.fft_shape[0] - kernel.shape[0]))
+        return torch.fft.rfft2(torch.roll(padded, (-self.reach, -self.reach), (0, 1)))
+
+    def forward(self, fluence: Tensor) -> Tensor:
+        parts = self.parts(fluence)
+        return parts[:, 0] + parts[:, 1]
+
+    def adjoint(self, images: Tensor) -> Tensor:
+        """(B, 256, 256) imager images -> (B, 260, 256) leaf-grid fluence: the transpose of ``forward``
+        (the gradient of <images, forward(f)> with respect to f), two FFTs in and one out."""
+        images = images.float()
+        with torch.autocast(images.device.type, enabled=False):
+            weighted = torch.stack([images, self.broad_weight(images.device)[:, None] * images], 1)
+            spectrum = (padded_rfft2(to_leaf_grid(weighted), self.fft_shape) * self._spectra().conj()).sum(1)
+            return cropped_irfft2(spectrum, self.fft_shape, slice(LEAF_GRID_ROWS), slice(GRID_SIZE))
+
+    def broad_taps(self) -> Tensor:
+        """The broad term's Gaussian along each axis, on the response's offsets (sum 1)."""
+        return gaussian_taps(self.broad_log_width, self.profile_y.offsets)[0]
+
+    def broad_weight(self, device: torch.device | str) -> Tensor:
+        """(256,) the broad term's weight on each imager row, b0 + b1 x (row position, 0 at the top)."""
+        rows = (torch.arange(GRID_SIZE, device=device, dtype=torch.float32) + 0.5) / GRID_SIZE
+        return self.broad_gain[0] + self.broad_gain[1] * rows
+
+    def _spectra(self) -> Tensor:
+        """(2, ...) the spectra (``_spectrum``) of the kernel with its gain and of the broad term's blur."""
+        broad_taps = self.broad_taps()
+        return torch.stack([self._spectrum(self.kernel() * self.log_gain.exp()),
+                            self._spectrum(torch.outer(broad_taps, broad_taps))])
+
+    def parts(self, fluence: Tensor) -> Tensor:
+        """(B, 260, 256) leaf-grid fluence -> (B, 2, 256, 256): the image through the kernel and the
+        broad term (the fluence's wide blur weighted per row)."""
+        fluence = fluence.float()
+        with torch.autocast(fluence.device.type, enabled=False):
+            images = cropped_irfft2(padded_rfft2(fluence, self.fft_shape)[:, None] * self._spectra(), self.fft_shape,
+                                    slice(LEAF_GRID_ROWS), slice(GRID_SIZE))
+        images = to_imager(images)  # (B, 2, 256, 256)
+        return torch.stack([images[:, 0], self.broad_weight(fluence.device)[:, None] * images[:, 1]], 1)
