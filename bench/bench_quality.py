@@ -228,7 +228,7 @@ def measure_step_seconds(args: argparse.Namespace, output: Path, observer: Curve
     steps = math.ceil(CALIBRATION_SAMPLES / (recipe.batch_size * recipe.grad_accum))
     probe = load_config(training_environment(args, output / "calibration", steps, 2, args.minutes))
     torch.manual_seed(probe.seed)
-    model = families.CrossModel(*families.build_models(probe.model_size, probe.model)).to(device)
+    model = families.CrossModel(*families.build_models(probe.model_size, probe.model, probe.mlc_geometry)).to(device)
     started = time.perf_counter()
     observer(0, model.forward_model, model.inverse_model, 0)  # network estimates, as during training
     observer_seconds = time.perf_counter() - started

@@ -93,14 +93,34 @@ def frame_sub_apertures(points: Tensor) -> Tensor:
 # --------------------------------------------------------------------------- forward model
 
 
+StripLeaves = tuple[tuple[int, ...], ...]
+"""Per layer of an MLC, the leaf covering each of the 52 strips (``MlcGeometry.strip_layout``); empty
+when the strips are the leaves."""
+
+
+def strip_leaves_value(values: object) -> StripLeaves:
+    """A stored ``strip_leaves`` (lists or tuples) as tuples of ints; ValueError unless each layer
+    names a leaf for each of the 52 strips."""
+    layers = tuple(tuple(int(leaf) for leaf in layer) for layer in values)
+    if len(layers) > 2 or any(len(layer) != NUM_LEAF_PAIRS for layer in layers):
+        raise ValueError(f"strip_leaves: expected at most 2 layers of {NUM_LEAF_PAIRS} leaf indices, "
+                         f"got {[len(layer) for layer in layers]}")
+    return layers
+
+
 class ApertureFluence(nn.Module):
     """Leaves and jaws of a frame's motion -> mean fluence of each 1 mm cell per MU, with the
     physics of a real MLC learned (``epid.synthesis.fluence.aperture_fluence``, the synthesis's own
     rendering): a shift of every edge (mm, widening), a leaf-end offset per bank (mm), leaf, jaw
     and interleaf transmission (%), and the tongue-and-groove strip's width (mm); all start at 0,
-    an opaque aperture with its nominal edges. Returns the fluence (B, 260, 256), y ascending."""
+    an opaque aperture with its nominal edges. Returns the fluence (B, 260, 256), y ascending.
 
-    def __init__(self) -> None:
+    ``strip_leaves`` (per layer, the leaf of each strip) renders a real MLC as the synthesis does:
+    interleaf leakage only between two leaves of a layer, and for a dual layer each layer's leaves
+    at the most open position their strips' edges allow at each control point (``layer_edges``),
+    a cell behind both layers transmitting the leaf transmission squared."""
+
+    def __init__(self, strip_leaves: StripLeaves = ()) -> None:
         super().__init__()
         self.edge_shift = nn.Parameter(torch.zeros(()))
         self.leaf_end_offset = nn.Parameter(torch.zeros(2))
@@ -108,6 +128,18 @@ class ApertureFluence(nn.Module):
         self.jaw_transmission_percent = nn.Parameter(torch.zeros(()))
         self.interleaf_leakage_percent = nn.Parameter(torch.zeros(()))
         self.tongue_groove_mm = nn.Parameter(torch.zeros(()))
+        self.layers = len(strip_leaves)
+        if self.layers:
+            leaves = torch.tensor(strip_leaves, dtype=torch.long)
+            self.register_buffer("same_leaf", (leaves[:, :, None] == leaves[:, None, :]).float(), persistent=False)
+            self.register_buffer("interleaf", (leaves[:, 1:] != leaves[:, :-1]).float(), persistent=False)
+
+    def layer_edges(self, leaf_a: Tensor, leaf_b: Tensor, layer: int) -> tuple[Tensor, Tensor]:
+        """Strip edges (..., 52) mm -> the edges (..., 52) of ``layer``'s leaves over each strip: bank A
+        at the smallest of its strips' edges, bank B at the largest (``MlcGeometry.layer_edges``)."""
+        same = self.same_leaf[layer] > 0
+        return (torch.where(same, leaf_a[..., None, :], torch.inf).amin(-1),
+                torch.where(same, leaf_b[..., None, :], -torch.inf).amax(-1))
 
     @property
     def tongue_groove_width(self) -> Tensor:
@@ -122,11 +154,17 @@ class ApertureFluence(nn.Module):
         batch = leaf_a.shape[0]
         jaw_1 = sub_aperture_positions(scalars[:, 1], scalars[:, 2])  # (B, 7)
         jaw_2 = sub_aperture_positions(scalars[:, 3], scalars[:, 4])
-        a = sub_aperture_positions(leaf_a[:, :NUM_LEAF_PAIRS], leaf_a[:, NUM_LEAF_PAIRS:]).transpose(1, 2)
-        b = sub_aperture_positions(leaf_b[:, :NUM_LEAF_PAIRS], leaf_b[:, NUM_LEAF_PAIRS:]).transpose(1, 2)
+        layers: dict[str, object] = {}
+        if self.layers:
+            layers["interleaf"] = self.interleaf
+        if self.layers > 1:
+            strips = (leaf_a.unflatten(1, (2, NUM_LEAF_PAIRS)), leaf_b.unflatten(1, (2, NUM_LEAF_PAIRS)))
+            layers["second_layer"] = self.moving_leaves(*(e.flatten(1) for e in self.layer_edges(*strips, 1)))
+            leaf_a, leaf_b = (e.flatten(1) for e in self.layer_edges(*strips, 0))
+        a, b = self.moving_leaves(leaf_a, leaf_b)
         weights = leaf_a.new_full((batch, SUB_APERTURES), 1.0 / SUB_APERTURES)
         return aperture_fluence(
-            a, b, jaw_1, jaw_2, weights,
+            a, b, jaw_1, jaw_2, weights, **layers,
             leaf_end_offset_a=self.edge_shift + self.leaf_end_offset[0],
             leaf_end_offset_b=self.edge_shift + self.leaf_end_offset[1],
             jaw_edge_offset=self.edge_shift, tongue_groove_mm=self.tongue_groove_width,
@@ -135,18 +173,26 @@ class ApertureFluence(nn.Module):
             jaw_transmission=self.jaw_transmission_percent / 100.0,
         )
 
+    @staticmethod
+    def moving_leaves(leaf_a: Tensor, leaf_b: Tensor) -> tuple[Tensor, Tensor]:
+        """Edges (B, 104) at prev and curr -> (B, 7, 52) each at the frame's sub-apertures."""
+        return tuple(sub_aperture_positions(edges[:, :NUM_LEAF_PAIRS], edges[:, NUM_LEAF_PAIRS:]).transpose(1, 2)
+                     for edges in (leaf_a, leaf_b))
+
 
 @dataclass(frozen=True)
 class ApertureForwardConfig:
     """The forward model's response: reach (mm each side), the Gaussians' starting widths (mm) and
-    the width that holds the weight at the start."""
+    the width that holds the weight at the start; the MLC's leaves over the strips (``ApertureFluence``)."""
 
     response_reach: int = 128
     response_widths_mm: tuple[float, ...] = (0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0)
     start_width_mm: float = 1.0
+    strip_leaves: StripLeaves = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "response_widths_mm", tuple(float(w) for w in self.response_widths_mm))
+        object.__setattr__(self, "strip_leaves", strip_leaves_value(self.strip_leaves))
         if self.start_width_mm not in self.response_widths_mm:
             raise ValueError(f"start_width_mm {self.start_width_mm} must be one of {self.response_widths_mm}")
 
@@ -167,7 +213,7 @@ class ApertureForwardModel(nn.Module):
     def __init__(self, config: ApertureForwardConfig | None = None) -> None:
         super().__init__()
         self.config = config or ApertureForwardConfig()
-        self.aperture = ApertureFluence()
+        self.aperture = ApertureFluence(self.config.strip_leaves)
         self.response = DetectorResponse(
             self.config.response_reach, self.config.response_widths_mm, self.config.start_width_mm
         )
@@ -317,7 +363,8 @@ class LeafEdgeInverseConfig:
     ``depth`` blocks, a coarse branch of ``coarse_channels`` pooled ``coarse_pool`` x), the jaw
     CNN, the readout MLPs' width, the pixel rows the row deblur reaches beyond its leaf, and the
     stages of the leaf tracking that refines the estimate with the forward model's physics
-    (``epid.reconstruction.leaves``: (range, grid step) mm each; none = the network's estimate)."""
+    (``epid.reconstruction.leaves``: (range, grid step) mm each; none = the network's estimate);
+    the MLC's leaves over the strips, as the forward model's (its aperture estimates the MU)."""
 
     channels: int = 8
     depth: int = 3
@@ -329,6 +376,7 @@ class LeafEdgeInverseConfig:
     readout_hidden: int = 32
     deblur_reach_rows: int = 10
     track_stages: tuple[tuple[float, float], ...] = ((16.0, 1.0), (2.0, 0.2), (16.0, 1.0), (1.0, 0.1))
+    strip_leaves: StripLeaves = ()
 
     RETIRED_FIELDS = ("fit_steps", "split_rounds", "refine_steps")
     """Fields of configs stored before leaf tracking: the eval-mode fit's descent steps (0 = no fit),
@@ -350,6 +398,7 @@ class LeafEdgeInverseConfig:
         if min(self.channels, self.coarse_channels, self.jaw_channels, self.readout_hidden) < 1:
             raise ValueError("channel counts must be positive")
         object.__setattr__(self, "track_stages", tuple((float(r), float(s)) for r, s in self.track_stages))
+        object.__setattr__(self, "strip_leaves", strip_leaves_value(self.strip_leaves))
         if any(step <= 0 or reach < 0 for reach, step in self.track_stages):
             raise ValueError(f"track_stages {self.track_stages}: expected (range >= 0, grid step > 0) mm pairs")
 
@@ -382,7 +431,7 @@ class LeafEdgeInverseModel(nn.Module):
         self.jaw_blocks = nn.Sequential(*(LineBlock(config.jaw_channels, 2**i) for i in range(config.jaw_depth)))
         self.jaw_head = nn.Conv1d(config.jaw_channels, 4, 3, padding=1)  # jaw_1 prev, curr; jaw_2 prev, curr
         self.jaw_readout = nn.ModuleList(MotionReadout(config.readout_hidden) for _ in range(2))
-        self.aperture = ApertureFluence()
+        self.aperture = ApertureFluence(config.strip_leaves)
         self.in_field_y = nn.Parameter(torch.zeros(LEAF_GRID_ROWS))
         self.in_field_x = nn.Parameter(torch.zeros(GRID_SIZE))
         self.lag_percent = nn.Parameter(torch.zeros(()))

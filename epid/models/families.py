@@ -24,6 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from epid.models import aperture, legacy
+from epid.synthesis.mlc import LEGACY_GRID, MlcGeometry
 
 LEGACY = "legacy"
 APERTURE = "aperture"
@@ -100,6 +101,15 @@ class PairConfig:
                 return cls(entry.name, forward_model.config, inverse_model.config)
         raise ValueError(f"{type(forward_model).__name__} and {type(inverse_model).__name__} are no known family")
 
+    def for_mlc(self, mlc: MlcGeometry) -> PairConfig:
+        """This pair for the MLC ``mlc``: the configs that render apertures (a ``strip_leaves`` field)
+        take its leaves over the strips (``MlcGeometry.strip_layout``); the legacy family's stay."""
+        layout = mlc.strip_layout
+        forward, inverse = (dataclasses.replace(config, strip_leaves=layout)
+                            if any(f.name == "strip_leaves" for f in dataclasses.fields(config)) else config
+                            for config in (self.forward, self.inverse))
+        return dataclasses.replace(self, forward=forward, inverse=inverse)
+
     def to_dict(self) -> dict[str, Any]:
         return {"family": self.family, "forward": _plain(self.forward), "inverse": _plain(self.inverse)}
 
@@ -122,9 +132,10 @@ def _plain(config: Any) -> dict[str, Any]:
     return {key: list(value) if isinstance(value, tuple) else value for key, value in values.items()}
 
 
-def build_models(size: str = "full", family_name: str = DEFAULT_FAMILY) -> tuple[nn.Module, nn.Module]:
-    """Freshly initialised (forward, inverse) models of a family's named size."""
-    return PairConfig.preset(size, family_name).build()
+def build_models(size: str = "full", family_name: str = DEFAULT_FAMILY,
+                 mlc: MlcGeometry = LEGACY_GRID) -> tuple[nn.Module, nn.Module]:
+    """Freshly initialised (forward, inverse) models of a family's named size for the MLC ``mlc``."""
+    return PairConfig.preset(size, family_name).for_mlc(mlc).build()
 
 
 def predict_frames(forward_model: nn.Module, leaf_a: Tensor, leaf_b: Tensor, scalars: Tensor,

@@ -99,7 +99,9 @@ class RowDomain:
     ``fft_shape``); taps: t on offsets -reach..reach (sum 1); gram: G(k) = sum_n t(n) t(n + k)
     for k = -2 reach..2 reach; row_taps: (2 R + 1, 5, 5) the taps between pixel row r of leaf j and
     pixel row r' of leaf j + o, M_o[r, r'] (o = -R..R); edge offsets of banks A and B and of the jaws (mm,
-    positive widens); leaf, jaw and interleaf transmission (fractions); groove_share: the share
+    positive widens); leaf, jaw and interleaf transmission (fractions); interleaf: (51,) 1 where
+    the boundary between two strips is one between two leaves of a layer (where leakage passes), 0
+    inside a leaf (``ApertureFluence``; a dual layer's leaves seen as one); groove_share: the share
     of each 1 mm row beside a boundary between leaves that the tongue-and-groove strip covers;
     phase_error: (PHASES + 1, 2 M + 1) the cell-phase part of the step products
     (``step_products``); target_sigma_mm: the width of T (``target_sigma``); blur_matrix: (lattice,
@@ -118,6 +120,7 @@ class RowDomain:
     leaf_transmission: float
     jaw_transmission: float
     interleaf_leakage: float
+    interleaf: Tensor
     groove_share: float
     target_sigma_mm: float
     blur_matrix: Tensor
@@ -160,6 +163,8 @@ class RowDomain:
                 leaf_transmission=float(aperture.leaf_transmission_percent) / 100.0,
                 jaw_transmission=float(aperture.jaw_transmission_percent) / 100.0,
                 interleaf_leakage=float(aperture.interleaf_leakage_percent) / 100.0,
+                interleaf=(aperture.interleaf.amax(0) if aperture.layers
+                           else torch.ones(NUM_LEAF_PAIRS - 1)).float().to(device),
                 groove_share=min(float(aperture.tongue_groove_width) / 2.0, 1.0),
                 target_sigma_mm=sigma_mm, blur_matrix=_blur_matrix(taps.float()).to(device),
             )
@@ -216,7 +221,10 @@ class RowDomain:
         strip = torch.zeros(NUM_LEAF_PAIRS, ROWS_PER_LEAF, device=openings.device)
         strip[:-1, -1] = 1.0  # the last row of every leaf but the last, the first of every leaf but the first
         strip[1:, 0] = 1.0
-        source = passed * (1 - self.leaf_transmission - self.interleaf_leakage * strip)
+        leaking = torch.zeros_like(strip)  # those rows where the boundary is one between two leaves
+        leaking[:-1, -1] = self.interleaf
+        leaking[1:, 0] = self.interleaf
+        source = passed * (1 - self.leaf_transmission - self.interleaf_leakage * leaking)
         reach = (self.row_taps.shape[0] - 1) // 2
         padded = F.pad(source, (0, 0, reach, reach))  # leaves -R..51+R
         strips = F.pad(strip, (0, 0, reach, reach))

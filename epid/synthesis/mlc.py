@@ -120,6 +120,12 @@ class MlcGeometry:
         return len(self.layers) == 1 and len(np.unique(self.strip_leaves[0])) == NUM_LEAF_PAIRS
 
     @property
+    def strip_layout(self) -> tuple[tuple[int, ...], ...]:
+        """``strip_leaves`` as plain ints for a model's config: empty when the strips are the leaves
+        (``identity``: the legacy grid, Agility), so that their models stay as they were."""
+        return () if self.identity else tuple(tuple(int(v) for v in leaves) for leaves in self.strip_leaves)
+
+    @property
     def interleaf(self) -> np.ndarray:
         """(layers, 51) float32: 1 where the boundary between two neighbouring strips is one between
         two of that layer's leaves (where interleaf leakage passes), 0 where both strips lie in one leaf."""

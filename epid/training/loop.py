@@ -127,7 +127,7 @@ def starting_models(config: Config, checkpoint: dict[str, Any] | None) -> tuple[
     not given to it)."""
     if checkpoint is not None:
         return build_models_from_checkpoint(checkpoint)
-    forward_model, inverse_model = build_models(config.model_size, config.model)
+    forward_model, inverse_model = build_models(config.model_size, config.model, config.mlc_geometry)
     if config.kernel_path and hasattr(forward_model, "response"):
         kernel = kernel_from_config(config.kernel_path, config.kernel_variable)
         forward_model.response.start_from(torch.from_numpy(kernel))

@@ -1,6 +1,7 @@
 """The aperture family: its fluence against the frame engine's masks, its detector response
 against scipy's convolution, the inverse model's layout and parameter groups,
-and rebuilding a pair from a checkpoint (of today's configs and of those stored before leaf tracking)."""
+rebuilding a pair from a checkpoint (of today's configs and of those stored before leaf tracking), and
+a real MLC's layers rendered as the synthesis renders them."""
 
 from __future__ import annotations
 
@@ -14,8 +15,12 @@ from epid.models.checkpoint import build_models_from_checkpoint
 from epid.models.families import PairConfig, build_models
 from epid.models.panel import COMMISSIONING_PARAMETERS
 from epid.models.response import DetectorResponse, to_imager
+from epid.reconstruction.rows import RowDomain
 from epid.synthesis import geometry
-from epid.synthesis.fluence import rasterize
+from epid.synthesis.fluence import frame_positions, physics_fluence, rasterize
+from epid.synthesis.mlc import MLC_GEOMETRIES
+from epid.synthesis.physics import PRESETS
+from epid.synthesis.sequences import generate_control_points
 
 
 def whole_mm_control_points(batch: int, seed: int = 0, move_mm: float = 0.0):
@@ -151,3 +156,61 @@ def test_a_tongue_and_groove_width_below_zero_still_learns_its_way_back():
     loss = (learner(leaf_a, leaf_b, scalars) - target(leaf_a, leaf_b, scalars).detach()).square().sum()
     loss.backward()
     assert float(learner.tongue_groove_mm.grad) < 0  # a gradient step widens the strip
+
+
+def realistic_aperture(strip_leaves) -> aperture_module.ApertureFluence:
+    """An aperture of ``strip_leaves`` whose physics is set to the realistic synthesis's."""
+    physics = PRESETS["realistic"]
+    fluence = aperture_module.ApertureFluence(strip_leaves)
+    with torch.no_grad():
+        fluence.leaf_end_offset.fill_(physics.leaf_end_offset_mm)
+        fluence.leaf_transmission_percent.fill_(physics.leaf_transmission_percent)
+        fluence.jaw_transmission_percent.fill_(physics.jaw_transmission_percent)
+        fluence.interleaf_leakage_percent.fill_(physics.interleaf_leakage_percent)
+        fluence.tongue_groove_mm.fill_(physics.tongue_groove_mm)
+    return fluence
+
+
+@pytest.mark.parametrize(("name", "one_layer_miss"), [("halcyon", 0.1), ("mlci2", 1e-3), ("millennium120", 0.0)])
+def test_a_real_mlcs_aperture_renders_its_layers_as_the_synthesis_does(name, one_layer_miss):
+    """The models' aperture of a real MLC (each layer's leaves placed from the strips' edges at each
+    control point in torch) against the synthesis's frames of an irregular arc (placed per layer in
+    numpy, ``frame_positions``): the same fluence. The strips rendered as one layer miss by more than
+    ``one_layer_miss`` of an open cell (Millennium 120's 10 mm leaves lie beyond the jaws here)."""
+    mlc = MLC_GEOMETRIES[name]
+    control_points = generate_control_points(162, 40, mlc)
+    frames = np.arange(1, 40)
+    positions, layers = frame_positions(control_points, frames, torch.device("cpu"))
+    expected = physics_fluence(*positions, torch.ones(len(frames)), PRESETS["realistic"], **layers)
+    pair = [torch.from_numpy(np.concatenate([values[frames - 1], values[frames]], 1)).float()
+            for values in (control_points.leaf_a, control_points.leaf_b)]
+    jaws = [control_points.jaw_1[frames - 1], control_points.jaw_1[frames], control_points.jaw_2[frames - 1],
+            control_points.jaw_2[frames]]
+    scalars = torch.from_numpy(np.stack([np.ones(len(frames)), *jaws], 1)).float()
+    with torch.no_grad():
+        layered = realistic_aperture(mlc.strip_layout)(*pair, scalars)
+        one_layer = realistic_aperture(())(*pair, scalars)
+    torch.testing.assert_close(layered, expected, atol=1e-5, rtol=0)
+    assert float((one_layer - expected).abs().max()) > one_layer_miss
+
+
+def test_a_pair_built_for_an_mlc_keeps_it_through_a_checkpoint():
+    """Models for the legacy grid and Agility (strips are leaves) have the configs they always had;
+    a real MLC's leaves over the strips are in both configs, rebuilt from a checkpoint, and in the
+    row domain's leakage (none inside a 10 mm leaf)."""
+    assert build_models("tiny", "aperture", MLC_GEOMETRIES["agility"])[0].config == build_models("tiny")[0].config
+    mlc = MLC_GEOMETRIES["halcyon"]
+    forward, inverse = build_models("tiny", "aperture", mlc)
+    assert forward.config.strip_leaves == inverse.config.strip_leaves == mlc.strip_layout
+    assert len(mlc.strip_layout) == 2
+    checkpoint = {"model_config": PairConfig.of(forward, inverse).to_dict(), "forward_model": forward.state_dict(),
+                  "inverse_model": inverse.state_dict()}
+    rebuilt, _ = build_models_from_checkpoint(checkpoint)
+    assert rebuilt.config.strip_leaves == mlc.strip_layout
+    leaf_a, leaf_b, scalars = whole_mm_control_points(2, seed=3, move_mm=4.0)
+    torch.testing.assert_close(rebuilt(leaf_a, leaf_b, scalars)[0], forward(leaf_a, leaf_b, scalars)[0])
+    mlci2, _ = build_models("tiny", "aperture", MLC_GEOMETRIES["mlci2"])
+    np.testing.assert_array_equal(RowDomain.of(mlci2).interleaf.numpy(), MLC_GEOMETRIES["mlci2"].interleaf[0])
+    assert RowDomain.of(forward).interleaf.sum() == geometry.NUM_LEAF_PAIRS - 1
+    with pytest.raises(ValueError, match="strip_leaves"):
+        aperture_module.ApertureForwardConfig(strip_leaves=((0, 1, 2),))
