@@ -177,9 +177,9 @@ def aperture_fluence(leaf_a: torch.Tensor, leaf_b: torch.Tensor, jaw_1: torch.Te
 
     A second layer of leaves (``second_layer``: its edges over each strip, (B, S, 52) each) stacks
     its own transmission on the first's: a cell behind both layers transmits t squared. Where one
-    layer alone is open the cell passes the other's transmission: that part is rendered without
-    gradients for edges and jaws (the transmissions keep theirs), being a transmission's share of
-    the fluence (0.4 % under the realistic physics) at twice the cost of the rest.
+    layer alone is open the cell passes the other's transmission: that part, a transmission's share
+    of the fluence (0.4 % under the realistic physics), is rendered without gradients for edges and
+    jaws (the transmissions keep theirs), which halves a dual layer's forward and backward pass.
     ``interleaf`` (layers, 51): which boundaries between strips are boundaries between leaves of
     each layer (``MlcGeometry.interleaf``; default every one, in one layer).
     """
