@@ -34,7 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from epid.reconstruction.descent import descend
-from epid.reconstruction.fallback import BATCH_FRAMES, ControlPointRun, Kept, keep_better, render_run
+from epid.reconstruction.fallback import BATCH_FRAMES, ControlPointRun, Kept, keep_better, render_run, uncrossed
 from epid.reconstruction.leaves import track_leaves
 from epid.reconstruction.rows import RowDomain
 from epid.synthesis.geometry import NUM_LEAF_PAIRS
@@ -185,9 +185,10 @@ def _tracked_from(forward_model: nn.Module, signals: Tensor, start: ControlPoint
     (``epid.reconstruction.leaves``); under a broad response a second pass reads them relative to the
     first pass's fit (``RELINEARISED_STAGES``) and Gauss-Newton steps on the forward model's own
     misfit follow (``epid.reconstruction.descent``); for a ``cine`` series the fit's points are
-    taken ``between_frames``. The fit is kept only where the frames agree with it better
-    (``epid.reconstruction.fallback``)."""
+    taken ``between_frames``. Neither the start nor the fit has a pair whose leaves cross (``uncrossed``);
+    the fit is kept only where the frames agree with it better (``epid.reconstruction.fallback``)."""
     domain = RowDomain.of(forward_model, signals.device)
+    start = uncrossed(start)
     prepared = render_run(forward_model, signals, start, batch_frames, residuals=True)
     tracked = track_leaves(domain, prepared.residuals, start.leaf_a, start.leaf_b, start.jaws, stages,
                            chunk_frames=batch_frames, start_mu=prepared.mu)
@@ -203,6 +204,9 @@ def _tracked_from(forward_model: nn.Module, signals: Tensor, start: ControlPoint
         fit, rendering = descend(forward_model, domain, signals, fit, batch_frames=batch_frames)
     if cine:
         fit, rendering = between_frames(fit), None
+    crossed = uncrossed(fit)
+    if crossed is not fit:
+        fit, rendering = crossed, None
     return keep_better(forward_model, signals, start, fit, batch_frames, start_rendering=prepared,
                        fit_rendering=rendering)
 

@@ -56,6 +56,18 @@ class Kept:
     signal_mu: Tensor
 
 
+def uncrossed(run: ControlPointRun) -> ControlPointRun:
+    """``run`` with every pair whose bank A edge lies beyond its bank B edge closed at their midpoint:
+    the nearest positions (least squares) whose leaves do not cross, and so never further from
+    positions that do not cross than ``run`` was (a projection onto a convex set)."""
+    crossed = run.leaf_a > run.leaf_b
+    if not bool(crossed.any()):
+        return run
+    middle = 0.5 * (run.leaf_a + run.leaf_b)
+    return ControlPointRun(torch.where(crossed, middle, run.leaf_a), torch.where(crossed, middle, run.leaf_b),
+                           run.jaws)
+
+
 def imager_row_leaves(device: torch.device | str | None = None) -> Tensor:
     """(256,) the leaf whose rows each imager row lies in (row 0 = most positive y)."""
     y_mm = (GRID_SIZE / 2 - 0.5 - torch.arange(GRID_SIZE, device=device, dtype=torch.float64)) * PIXEL_MM

@@ -54,6 +54,11 @@ fit. On the forward model's own noise-free frames of a 12 mm wide response (40 f
 85, 165), tracked from the truth without the travel cost, the leaves stayed 0.12 mm from it;
 reading W S itself they moved 0.8 and 1.6 mm (arcs 85, 165).
 
+The two leaves of a pair meet and never cross (``CROSSING_COST``): each position of an edge beyond
+the other bank's edge of its leaf, where it stands, is ruled out, so a closed pair stays closed
+where the banks first meet (a pair closed at the wrong place does not slide; it would have to
+open first).
+
 Each edge is moved with every other edge held; under a broad response T couples neighbouring
 leaves strongly (at 4.6 mm a leaf 5 mm away sees 55 % of the centre tap), and leaves moved all at
 once, each explaining its neighbours' misfit too, overshoot together. The leaves of a bank
@@ -117,6 +122,13 @@ response), leaf MAE and share within 1 mm by this value: 2.0 mm 0.439 mm / 94.0 
 95.9, 1.25 mm 0.389 / 95.5, 1.0 mm 0.386 / 95.5, 0.75 mm 0.398 / 95.3, 0.5 mm 0.413 / 94.4, 0 (no
 cost) 0.433 / 93.6; the `elongated` response 0.407 / 94.9 -> 0.392 / 95.7 and the 16 mm one 0.770
 / 81.2 -> 0.760 / 82.1 (2.0 -> 1.25 mm)."""
+CROSSING_COST = 1e9
+"""Cost per mm by which a position of an edge lies beyond the other bank's edge of its leaf (held
+where it is): the leaves of a pair meet and never cross. Unbounded, the stages crossed closed pairs
+started a little open: bank A, moved first, took the whole excess slit and more, since the row
+model renders a crossed pair as a negative slit that explains any excess light (on frames the
+model rendered itself, from a start 0.8 mm open, 1.7-1.9 mm crossed; Halcyon, whose parked strips
+are closed at x = 0, 24 % of the strips' control points of the tuning arcs 5, 85, 165)."""
 GROUP_COUPLING = 0.05
 """Largest tap of T along y between leaves that move in the same step, relative to its centre tap.
 The leaves of a bank moved all at once, each with its neighbours held, overshoot together where
@@ -274,7 +286,10 @@ def _track_bank(domain: RowDomain, profiles: Tensor, coupling: tuple[Tensor, Ten
     start = banks[bank]
     states, count = len(offsets), len(moving)
     pull = PULL_PER_MM2 * offsets.square()
-    best = pull.expand(batch, count, states).clone()
+    other = banks[1 - bank][..., moving]  # (B, N + 1, L)
+    crossing = CROSSING_COST * F.relu((1.0 if bank == 0 else -1.0)
+                                      * (start[..., moving, None] + offsets - other[..., None]))  # (B, N + 1, L, S)
+    best = pull + crossing[:, 0]
     choices = torch.empty(frames, batch, count, states, dtype=torch.long, device=profiles.device)
     per_chunk = max(1, PAIR_ELEMENTS.get(profiles.device.type, 2**23) // (batch * count * states * states))
     sign = 1.0 if bank == 0 else -1.0
@@ -299,7 +314,7 @@ def _track_bank(domain: RowDomain, profiles: Tensor, coupling: tuple[Tensor, Ten
         for frame in range(costs.shape[1]):
             total = best[..., :, None] + costs[:, frame]
             best, choices[k + frame] = total.min(-2)
-            best = best + pull
+            best = best + pull + crossing[:, k + frame + 1]
             best = best - best.amin(-1, keepdim=True)
     index = best.argmin(-1)  # (B, L) at the last control point
     chosen = [index]

@@ -197,6 +197,36 @@ def test_tracking_recovers_rendered_motions_from_a_rough_start():
     torch.testing.assert_close(tracked.leaf_a[0][:, closed], start_a[:, closed])
 
 
+def test_closed_pairs_started_open_close_without_crossing():
+    """Every other leaf closed (both banks at x0), started 0.8 mm open on bank A and 0.5 mm on bank
+    B, frames the tracking's own forward model rendered: unbounded, bank A (moved first) took the
+    whole excess slit and crossed bank B by more than a mm; bounded, the pair meets, nearer the
+    truth, and the open leaves beside it stay where they are."""
+    forward = with_real_mlc(forward_with_2mm_response())
+    points = 10
+    leaf_a = (-10.3 + 0.7 * (torch.arange(52) % 5)).repeat(points, 1)
+    leaf_b = leaf_a.clone()
+    leaf_b[:, ::2] += 30.0
+    jaws = torch.tensor(JAWS).repeat(points, 1)
+    frames = record(forward, leaf_a, leaf_b, jaws, torch.full((points - 1,), 10.0), torch.zeros(256, 256))
+    closed, opened = slice(OPEN_ROWS.start, OPEN_ROWS.stop, 2), slice(OPEN_ROWS.start + 1, OPEN_ROWS.stop, 2)
+    assert bool((leaf_a[:, closed] == leaf_b[:, closed]).all()) and bool((leaf_b[:, opened] > leaf_a[:, opened]).all())
+
+    def tracked(crossing_cost: float) -> tuple[torch.Tensor, torch.Tensor]:
+        with mock.patch.object(leaves, "CROSSING_COST", crossing_cost):
+            fit = track(forward, frames, leaf_a - 0.8, leaf_b + 0.5, jaws)
+        return fit.leaf_a[0], fit.leaf_b[0]
+
+    free_a, free_b = tracked(0.0)
+    assert float((free_a - free_b)[:, closed].max()) > 1.0
+    fit_a, fit_b = tracked(leaves.CROSSING_COST)
+    assert bool((fit_a <= fit_b).all())
+    error = torch.cat([fit_a - leaf_a, fit_b - leaf_b])[:, closed].abs().mean()
+    free_error = torch.cat([free_a - leaf_a, free_b - leaf_b])[:, closed].abs().mean()
+    assert error < 0.5 and error < 0.7 * free_error, (error, free_error)
+    assert float((fit_a - leaf_a)[:, opened].abs().max()) < 0.2
+
+
 def jaw_errors(points: int) -> torch.Tensor:
     """(points, 2) errors of a network's jaws, mm: independent for each control point, up to 0.4."""
     return 0.4 * torch.rand(points, 2, generator=torch.Generator().manual_seed(5)) - 0.2

@@ -6,7 +6,7 @@ import numpy as np
 import scipy.ndimage
 import torch
 
-from epid.reconstruction.fallback import frame_misfits
+from epid.reconstruction.fallback import ControlPointRun, frame_misfits, uncrossed
 
 
 def test_the_signal_mu_holds_where_the_responses_shape_is_wrong_and_the_least_squares_mu_does_not():
@@ -32,3 +32,25 @@ def test_the_signal_mu_holds_where_the_responses_shape_is_wrong_and_the_least_sq
     rows = np.square(residuals.numpy()).sum(-1)  # rows of 1 mm, row r centred at y = 127.5 - r mm
     np.testing.assert_allclose(per_leaf.numpy()[:, 25], rows[:, 128:133].sum(-1), rtol=1e-4)  # y in [-5, 0)
     np.testing.assert_allclose(per_leaf.numpy().sum(-1), rows.sum(-1), rtol=1e-4)
+
+
+def test_crossed_pairs_close_at_their_midpoint_never_further_from_positions_that_do_not_cross():
+    gen = torch.Generator().manual_seed(3)
+    truth_a = 20.0 * torch.randn(2, 9, 52, generator=gen)
+    truth_b = truth_a + torch.where(torch.rand(2, 9, 52, generator=gen) < 0.5, 0.0,
+                                    10.0 * torch.rand(2, 9, 52, generator=gen))  # half of the pairs closed
+    jaws = torch.randn(2, 9, 2, generator=gen)
+    run = ControlPointRun(truth_a + 1.5 * torch.randn(2, 9, 52, generator=gen),
+                          truth_b + 1.5 * torch.randn(2, 9, 52, generator=gen), jaws)
+    crossed = run.leaf_a > run.leaf_b
+    assert 0.1 < float(crossed.float().mean()) < 0.5
+    fixed = uncrossed(run)
+    assert bool((fixed.leaf_a <= fixed.leaf_b).all()) and fixed.jaws is jaws
+    middle = (run.leaf_a + run.leaf_b)[crossed] / 2
+    torch.testing.assert_close(fixed.leaf_a[crossed], middle)
+    torch.testing.assert_close(fixed.leaf_b[crossed], middle)
+    assert bool((fixed.leaf_a[~crossed] == run.leaf_a[~crossed]).all())
+    before = (run.leaf_a - truth_a).square() + (run.leaf_b - truth_b).square()
+    after = (fixed.leaf_a - truth_a).square() + (fixed.leaf_b - truth_b).square()
+    assert bool((after <= before + 1e-4).all()) and float(after.sum()) < float(before.sum())
+    assert uncrossed(fixed) is fixed
