@@ -281,18 +281,18 @@ def _track_bank(domain: RowDomain, profiles: Tensor, coupling: tuple[Tensor, Ten
     """One bank's control points (B, N + 1, 52) with those of the leaves ``moving`` (L,) moved to
     the positions of least misfit plus travel (``TRAVEL_COST`` x ``travel_scale``, in the frames
     where ``seen`` (B, N, 52), the leaf's rows open) within ``offsets`` (S,) of where they are,
-    every other edge held and each frame's MU refitted (the Viterbi recursion)."""
+    every other edge held, never beyond the other bank's edge of its leaf (``CROSSING_COST``), and each
+    frame's MU refitted (the Viterbi recursion)."""
     batch, frames = profiles.shape[:2]
     start = banks[bank]
     states, count = len(offsets), len(moving)
     pull = PULL_PER_MM2 * offsets.square()
-    other = banks[1 - bank][..., moving]  # (B, N + 1, L)
-    crossing = CROSSING_COST * F.relu((1.0 if bank == 0 else -1.0)
-                                      * (start[..., moving, None] + offsets - other[..., None]))  # (B, N + 1, L, S)
+    sign = 1.0 if bank == 0 else -1.0
+    other = banks[1 - bank][..., moving, None]  # (B, N + 1, L, 1)
+    crossing = CROSSING_COST * F.relu(sign * (start[..., moving, None] + offsets - other))  # (B, N + 1, L, S)
     best = pull + crossing[:, 0]
     choices = torch.empty(frames, batch, count, states, dtype=torch.long, device=profiles.device)
     per_chunk = max(1, PAIR_ELEMENTS.get(profiles.device.type, 2**23) // (batch * count * states * states))
-    sign = 1.0 if bank == 0 else -1.0
     for k in range(0, frames, per_chunk):
         part = slice(k, min(k + per_chunk, frames))
         points = [b[:, part.start:part.stop + 1] for b in banks]
