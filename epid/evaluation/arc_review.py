@@ -20,11 +20,11 @@ from torch import Tensor, nn
 
 from epid.data.windows import split_range
 from epid.evaluation import plots
-from epid.evaluation.inference import SynthesisSettings, jaw_band
+from epid.evaluation.inference import SynthesisSettings, jaw_band, reported_by_mlc
 from epid.reconstruction import estimate as estimate_module
 from epid.synthesis.frames import render_frames
 from epid.synthesis.mlc import LEGACY_GRID, MlcGeometry
-from epid.synthesis.sequences import JAW_1_MIN_MM, JAW_2_MAX_MM, ControlPoints, generate_control_points
+from epid.synthesis.sequences import ControlPoints, generate_control_points
 
 ERROR_KEYS = ("leaf_mae_mm", "leaf_rms_mm", "within_0.5mm", "within_1mm", "jaw_mae_mm", "mu_error_percent")
 """The figures of ``arc_errors``, in the order tables print them."""
@@ -132,10 +132,7 @@ def reconstruct_segment(method: str, models: tuple[nn.Module, nn.Module], segmen
             leaf_a, leaf_b, scalars = (torch.cat(part) for part in zip(*parts, strict=True))
             values = (leaf_a[:, 52:], leaf_b[:, 52:], scalars[:, [2, 4]], scalars[:, 0])
     leaf_a, leaf_b, jaws, mu = (value.float().cpu() for value in values)
-    if not mlc.identity:
-        leaf_a, leaf_b = (torch.from_numpy(np.ascontiguousarray(v)) for v in mlc.tied(leaf_a.numpy(), leaf_b.numpy()))
-    if not mlc.y_jaws:
-        jaws = torch.tensor([JAW_1_MIN_MM, JAW_2_MAX_MM]).expand_as(jaws).clone()
+    leaf_a, leaf_b, jaws = reported_by_mlc(leaf_a, leaf_b, jaws, mlc)
     return ArcEstimate(leaf_a, leaf_b, jaws, mu, method=used, from_start=from_start, signal_mu=signal_mu)
 
 

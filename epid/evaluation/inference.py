@@ -40,7 +40,14 @@ from epid.synthesis.geometry import NUM_LEAF_PAIRS
 from epid.synthesis.kernel import kernel_from_config
 from epid.synthesis.mlc import LEGACY_GRID, MlcGeometry
 from epid.synthesis.physics import LIMITS, PRESETS, Physics, physics_of
-from epid.synthesis.sequences import PATTERNS, generate_control_points, leaf_band, pattern_for
+from epid.synthesis.sequences import (
+    JAW_1_MIN_MM,
+    JAW_2_MAX_MM,
+    PATTERNS,
+    generate_control_points,
+    leaf_band,
+    pattern_for,
+)
 
 if TYPE_CHECKING:
     from epid.dicom.plan import PlanBeam
@@ -92,7 +99,8 @@ class SampleSet:
     """Selected samples with their parameters and frames (CPU tensors; row i is ``refs[i]``).
 
     Fields follow ``epid.data.dataset.Batch``: leaf_a, leaf_b (S, 104) mm; scalars (S, 5);
-    leaf_weight_a, leaf_weight_b (S, 104); epid_prev, epid_curr (S, 1, 256, 256).
+    leaf_weight_a, leaf_weight_b (S, 104); epid_prev, epid_curr (S, 1, 256, 256); and the ``mlc``
+    the arcs were synthesised on (what the estimates are reported as, ``reported_by_mlc``).
     """
 
     refs: list[SampleRef]
@@ -103,6 +111,7 @@ class SampleSet:
     leaf_weight_b: Tensor
     epid_prev: Tensor
     epid_curr: Tensor
+    mlc: MlcGeometry = LEGACY_GRID
 
     def __len__(self) -> int:
         return len(self.refs)
@@ -111,7 +120,20 @@ class SampleSet:
         """The samples of ``rows``, in that order."""
         index = torch.as_tensor(list(rows), dtype=torch.long)
         return SampleSet([self.refs[row] for row in rows],
-                         **{name: getattr(self, name)[index] for name in BATCH_FIELDS})
+                         **{name: getattr(self, name)[index] for name in BATCH_FIELDS}, mlc=self.mlc)
+
+
+def reported_by_mlc(leaf_a: Tensor, leaf_b: Tensor, jaws: Tensor, mlc: MlcGeometry) -> tuple[Tensor, Tensor, Tensor]:
+    """Estimated strip edges leaf_a, leaf_b (..., 52) mm and jaws (..., 2) [jaw_1, jaw_2] mm (CPU) as
+    they are reported on ``mlc``: one position per leaf (``MlcGeometry.tied``: a 10 mm leaf at the
+    mean of its two strips) and, for an MLC without Y jaws, the jaws open over the strips' span, as
+    its arcs are synthesised (nothing for the network or the fit to find). The legacy grid's as given."""
+    if not mlc.identity:
+        leaf_a, leaf_b = (torch.from_numpy(np.ascontiguousarray(value)).to(leaf_a.dtype)
+                          for value in mlc.tied(leaf_a.numpy(), leaf_b.numpy()))
+    if not mlc.y_jaws:
+        jaws = torch.tensor([JAW_1_MIN_MM, JAW_2_MAX_MM], dtype=jaws.dtype).expand_as(jaws).clone()
+    return leaf_a, leaf_b, jaws
 
 
 @dataclass
@@ -356,7 +378,8 @@ def synthesise_samples(
             pair = frames[[position[s + 1], position[s + 2]]]
             batches.append(assemble_batch(control_points, Window(dataset_id, s, s + 1), pair))
     return SampleSet(
-        refs=ordered, **{name: torch.cat([getattr(batch, name) for batch in batches]) for name in BATCH_FIELDS}
+        refs=ordered, **{name: torch.cat([getattr(batch, name) for batch in batches]) for name in BATCH_FIELDS},
+        mlc=settings.mlc,
     )
 
 
@@ -375,7 +398,8 @@ def predict(
     network's estimate, refined per frame pair, or refined jointly over each run of consecutive
     samples of a dataset (``estimate_module.reconstruct_arc``; a run of one sample is refined as a
     pair). A model pair that cannot refine (``estimate_module.can_refine``) gives the network's
-    estimate; ``Predictions.reconstruction`` names what was used.
+    estimate; ``Predictions.reconstruction`` names what was used. The estimates are reported on the
+    samples' MLC (``reported_by_mlc``).
     """
     forward_model, inverse_model = models
     forward_model.eval()
@@ -401,7 +425,11 @@ def predict(
             for name, value in zip(("leaf_a", "leaf_b", "scalars"),
                                    _arc_estimates(forward_model, inverse_model, samples, device), strict=True):
                 outputs[name].append(value)
-    return Predictions(**{name: torch.cat(values) for name, values in outputs.items()}, reconstruction=used)
+    values = {name: torch.cat(parts) for name, parts in outputs.items()}
+    for leaves, jaws in ((slice(None, NUM_LEAF_PAIRS), [1, 3]), (slice(NUM_LEAF_PAIRS, None), [2, 4])):
+        values["leaf_a"][:, leaves], values["leaf_b"][:, leaves], values["scalars"][:, jaws] = reported_by_mlc(
+            values["leaf_a"][:, leaves], values["leaf_b"][:, leaves], values["scalars"][:, jaws], samples.mlc)
+    return Predictions(**values, reconstruction=used)
 
 
 def sample_runs(refs: Sequence[SampleRef]) -> list[range]:

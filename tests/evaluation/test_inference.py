@@ -431,3 +431,28 @@ def test_a_plan_on_another_mlc_than_the_checkpoints_is_refused_naming_both(tmp_p
     inference.check_plan_mlc(beam, Config(mlc="mlci2", mlc_geometry=MLC_GEOMETRIES["mlci2"]).to_dict(), "m.pth")
     inference.check_plan_mlc(beam, Config().to_dict(), "legacy.pth")  # the legacy grid takes any MLC's strips
     inference.check_plan_mlc(beam, {}, "old.pth")  # a checkpoint from before MLCs were named: the legacy grid
+
+
+def test_estimates_are_reported_on_the_mlc_the_samples_were_synthesised_on():
+    from epid.synthesis.mlc import LEGACY_GRID, MLC_GEOMETRIES
+
+    gen = torch.Generator().manual_seed(2)
+    leaf_a = -20.0 + 2.0 * torch.randn(3, 52, generator=gen)
+    leaf_b = leaf_a + 30.0
+    jaws = torch.tensor([[-40.3, 45.1]]).repeat(3, 1)
+
+    same = inference.reported_by_mlc(leaf_a, leaf_b, jaws, LEGACY_GRID)
+    assert all(value is given for value, given in zip(same, (leaf_a, leaf_b, jaws), strict=True))
+
+    mlci2 = inference.reported_by_mlc(leaf_a, leaf_b, jaws, MLC_GEOMETRIES["mlci2"])
+    # 40 x 10 mm from -200 mm: strips 2k and 2k + 1 (y from -130 + 10 k) lie in one leaf, one position
+    torch.testing.assert_close(mlci2[0][:, 0::2], (leaf_a[:, 0::2] + leaf_a[:, 1::2]) / 2)
+    torch.testing.assert_close(mlci2[0][:, 1::2], mlci2[0][:, 0::2])
+    torch.testing.assert_close(mlci2[1][:, 1::2], (leaf_b[:, 0::2] + leaf_b[:, 1::2]) / 2)
+    assert mlci2[2] is jaws
+
+    halcyon = inference.reported_by_mlc(leaf_a, leaf_b, jaws, MLC_GEOMETRIES["halcyon"])
+    torch.testing.assert_close(halcyon[0], leaf_a)  # a dual layer's strips are its edges already
+    torch.testing.assert_close(halcyon[2], torch.tensor([[-130.0, 130.0]]).repeat(3, 1))  # no jaws: open
+    samples = inference.SampleSet([], *(torch.zeros(0) for _ in inference.BATCH_FIELDS), mlc=MLC_GEOMETRIES["halcyon"])
+    assert samples.subset([]).mlc is MLC_GEOMETRIES["halcyon"]
