@@ -89,9 +89,8 @@ def _read_at(frames: Tensor, offset: Tensor, dim: int) -> Tensor:
     size = frames.shape[dim]
     whole = torch.floor(offset.detach())
     fraction = (offset - whole).to(frames.dtype)
-    padded = F.pad(frames, (1, 1, 0, 0) if dim == 2 else (0, 0, 1, 1))  # a zero beyond each end
-    moved = [torch.lerp(_window(frame, start + 1, size, dim - 1), _window(frame, start + 2, size, dim - 1), weight)
-             for frame, start, weight in zip(padded, whole.long().tolist(), fraction, strict=True)]
+    moved = [torch.lerp(_window(frame, start, size, dim - 1), _window(frame, start + 1, size, dim - 1), weight)
+             for frame, start, weight in zip(frames, whole.long().tolist(), fraction, strict=True)]
     return torch.stack(moved)
 
 
