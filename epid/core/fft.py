@@ -18,10 +18,34 @@ from torch import fft as torch_fft
 def padded_rfft2(images: Tensor, shape: tuple[int, int]) -> Tensor:
     """``torch.fft.rfft2(images, s=shape)`` of real images (..., H, W), H <= shape[0], W <= shape[1]:
     (..., shape[0], shape[1] // 2 + 1) complex."""
-    return torch_fft.fft(torch_fft.rfft(images, n=shape[1], dim=-1), n=shape[0], dim=-2)
+    return columns_fft(rows_rfft(images, shape), shape)
+
+
+def rows_rfft(images: Tensor, shape: tuple[int, int]) -> Tensor:
+    """The first half of ``padded_rfft2``: each row of real images (..., H, W) along x, zero-padded
+    to shape[1]: (..., H, shape[1] // 2 + 1). Linear per row: a row's weight commutes with it."""
+    return torch_fft.rfft(images, n=shape[1], dim=-1)
+
+
+def columns_fft(rows: Tensor, shape: tuple[int, int]) -> Tensor:
+    """The second half of ``padded_rfft2``: ``rows_rfft``'s output (..., H, shape[1] // 2 + 1) along
+    y, zero-padded to shape[0]."""
+    return torch_fft.fft(rows, n=shape[0], dim=-2)
 
 
 def cropped_irfft2(spectrum: Tensor, shape: tuple[int, int], rows: slice, columns: slice) -> Tensor:
     """``torch.fft.irfft2(spectrum, s=shape)[..., rows, columns]`` of a spectrum (..., shape[0],
     shape[1] // 2 + 1): the real images' window."""
-    return torch_fft.irfft(torch_fft.ifft(spectrum, n=shape[0], dim=-2)[..., rows, :], n=shape[1], dim=-1)[..., columns]
+    return rows_irfft(columns_ifft(spectrum, shape, rows), shape, columns)
+
+
+def columns_ifft(spectrum: Tensor, shape: tuple[int, int], rows: slice) -> Tensor:
+    """The first half of ``cropped_irfft2``: the spectrum back along y, the ``rows`` kept:
+    (..., rows, shape[1] // 2 + 1) complex. Linear per row: a row's weight commutes with the rest."""
+    return torch_fft.ifft(spectrum, n=shape[0], dim=-2)[..., rows, :]
+
+
+def rows_irfft(rows: Tensor, shape: tuple[int, int], columns: slice) -> Tensor:
+    """The second half of ``cropped_irfft2``: ``columns_ifft``'s output back along x, the real
+    ``columns`` kept."""
+    return torch_fft.irfft(rows, n=shape[1], dim=-1)[..., columns]

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from epid.core.fft import cropped_irfft2, padded_rfft2
+from epid.core.fft import columns_fft, columns_ifft, cropped_irfft2, padded_rfft2, rows_irfft, rows_rfft
 from epid.synthesis.geometry import GRID_SIZE, IMAGER_MARGIN, LEAF_GRID_ROWS
 
 BROAD_START_WIDTH_MM = 32.0
@@ -22,9 +22,13 @@ MEASURED_START_SHARE = 0.98
 """Share of a measured kernel in the response at the start (``DetectorResponse.start_from``)."""
 
 
+IMAGER_ROWS = slice(IMAGER_MARGIN, IMAGER_MARGIN + GRID_SIZE)
+"""The leaf-grid rows the imager sees, in leaf-grid order (y ascending)."""
+
+
 def to_imager(leaf_grid: Tensor) -> Tensor:
     """(..., 260, W) leaf-grid rows (y ascending) -> (..., 256, W) imager rows (row 0 = most positive y)."""
-    return leaf_grid[..., IMAGER_MARGIN:IMAGER_MARGIN + GRID_SIZE, :].flip(-2)
+    return leaf_grid[..., IMAGER_ROWS, :].flip(-2)
 
 
 def to_leaf_grid(images: Tensor) -> Tensor:
@@ -116,16 +120,27 @@ class DetectorResponse(nn.Module):
         return torch.fft.rfft2(torch.roll(padded, (-self.reach, -self.reach), (0, 1)))
 
     def forward(self, fluence: Tensor) -> Tensor:
-        parts = self.parts(fluence)
-        return parts[:, 0] + parts[:, 1]
+        """(B, 260, 256) leaf-grid fluence -> (B, 256, 256) imager frame: the image through the kernel
+        plus the broad term's, each weighted per row. The weight commutes with the transform along x,
+        so the two images are summed between the transforms along y and the one along x back."""
+        fluence = fluence.float()
+        with torch.autocast(fluence.device.type, enabled=False):
+            spectrum = padded_rfft2(fluence, self.fft_shape)[:, None] * self._spectra()
+            rows = columns_ifft(spectrum, self.fft_shape, IMAGER_ROWS)  # (B, 2, 256, ...) leaf-grid order
+            weight = self.broad_weight(fluence.device).flip(0)[:, None]
+            images = rows_irfft(rows[:, 0] + weight * rows[:, 1], self.fft_shape, slice(GRID_SIZE))
+            return images.flip(-2)  # imager rows
 
     def adjoint(self, images: Tensor) -> Tensor:
         """(B, 256, 256) imager images -> (B, 260, 256) leaf-grid fluence: the transpose of ``forward``
-        (the gradient of <images, forward(f)> with respect to f), two FFTs in and one out."""
+        (the gradient of <images, forward(f)> with respect to f): one transform along x, the broad
+        term's row weight applied to it, two along y, and one inverse."""
         images = images.float()
         with torch.autocast(images.device.type, enabled=False):
-            weighted = torch.stack([images, self.broad_weight(images.device)[:, None] * images], 1)
-            spectrum = (padded_rfft2(to_leaf_grid(weighted), self.fft_shape) * self._spectra().conj()).sum(1)
+            rows = rows_rfft(to_leaf_grid(images), self.fft_shape)
+            weight = to_leaf_grid(self.broad_weight(images.device)[:, None])
+            spectra = columns_fft(torch.stack([rows, weight * rows], 1), self.fft_shape)
+            spectrum = (spectra * self._spectra().conj()).sum(1)
             return cropped_irfft2(spectrum, self.fft_shape, slice(LEAF_GRID_ROWS), slice(GRID_SIZE))
 
     def broad_taps(self) -> Tensor:
@@ -142,13 +157,3 @@ class DetectorResponse(nn.Module):
         broad_taps = self.broad_taps()
         return torch.stack([self._spectrum(self.kernel() * self.log_gain.exp()),
                             self._spectrum(torch.outer(broad_taps, broad_taps))])
-
-    def parts(self, fluence: Tensor) -> Tensor:
-        """(B, 260, 256) leaf-grid fluence -> (B, 2, 256, 256): the image through the kernel and the
-        broad term (the fluence's wide blur weighted per row)."""
-        fluence = fluence.float()
-        with torch.autocast(fluence.device.type, enabled=False):
-            images = cropped_irfft2(padded_rfft2(fluence, self.fft_shape)[:, None] * self._spectra(), self.fft_shape,
-                                    slice(LEAF_GRID_ROWS), slice(GRID_SIZE))
-        images = to_imager(images)  # (B, 2, 256, 256)
-        return torch.stack([images[:, 0], self.broad_weight(fluence.device)[:, None] * images[:, 1]], 1)

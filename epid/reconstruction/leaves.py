@@ -290,7 +290,8 @@ def _track_bank(domain: RowDomain, profiles: Tensor, coupling: tuple[Tensor, Ten
     sign = 1.0 if bank == 0 else -1.0
     other = banks[1 - bank][..., moving, None]  # (B, N + 1, L, 1)
     crossing = CROSSING_COST * F.relu(sign * (start[..., moving, None] + offsets - other))  # (B, N + 1, L, S)
-    best = pull + crossing[:, 0]
+    point_costs = pull + crossing
+    best = point_costs[:, 0]
     choices = torch.empty(frames, batch, count, states, dtype=torch.long, device=profiles.device)
     per_chunk = max(1, PAIR_ELEMENTS.get(profiles.device.type, 2**23) // (batch * count * states * states))
     for k in range(0, frames, per_chunk):
@@ -314,7 +315,7 @@ def _track_bank(domain: RowDomain, profiles: Tensor, coupling: tuple[Tensor, Ten
         for frame in range(costs.shape[1]):
             total = best[..., :, None] + costs[:, frame]
             best, choices[k + frame] = total.min(-2)
-            best = best + pull + crossing[:, k + frame + 1]
+            best = best + point_costs[:, k + frame + 1]
             best = best - best.amin(-1, keepdim=True)
     index = best.argmin(-1)  # (B, L) at the last control point
     chosen = [index]
@@ -400,12 +401,11 @@ def _motion_products(domain: RowDomain, weights: Tensor, motion: Tensor) -> Tens
     """sum over t != t' of a_t a_t' A(p_t, p_t') for edges moving by ``motion`` (..., D) mm within a
     frame, A averaged over the cell phase: (..., D). weights: (..., 7) the a_t."""
     last = SUB_APERTURES - 1
-    total = 0.0
-    for lag in range(1, SUB_APERTURES):
-        pairs = (weights[..., lag:] * weights[..., :-lag]).sum(-1, keepdim=True)
-        separation = (motion * (lag / last)).abs()
-        total = total + 2 * pairs * _mean_product(domain, separation)
-    return total
+    lags = range(1, SUB_APERTURES)
+    pairs = torch.stack([(weights[..., lag:] * weights[..., :-lag]).sum(-1, keepdim=True) for lag in lags])
+    fractions = torch.arange(1, SUB_APERTURES, device=motion.device) / last
+    separations = motion.abs() * fractions.view(-1, *[1] * motion.dim())  # (6, ..., D)
+    return 2 * (pairs * _mean_product(domain, separations)).sum(0)
 
 
 def _mean_product(domain: RowDomain, separation: Tensor) -> Tensor:
@@ -422,17 +422,11 @@ def _mean_product(domain: RowDomain, separation: Tensor) -> Tensor:
 def _phase_lookup(domain: RowDomain, phase: Tensor, motion: Tensor) -> Tensor:
     """The cell-phase part of the step products of equally weighted sub-aperture steps from a
     position of cell phase ``phase`` moving by ``motion`` mm (same shape), bilinear in the table."""
-    table = domain.phase_error
-    columns = table.shape[1]
+    columns = round(2 * MAX_MOTION_MM / TABLE_STEP_MM)  # table cells per row
     row = phase * PHASES
-    column = ((motion + MAX_MOTION_MM) / TABLE_STEP_MM).clamp(0.0, columns - 1.001)
+    column = ((motion + MAX_MOTION_MM) / TABLE_STEP_MM).clamp(0.0, columns - 0.001)
     r0, c0 = row.floor().clamp(0, PHASES - 1), column.floor()
-    fr, fc = row - r0, column - c0
-    flat = table.flatten()
-    base = (r0.long() * columns + c0.long())
-
-    def at(index: Tensor) -> Tensor:
-        return flat[index]
-
-    return ((1 - fr) * ((1 - fc) * at(base) + fc * at(base + 1))
-            + fr * ((1 - fc) * at(base + columns) + fc * at(base + columns + 1)))
+    corners = domain.phase_corners[r0.long() * columns + c0.long()]  # (..., 4)
+    low = torch.lerp(corners[..., 0], corners[..., 1], column - c0)
+    high = torch.lerp(corners[..., 2], corners[..., 3], column - c0)
+    return torch.lerp(low, high, row - r0)

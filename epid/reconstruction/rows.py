@@ -103,8 +103,8 @@ class RowDomain:
     the boundary between two strips is one between two leaves of a layer (where leakage passes), 0
     inside a leaf (``ApertureFluence``; a dual layer's leaves seen as one); groove_share: the share
     of each 1 mm row beside a boundary between leaves that the tongue-and-groove strip covers;
-    phase_error: (PHASES + 1, 2 M + 1) the cell-phase part of the step products
-    (``step_products``); target_sigma_mm: the width of T (``target_sigma``); blur_matrix: (lattice,
+    phase_corners: (PHASES x 2 M, 4) the cell-phase part of the step products (``step_products``)
+    by table cell, its four corners; target_sigma_mm: the width of T (``target_sigma``); blur_matrix: (lattice,
     255) t applied along the lattice of ``splat`` (``blur``, ``correlate``).
     """
 
@@ -113,7 +113,7 @@ class RowDomain:
     taps: Tensor
     gram: Tensor
     row_taps: Tensor
-    phase_error: Tensor
+    phase_corners: Tensor
     offset_a: float
     offset_b: float
     jaw_offset: float
@@ -158,7 +158,7 @@ class RowDomain:
                 wiener=wiener.to(device, torch.complex64), fft_shape=tuple(response.fft_shape),
                 taps=taps.float().to(device), gram=gram.float().to(device),
                 row_taps=_row_taps(taps).float().to(device),
-                phase_error=_phase_error(sigma_mm).to(device),
+                phase_corners=_phase_corners(sigma_mm).to(device),
                 offset_a=offset_a, offset_b=offset_b, jaw_offset=shift,
                 leaf_transmission=float(aperture.leaf_transmission_percent) / 100.0,
                 jaw_transmission=float(aperture.jaw_transmission_percent) / 100.0,
@@ -350,10 +350,12 @@ def gram_at(gram: Tensor, reach: int, lag: Tensor) -> Tensor:
 
 
 @functools.cache
-def _phase_error(sigma_mm: float) -> Tensor:
-    """(PHASES + 1, 2 M + 1): for 7 equally weighted sub-aperture steps from u (its cell phase on
-    the rows, the last row repeating the first) moving by d (columns, -M..M of ``TABLE_STEP_MM``),
-    sum_(t,t') A(p_t, p_t') less its mean over the phase; T of width ``sigma_mm``."""
+def _phase_corners(sigma_mm: float) -> Tensor:
+    """(PHASES x 2 M, 4): for 7 equally weighted sub-aperture steps from u (its cell phase on the
+    rows, the last row repeating the first) moving by d (columns, -M..M of ``TABLE_STEP_MM``),
+    sum_(t,t') A(p_t, p_t') less its mean over the phase; T of width ``sigma_mm``. Laid out by
+    table cell (row r, column c; flat index r x 2 M + c): its corners (r, c), (r, c + 1), (r + 1,
+    c), (r + 1, c + 1), so that a bilinear lookup gathers once."""
     taps, gram = _target_taps(sigma_mm)
     reach = (len(taps) - 1) // 2
     phase = torch.arange(PHASES + 1, dtype=torch.float64) / PHASES
@@ -361,7 +363,8 @@ def _phase_error(sigma_mm: float) -> Tensor:
     t = torch.linspace(0.0, 1.0, SUB_APERTURES, dtype=torch.float64)
     positions = phase[:, None, None] + motion[None, :, None] * t  # (phases, motions, 7)
     products = step_products(gram, reach, positions[..., :, None], positions[..., None, :]).sum((-2, -1))
-    return (products - products[:-1].mean(0, keepdim=True)).float()
+    table = (products - products[:-1].mean(0, keepdim=True)).float()
+    return torch.stack([table[:-1, :-1], table[:-1, 1:], table[1:, :-1], table[1:, 1:]], -1).flatten(0, 1)
 
 
 def _target_taps(sigma_mm: float) -> tuple[Tensor, Tensor]:

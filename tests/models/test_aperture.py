@@ -85,6 +85,26 @@ def test_detector_response_is_a_same_size_convolution_with_the_profiles_outer_pr
         np.testing.assert_allclose(frame[i].detach().numpy(), expected, atol=1e-5)
 
 
+def test_detector_response_adds_its_broad_term_weighted_per_row():
+    response = DetectorResponse(reach=20, widths_mm=(1.0, 3.0), start_width_mm=3.0)
+    with torch.no_grad():
+        response.broad_gain.copy_(torch.tensor([0.04, 0.1]))
+        response.broad_log_width.fill_(np.log(9.0))
+    leaf_a, leaf_b, scalars = whole_mm_control_points(2, seed=5, move_mm=6.0)
+    fluence = aperture_module.ApertureFluence()(leaf_a, leaf_b, scalars)
+    frame = response(fluence).detach().numpy()
+    kernel = np.outer(response.profile_y().detach().numpy(), response.profile_x().detach().numpy())
+    taps = response.broad_taps().detach().numpy()
+    rows = (np.arange(256) + 0.5) / 256  # imager row 0 at the top
+    weight = 0.04 + 0.1 * rows
+    window = slice(geometry.IMAGER_MARGIN, geometry.IMAGER_MARGIN + 256)
+    for i in range(2):
+        full = fluence[i].detach().numpy()
+        sharp = scipy.signal.convolve2d(full, kernel, mode="same")[window][::-1]
+        broad = scipy.signal.convolve2d(full, np.outer(taps, taps), mode="same")[window][::-1]
+        np.testing.assert_allclose(frame[i], sharp + weight[:, None] * broad, atol=1e-5)
+
+
 def test_forward_model_adds_the_learned_lag_of_the_recorded_previous_frame():
     forward, _ = build_models("tiny", "aperture")
     leaf_a, leaf_b, scalars = whole_mm_control_points(3, seed=4, move_mm=3.0)
