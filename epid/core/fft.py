@@ -2,11 +2,14 @@
 
 A linear convolution by FFT pads each image (..., H, W) with zeros to a fast shape (P, Q) and keeps
 a window of the result. ``torch.fft.rfft2(images, s=(P, Q))`` transforms all P rows along x, P - H
-of them zeros; ``torch.fft.irfft2`` returns all P rows where the caller keeps a few. The two below
-take the same transforms one axis at a time (rows along x, then columns along y; the inverse in
-the opposite order), so the zero rows are never transformed along x and the rows not kept never
-along x on the way back: the same values to float rounding, in about 0.84 of the time for the
-aperture forward model's response of 64 frames (260 x 256 padded to 400 x 384, two kernels).
+of them zeros; ``torch.fft.irfft2`` returns all P rows where the caller keeps a few.
+``padded_rfft2`` and ``cropped_irfft2`` take the same transforms one axis at a time (rows along x,
+then columns along y; the inverse in the opposite order), so the zero rows are never transformed
+along x and the rows not kept never along x on the way back: the same values to float rounding, in
+about 0.84 of the time for the aperture forward model's response of 64 frames (260 x 256 padded to
+400 x 384, two kernels). Their halves, one axis each, serve a caller that acts between the axes: a
+weight per row commutes with the transforms along x, so images weighted per row after a transform
+along y can be summed before the one along x (``epid.models.response``).
 """
 
 from __future__ import annotations
