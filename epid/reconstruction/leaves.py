@@ -249,18 +249,16 @@ def _model(domain: RowDomain, coupling: tuple[Tensor, Tensor], banks: list[Tenso
     parts = [(edges[0], own, 1.0), (edges[1], own, -1.0)]
     if domain.groove_share > 0:
         parts += [(strip_a, groove, 1.0), (strip_b, groove, -1.0)]
+    chosen = slice(None) if rows is None else rows
     positions, weights = [], []
     for edge, coupling_of, sign in parts:
         sources = coupling_of.shape[-1]
         first = (sources - 1 - (edge.shape[-1] - NUM_LEAF_PAIRS)) // 2  # sources before leaf / boundary 0
         padded = F.pad(edge, (first, sources - 1 - first + NUM_LEAF_PAIRS - edge.shape[-1]))
-        # (B, F, 52, 7 x sources): the edges of leaf (or boundary) j + source seen in leaf j's profile
-        positions.append(padded.unfold(-1, NUM_LEAF_PAIRS, 1).permute(0, 1, 4, 2, 3).flatten(-2))
-        weights.append(sign * coupling_of.permute(0, 1, 3, 2, 4).flatten(-2))
-    positions, weights = torch.cat(positions, -1), torch.cat(weights, -1)
-    if rows is not None:
-        positions, weights = positions[:, :, rows], weights[:, :, rows]
-    return domain.blur(domain.splat(positions, weights)) / SUB_APERTURES
+        # (B, F, L, 7 x sources): the edges of leaf (or boundary) j + source seen in leaf j's profile
+        positions.append(padded.unfold(-1, NUM_LEAF_PAIRS, 1).permute(0, 1, 4, 2, 3)[:, :, chosen].flatten(-2))
+        weights.append(sign * coupling_of.permute(0, 1, 3, 2, 4)[:, :, chosen].flatten(-2))
+    return domain.blur(domain.splat(torch.cat(positions, -1), torch.cat(weights, -1))) / SUB_APERTURES
 
 
 def _best_mu(profiles: Tensor, model: Tensor) -> Tensor:
@@ -436,7 +434,7 @@ def _mean_product(domain: RowDomain, separation: Tensor) -> Tensor:
 def _phase_lookup(domain: RowDomain, phase: Tensor, motion: Tensor) -> Tensor:
     """The cell-phase part of the step products of equally weighted sub-aperture steps from a
     position of cell phase ``phase`` moving by ``motion`` mm (same shape), bilinear in the table."""
-    columns = round(2 * MAX_MOTION_MM / TABLE_STEP_MM)  # table cells per row
+    columns = len(domain.phase_corners) // PHASES  # table cells per row
     row = phase * PHASES
     column = ((motion + MAX_MOTION_MM) / TABLE_STEP_MM).clamp(0.0, columns - 0.001)
     r0, c0 = row.floor().clamp(0, PHASES - 1), column.floor()

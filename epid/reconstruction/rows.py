@@ -104,8 +104,8 @@ class RowDomain:
     inside a leaf (``ApertureFluence``; a dual layer's leaves seen as one); groove_share: the share
     of each 1 mm row beside a boundary between leaves that the tongue-and-groove strip covers;
     phase_corners: (PHASES x 2 M, 4) the cell-phase part of the step products (``step_products``)
-    by table cell, its four corners; target_sigma_mm: the width of T (``target_sigma``); blur_matrix: (lattice,
-    255) t applied along the lattice of ``splat`` (``blur``, ``correlate``).
+    by table cell, its four corners; target_sigma_mm: the width of T (``target_sigma``);
+    blur_matrix: (lattice, 255) t applied along the lattice of ``splat`` (``blur``, ``correlate``).
     """
 
     wiener: Tensor
