@@ -71,27 +71,37 @@ def sag_shift(sag_mm: Tensor, gantry_deg: Tensor) -> Tensor:
     return terms @ sag_mm.T
 
 
-def shift_frames(frames: Tensor, shift_mm: Tensor, pixel_mm: float = 1.0) -> Tensor:
+def shift_frames(frames: Tensor, shift_mm: Tensor, pixel_mm: float = 1.0, edge: bool = False) -> Tensor:
     """``frames`` (P, H, W) (row 0 the most positive y) with their content moved by ``shift_mm``
-    (P, 2) [x, y] mm, linearly interpolated, zero where it enters from beyond the frame;
-    differentiable in both. Bilinear interpolation of a translation is separable: each axis is read
-    at its own fractional offset: ``grid_sample``'s values without its (P, H, W, 2) grid (64 frames
-    of 256 x 256 in 30 ms against 96 ms, 2 cores of an AMD EPYC with AVX2)."""
+    (P, 2) [x, y] mm, linearly interpolated; where it enters from beyond the frame, zero, or with
+    ``edge`` the frame's edge row or column continued (``grid_sample``'s border padding: a field
+    that reaches past the frame goes on past it); differentiable in both. Bilinear interpolation of
+    a translation is separable: each axis is read at its own fractional offset: ``grid_sample``'s
+    values without its (P, H, W, 2) grid (64 frames of 256 x 256 in 30 ms against 96 ms, 2 cores of
+    an AMD EPYC with AVX2)."""
     shift = shift_mm.to(frames.dtype) / pixel_mm
     # content moved by +x reads the columns at c - x; moved by +y (towards row 0) the rows at r + y
-    moved = _read_at(frames, -shift[:, 0], dim=2)
-    return _read_at(moved, shift[:, 1], dim=1)
+    moved = _read_at(frames, -shift[:, 0], dim=2, edge=edge)
+    return _read_at(moved, shift[:, 1], dim=1, edge=edge)
 
 
-def _read_at(frames: Tensor, offset: Tensor, dim: int) -> Tensor:
+def _read_at(frames: Tensor, offset: Tensor, dim: int, edge: bool) -> Tensor:
     """``frames`` (P, H, W) read along ``dim`` (1 rows, 2 columns) at index i + ``offset`` (P,),
-    linearly interpolated, zero beyond the frame: two windows of each frame, one index apart."""
+    linearly interpolated, beyond the frame zero or (``edge``) the edge's value: two windows of
+    each frame, one index apart."""
     size = frames.shape[dim]
     whole = torch.floor(offset.detach())
     fraction = (offset - whole).to(frames.dtype)
-    moved = [torch.lerp(_window(frame, start, size, dim - 1), _window(frame, start + 1, size, dim - 1), weight)
+    window = _edge_window if edge else _window
+    moved = [torch.lerp(window(frame, start, size, dim - 1), window(frame, start + 1, size, dim - 1), weight)
              for frame, start, weight in zip(frames, whole.long().tolist(), fraction, strict=True)]
     return torch.stack(moved)
+
+
+def _edge_window(frame: Tensor, start: int, size: int, dim: int) -> Tensor:
+    """``size`` entries of ``frame`` (2-D) along ``dim`` from index ``start``, the edge's beyond it."""
+    indices = torch.arange(start, start + size, device=frame.device).clamp_(0, frame.shape[dim] - 1)
+    return frame.index_select(dim, indices)
 
 
 def _window(frame: Tensor, start: int, size: int, dim: int) -> Tensor:

@@ -180,6 +180,20 @@ def test_an_integrated_image_keeps_the_lag_share(beam):
     assert float(with_lag.sum()) == pytest.approx(float(expected.sum()), rel=2e-3)
 
 
+def test_a_field_past_the_imagers_edge_keeps_its_signal_when_moved_back_by_the_sag():
+    forward = build_models("tiny", "aperture")[0].eval()
+    with torch.no_grad():
+        forward.sag_mm.copy_(torch.tensor([[0.0, 0.0], [0.0, 0.45]]))
+    # a band open from y = 104 mm to past the imager's top edge (row 0), seen at gantry 180 deg: the
+    # panel sagged 0.9 mm towards +y, so the frame moves back 0.9 mm towards -y and what lay beyond its
+    # top edge comes in: the band goes on past the edge (zeros would open a 0.9 mm gap at the top)
+    band = torch.zeros(1, 256, 256)
+    band[0, :24, 40:200] = 1.0
+    back = timeline.with_sag(forward, band, np.array([180.0]), undo=True)
+    torch.testing.assert_close(back[0, :24], band[0, :24])
+    assert float(back.sum()) == pytest.approx(float(band.sum()) + 0.9 * 160, rel=1e-5)  # its far end moved
+
+
 def test_the_panels_sag_moves_each_piece_and_the_measured_frames_back(beam):
     torch.manual_seed(0)
     forward = build_models("tiny", "aperture")[0].eval()

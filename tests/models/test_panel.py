@@ -74,15 +74,15 @@ def test_the_forms_leave_the_forward_model_as_it_was_until_fitted():
     torch.testing.assert_close(scaled[0], forward.response(fluence)[0] * (1 + 0.05 * math.log(area / 1e4)))
 
 
-def grid_sampled(frames: torch.Tensor, shift_mm: torch.Tensor) -> torch.Tensor:
-    """The same move by ``torch.nn.functional.grid_sample`` (bilinear, zeros beyond the frame)."""
+def grid_sampled(frames: torch.Tensor, shift_mm: torch.Tensor, padding: str = "zeros") -> torch.Tensor:
+    """The same move by ``torch.nn.functional.grid_sample`` (bilinear, ``padding`` beyond the frame)."""
     count, height, width = frames.shape
     theta = torch.zeros(count, 2, 3, dtype=frames.dtype)
     theta[:, 0, 0] = theta[:, 1, 1] = 1.0
     theta[:, 0, 2] = -2.0 * shift_mm[:, 0] / width
     theta[:, 1, 2] = 2.0 * shift_mm[:, 1] / height
     grid = torch.nn.functional.affine_grid(theta, [count, 1, height, width], align_corners=False)
-    return torch.nn.functional.grid_sample(frames[:, None], grid, mode="bilinear", padding_mode="zeros",
+    return torch.nn.functional.grid_sample(frames[:, None], grid, mode="bilinear", padding_mode=padding,
                                            align_corners=False)[:, 0]
 
 
@@ -100,5 +100,23 @@ def test_a_move_is_grid_samples_over_the_whole_frame_and_so_is_its_gradient():
     gradient, = torch.autograd.grad((moved * weights).sum(), shifts)
     expected_gradient, = torch.autograd.grad((expected * weights).sum(), shifts)
     fractional = [1, 3]  # at a whole-pixel shift each takes the derivative of a different side
+    torch.testing.assert_close(gradient[fractional], expected_gradient[fractional], rtol=1e-9, atol=1e-9)
+    assert float(gradient[fractional].abs().min()) > 0.1
+
+
+def test_a_move_that_continues_the_edges_is_grid_samples_with_border_padding():
+    rng = np.random.default_rng(6)
+    frames = torch.from_numpy(rng.random((4, 40, 56)))
+    shifts = torch.tensor([[1.3, -0.7], [-2.0, 3.0], [-7.25, 0.5], [70.0, -0.1]], dtype=torch.float64,
+                          requires_grad=True)
+    moved = shift_frames(frames, shifts, edge=True)
+    expected = grid_sampled(frames, shifts, "border")
+    torch.testing.assert_close(moved, expected, rtol=0.0, atol=1e-12)
+    # moved 70 mm along x: every column is the frame's first column (read 0.1 mm off along y)
+    assert float((moved[3] - moved[3][:, :1]).detach().abs().max()) == 0.0
+    weights = torch.from_numpy(rng.random(frames.shape))
+    gradient, = torch.autograd.grad((moved * weights).sum(), shifts)
+    expected_gradient, = torch.autograd.grad((expected * weights).sum(), shifts)
+    fractional = [0, 2]  # at a whole-pixel shift each takes the derivative of a different side
     torch.testing.assert_close(gradient[fractional], expected_gradient[fractional], rtol=1e-9, atol=1e-9)
     assert float(gradient[fractional].abs().min()) > 0.1
