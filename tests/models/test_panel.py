@@ -86,37 +86,24 @@ def grid_sampled(frames: torch.Tensor, shift_mm: torch.Tensor, padding: str = "z
                                            align_corners=False)[:, 0]
 
 
-def test_a_move_is_grid_samples_over_the_whole_frame_and_so_is_its_gradient():
+@pytest.mark.parametrize("edge, padding", [(False, "zeros"), (True, "border")])
+def test_a_move_is_grid_samples_over_the_whole_frame_and_so_is_its_gradient(edge, padding):
     rng = np.random.default_rng(5)
     frames = torch.from_numpy(rng.random((5, 40, 56)))
     shifts = torch.tensor([[0.0, 0.0], [1.3, -0.7], [-2.0, 3.0], [-7.25, 0.5], [70.0, -0.1]], dtype=torch.float64,
                           requires_grad=True)
-    moved = shift_frames(frames, shifts)
-    expected = grid_sampled(frames, shifts)
+    moved = shift_frames(frames, shifts, edge=edge)
+    expected = grid_sampled(frames, shifts, padding)
     torch.testing.assert_close(moved, expected, rtol=0.0, atol=1e-12)
     torch.testing.assert_close(moved[0], frames[0])
-    assert float(moved[4].detach().abs().max()) == 0.0  # moved beyond the frame
+    beyond = moved[4].detach()  # moved 70 mm along x, beyond the frame
+    if edge:  # every column the frame's first column (read 0.1 mm off along y)
+        assert float((beyond - beyond[:, :1]).abs().max()) == 0.0 < float(beyond.min())
+    else:
+        assert float(beyond.abs().max()) == 0.0
     weights = torch.from_numpy(rng.random(frames.shape))
     gradient, = torch.autograd.grad((moved * weights).sum(), shifts)
     expected_gradient, = torch.autograd.grad((expected * weights).sum(), shifts)
     fractional = [1, 3]  # at a whole-pixel shift each takes the derivative of a different side
     torch.testing.assert_close(gradient[fractional], expected_gradient[fractional], rtol=1e-9, atol=1e-9)
-    assert float(gradient[fractional].abs().min()) > 0.1
-
-
-def test_a_move_that_continues_the_edges_is_grid_samples_with_border_padding():
-    rng = np.random.default_rng(6)
-    frames = torch.from_numpy(rng.random((4, 40, 56)))
-    shifts = torch.tensor([[1.3, -0.7], [-2.0, 3.0], [-7.25, 0.5], [70.0, -0.1]], dtype=torch.float64,
-                          requires_grad=True)
-    moved = shift_frames(frames, shifts, edge=True)
-    expected = grid_sampled(frames, shifts, "border")
-    torch.testing.assert_close(moved, expected, rtol=0.0, atol=1e-12)
-    # moved 70 mm along x: every column is the frame's first column (read 0.1 mm off along y)
-    assert float((moved[3] - moved[3][:, :1]).detach().abs().max()) == 0.0
-    weights = torch.from_numpy(rng.random(frames.shape))
-    gradient, = torch.autograd.grad((moved * weights).sum(), shifts)
-    expected_gradient, = torch.autograd.grad((expected * weights).sum(), shifts)
-    fractional = [0, 2]  # at a whole-pixel shift each takes the derivative of a different side
-    torch.testing.assert_close(gradient[fractional], expected_gradient[fractional], rtol=1e-9, atol=1e-9)
-    assert float(gradient[fractional].abs().min()) > 0.1
+    assert float(gradient[fractional].abs().min()) > 0.01  # not zero
