@@ -106,4 +106,5 @@ def test_a_move_is_grid_samples_over_the_whole_frame_and_so_is_its_gradient(edge
     expected_gradient, = torch.autograd.grad((expected * weights).sum(), shifts)
     fractional = [1, 3]  # at a whole-pixel shift each takes the derivative of a different side
     torch.testing.assert_close(gradient[fractional], expected_gradient[fractional], rtol=1e-9, atol=1e-9)
-    assert float(gradient[fractional].abs().min()) > 0.01  # not zero
+    # not zero; continued edges take part of the move's derivative away (0.048 at least on these frames)
+    assert float(gradient[fractional].abs().min()) > (0.01 if edge else 0.1)

@@ -148,10 +148,11 @@ def test_row_model_is_the_rendered_frame_seen_through_the_wiener_filter():
     row_weights = domain.row_weights(openings)
     assert 0.0 < float(openings[0, :, :, 17].mean()) < 0.5 and 0.0 < float(openings[0, :, :, 34].mean()) < 0.95
     profiles = domain.profiles(render(forward, leaf_a, leaf_b, jaws)[None], row_weights)
-    model = leaves._model(domain, domain.coupling(openings, row_weights), [leaf_a[None], leaf_b[None]])
+    coupling = domain.coupling(openings, row_weights)
+    model = leaves._model(domain, coupling, [leaf_a[None], leaf_b[None]])
     torch.testing.assert_close(profiles, model, atol=0.01 * float(model.abs().max()), rtol=0.0)
     every_third = torch.arange(1, 52, 3)  # a group step's leaves: their profiles alone, the same values
-    some = leaves._model(domain, domain.coupling(openings, row_weights), [leaf_a[None], leaf_b[None]], rows=every_third)
+    some = leaves._model(domain, coupling, [leaf_a[None], leaf_b[None]], rows=every_third)
     torch.testing.assert_close(some, model[:, :, every_third], atol=1e-6 * float(model.abs().max()), rtol=0.0)
 
 
