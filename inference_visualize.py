@@ -141,6 +141,10 @@ def parse_arguments(argv: Sequence[str] | None, config: Config) -> argparse.Name
                             "to --output-dir")
     dicom.add_argument("--commission-steps", type=_positive_int, metavar="N",
                        help="optimizer steps of --commission (default: epid.evaluation.commission.DEFAULT_STEPS, 300)")
+    dicom.add_argument("--export-field-plan", metavar="FILE",
+                       help="write the static fields a commissioning should include (a closed MLC, centred "
+                            "squares of 3 to 20 cm, 4 cm squares off the axis; epid.evaluation.commission."
+                            "field_plan) as an RT Plan to deliver and record, then give to --commission")
     dicom.add_argument("--export-plan", metavar="FILE",
                        help="write the synthetic arc of the one selected dataset ID (--dataset-ids N) as an RT Plan")
     dicom.add_argument("--export-frames", metavar="FILE",
@@ -256,6 +260,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     keep_freed_memory()
     if args.commission:
         return commission_run(args)
+    if args.export_field_plan:
+        return export_field_plan(args.export_field_plan)
     if args.plan or args.frames or args.beam is not None or args.export_plan or args.export_frames:
         return real_plans(args, config)
     dataset_ids = requested_dataset_ids(args, config)
@@ -432,7 +438,8 @@ def commission_run(args: argparse.Namespace) -> int:
     if hasattr(inverse_model, "lag_percent"):
         inverse_model.lag_percent.data.copy_(result.model.lag_percent.data)
     _stage("reading the commissioning plans' MU against their reconstruction (the MU reference)")
-    mu_reference = plan_qa.commissioned_mu_reference((result.model, inverse_model), deliveries, result.scale)
+    mu_reference = plan_qa.commissioned_mu_reference((result.model, inverse_model),
+                                                     commission.reference_deliveries(deliveries), result.scale)
     _stage(f"  MU reference {mu_reference:.4f}")
     payload = {**checkpoint, "forward_model": result.model.state_dict(), "inverse_model": inverse_model.state_dict(),
                "commissioning": {**{key: value for key, value in result.summary.items()
@@ -677,6 +684,21 @@ def integrated_report(args: argparse.Namespace, beam: PlanBeam, series, measured
           f"{'PASS' if summary['pass'] else 'FAIL'}")
     _stage(f"wrote plan_frames.png, qa_summary.json and qa_integrated.png to {output_dir}")
     return summary
+
+
+def export_field_plan(path: str) -> int:
+    """--export-field-plan: the commissioning fields (epid.evaluation.commission.field_plan) as an RT
+    Plan of one beam over 120 degrees of gantry, 150 MU."""
+    from epid.dicom.plan import write_plan
+    from epid.evaluation import commission
+
+    _check_output_file(path, "--export-field-plan")
+    control_points = commission.field_plan()
+    write_plan(path, control_points, beam_mu=150.0, gantry_start_deg=181.0, gantry_stop_deg=301.0,
+               label="EPID fields")
+    _stage(f"wrote the commissioning fields ({len(commission.FIELDS_MM)} fields, {len(control_points)} control "
+           f"points, 150 MU) as an RT Plan: {path}")
+    return 0
 
 
 def export_arc(args: argparse.Namespace, config: Config) -> int:

@@ -4,8 +4,9 @@ groove, response, field-size output, sag, non-linearity, two-constant lag, noise
 commissioning the checkpoint's forward model on other plans.
 
 Plans: synthetic arcs written as RT Plans over ``--arc-degrees`` of gantry (``--control-points``
-each, MU scaled to ``--beam-mu``), the commissioning ones from dataset IDs 1 mod 4 (tuning) and
-the judged ones 2 mod 4 (one per pattern), which no training or tuning saw. Each judged plan is
+each, MU scaled to ``--beam-mu``), the commissioning ones from dataset IDs 1 mod 4 (tuning) with
+the static fields of ``commission.field_plan`` (without them: ``--no-field-plan``), the judged ones
+2 mod 4 (one per pattern), which no training or tuning saw. Each judged plan is
 delivered without error and with each error of ``ERRORS`` (bank A or both banks shifted, a leaf
 stuck from mid-arc, MU scaled, gantry angles reported off), and judged as a clinic would: the
 series read from its files, placed by gantry angle, calibrated by the commissioned scale,
@@ -68,6 +69,8 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--control-points", type=int, default=41, help="control points per arc (default 41)")
     parser.add_argument("--beam-mu", type=float, default=150.0, help="MU of each arc (default 150)")
     parser.add_argument("--commission-steps", type=int, default=commission.DEFAULT_STEPS)
+    parser.add_argument("--no-field-plan", action="store_true",
+                        help="commission on the arcs alone, without commission.field_plan's static fields")
     parser.add_argument("--output", default="error_detection.json", help="figures as JSON")
     args = parser.parse_args(argv)
     unknown = [name for name in args.errors.split(",") if name not in ERRORS]
@@ -77,9 +80,13 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
 
 
 def arc_plan(folder: Path, dataset_id: int, args: argparse.Namespace):
-    """Dataset ``dataset_id``'s arc as an RT Plan over ``--arc-degrees`` with ``--beam-mu`` MU."""
-    control_points = generate_control_points(dataset_id, args.control_points)
-    path = folder / f"arc_{dataset_id:03d}.dcm"
+    """Dataset ``dataset_id``'s arc (or with ``dataset_id`` None the static fields of
+    ``commission.field_plan``) as an RT Plan over ``--arc-degrees`` with ``--beam-mu`` MU."""
+    if dataset_id is None:
+        control_points, path = commission.field_plan(), folder / "fields.dcm"
+    else:
+        control_points = generate_control_points(dataset_id, args.control_points)
+        path = folder / f"arc_{dataset_id:03d}.dcm"
     start = 181.0
     write_plan(path, control_points, beam_mu=args.beam_mu, gantry_start_deg=start,
                gantry_stop_deg=(start + args.arc_degrees) % 360.0, label=f"arc {dataset_id}")
@@ -115,17 +122,18 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as scratch:
         folder = Path(scratch)
         measurements, deliveries = [], []
-        for dataset_id in COMMISSIONING_IDS:
+        for dataset_id in COMMISSIONING_IDS + ((None,) if not args.no_field_plan else ()):
             beam = arc_plan(folder, dataset_id, args)
             delivery = panel.deliver(beam)
-            paths = write_cine(delivery, folder / f"commission_{dataset_id}", physics)
+            paths = write_cine(delivery, folder / f"commission_{dataset_id or 'fields'}", physics)
             series = read_series(paths)
             measurements.append(commission.Measurement.of(beam, series))
             deliveries.append((series, measurements[-1].placement))
-            print(f"commissioning plan {dataset_id}: {len(paths)} cine frames", flush=True)
+            print(f"commissioning plan {dataset_id or 'of static fields'}: {len(paths)} cine frames", flush=True)
         commissioned = commission.commission(models[0], measurements, args.commission_steps)
         models = (commissioned.model, models[1])
-        mu_reference = plan_qa.commissioned_mu_reference(models, deliveries, commissioned.scale)
+        mu_reference = plan_qa.commissioned_mu_reference(models, commission.reference_deliveries(deliveries),
+                                                            commissioned.scale)
         results["commissioning"] = {**commissioned.summary, "mu_reference": mu_reference}
         print(f"commissioned in {time.perf_counter() - started:.0f} s: scale {commissioned.scale:.4g}, MU reference "
               f"{mu_reference:.4f}, gamma {[round(g['2_2mm'], 2) for g in commissioned.summary['gamma_before']]} -> "

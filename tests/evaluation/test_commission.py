@@ -140,3 +140,53 @@ def test_the_commissioning_plans_mu_reference_reads_another_plans_mu_error(measu
     assert errors["commissioned", reference] == pytest.approx(2.0, abs=1e-3)
     assert errors["commissioned", 1.0] == pytest.approx(3.02, abs=1e-3)
     assert errors["fit", reference] == pytest.approx(3.02, abs=1e-3), "the reference belongs to the commissioned scale"
+
+
+def test_the_field_plan_holds_the_fields_a_clinic_measures(tmp_path):
+    plan = commission.field_plan(mu_per_control_point=2.5)
+    count = 1 + commission.FIELD_CONTROL_POINTS * len(commission.FIELDS_MM)
+    assert len(plan) == count and plan.mu[0] == 0 and float(plan.mu.sum()) == pytest.approx(2.5 * (count - 1))
+    centres = -127.5 + 5.0 * np.arange(52)
+    for index, (side, x, y) in enumerate(commission.FIELDS_MM):
+        points = slice(1 + index * commission.FIELD_CONTROL_POINTS, 1 + (index + 1) * commission.FIELD_CONTROL_POINTS)
+        leaf_a, leaf_b = plan.leaf_a[points], plan.leaf_b[points]
+        assert np.all(leaf_a == leaf_a[0]) and np.all(leaf_b == leaf_b[0]), "a static field"
+        if side is None:
+            assert np.all(leaf_a == -60.0) and np.all(leaf_b == -60.0), "every pair closed"
+            assert np.all(plan.jaw_1[points] == -100.0) and np.all(plan.jaw_2[points] == 100.0)
+            continue
+        covered = np.abs(centres - y) < side / 2
+        assert covered.sum() * 5.0 == side, "the pairs under the jaws span the side"
+        assert np.all(leaf_a[0, covered] == x - side / 2) and np.all(leaf_b[0, covered] == x + side / 2)
+        assert np.all(leaf_a[0, ~covered] == -20.0) and np.all(leaf_b[0, ~covered] == 20.0), "parked"
+        assert np.all(plan.jaw_1[points] == y - side / 2) and np.all(plan.jaw_2[points] == y + side / 2)
+    path = tmp_path / "fields.dcm"
+    write_plan(path, plan, beam_mu=150.0, gantry_start_deg=181.0, gantry_stop_deg=301.0, label="fields")
+    (beam,) = read_plan(path)
+    np.testing.assert_array_equal(beam.control_points.leaf_a, plan.leaf_a)
+    np.testing.assert_array_equal(beam.control_points.jaw_2, plan.jaw_2)
+    assert float(beam.control_points.mu.sum()) == pytest.approx(150.0, rel=1e-5)
+
+
+def test_the_field_plan_is_exported_for_a_clinic_to_deliver(tmp_path):
+    import inference_visualize
+
+    path = tmp_path / "fields.dcm"
+    assert inference_visualize.main(["--export-field-plan", str(path)]) == 0
+    (beam,) = read_plan(path)
+    np.testing.assert_array_equal(beam.control_points.leaf_b, commission.field_plan().leaf_b)
+    assert float(beam.control_points.mu.sum()) == pytest.approx(150.0, rel=1e-5)
+    with pytest.raises(InputError, match="--export-field-plan .*: a folder"):
+        inference_visualize.main(["--export-field-plan", str(tmp_path)])
+
+
+def test_the_mu_reference_is_read_from_the_plans_other_than_the_fields(tmp_path, measurements):
+    _, measured = measurements
+    path = tmp_path / "fields.dcm"
+    write_plan(path, commission.field_plan(), beam_mu=150.0, gantry_start_deg=181.0, gantry_stop_deg=301.0)
+    (fields,) = read_plan(path)
+    assert commission.is_field_plan(fields) and not commission.is_field_plan(measured[0].beam)
+    field_delivery = ("fields", timeline.place_frames(fields, series_of(fields, cine_ends(fields, 25))))
+    arcs = [("arc", m.placement) for m in measured[:2]]
+    assert commission.reference_deliveries(arcs + [field_delivery]) == arcs
+    assert commission.reference_deliveries([field_delivery]) == [field_delivery], "alone, it is the reference"
