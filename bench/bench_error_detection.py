@@ -4,11 +4,11 @@ groove, response, field-size output, sag, non-linearity, two-constant lag, noise
 commissioning the checkpoint's forward model on other plans.
 
 Plans: synthetic arcs written as RT Plans over ``--arc-degrees`` of gantry (``--control-points``
-each, MU scaled to ``--beam-mu``), the commissioning ones from dataset IDs 1 mod 4 (tuning) with
-the static fields of ``commission.field_plan`` (without them: ``--no-field-plan``), the judged ones
-2 mod 4 (one per pattern), which no training or tuning saw. Each judged plan is
-delivered without error and with each error of ``ERRORS`` (bank A or both banks shifted, a leaf
-stuck from mid-arc, MU scaled, gantry angles reported off), and judged as a clinic would: the
+each, MU scaled to ``--beam-mu``), the commissioning ones from dataset IDs 1 mod 4 (tuning; with
+``--field-plan`` also the static fields of ``commission.field_plan``), the judged ones 2 mod 4 (one
+per pattern), which no training or tuning saw. Each judged plan is delivered without error and with
+each error of ``ERRORS`` (bank A or both banks shifted, a leaf stuck from mid-arc, MU scaled, gantry
+angles reported off), and judged as a clinic would: the
 series read from its files, placed by gantry angle, calibrated by the commissioned scale,
 gamma per frame and integrated, the arc reconstruction, the report's flags
 (``epid.evaluation.delivery_errors``). Prints per delivery the measured size of the error (each
@@ -69,8 +69,8 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--control-points", type=int, default=41, help="control points per arc (default 41)")
     parser.add_argument("--beam-mu", type=float, default=150.0, help="MU of each arc (default 150)")
     parser.add_argument("--commission-steps", type=int, default=commission.DEFAULT_STEPS)
-    parser.add_argument("--no-field-plan", action="store_true",
-                        help="commission on the arcs alone, without commission.field_plan's static fields")
+    parser.add_argument("--field-plan", action="store_true",
+                        help="commission on commission.field_plan's static fields too")
     parser.add_argument("--output", default="error_detection.json", help="figures as JSON")
     args = parser.parse_args(argv)
     unknown = [name for name in args.errors.split(",") if name not in ERRORS]
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as scratch:
         folder = Path(scratch)
         measurements, deliveries = [], []
-        for dataset_id in COMMISSIONING_IDS + ((None,) if not args.no_field_plan else ()):
+        for dataset_id in COMMISSIONING_IDS + ((None,) if args.field_plan else ()):
             beam = arc_plan(folder, dataset_id, args)
             delivery = panel.deliver(beam)
             paths = write_cine(delivery, folder / f"commission_{dataset_id or 'fields'}", physics)
