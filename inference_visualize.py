@@ -142,7 +142,7 @@ def parse_arguments(argv: Sequence[str] | None, config: Config) -> argparse.Name
     dicom.add_argument("--commission-steps", type=_positive_int, metavar="N",
                        help="optimizer steps of --commission (default: epid.evaluation.commission.DEFAULT_STEPS, 300)")
     dicom.add_argument("--export-field-plan", metavar="FILE",
-                       help="write the static fields a commissioning should include (a closed MLC, centred "
+                       help="write static fields to commission on beside the VMAT plans (a closed MLC, centred "
                             "squares of 3 to 20 cm, 4 cm squares off the axis; epid.evaluation.commission."
                             "field_plan) as an RT Plan to deliver and record, then give to --commission")
     dicom.add_argument("--export-plan", metavar="FILE",
@@ -258,10 +258,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = load_config()
     args = parse_arguments(argv, config)
     keep_freed_memory()
+    if args.export_field_plan:
+        given = [name for name, value in (("--commission", args.commission), ("--plan", args.plan),
+                                          ("--export-plan", args.export_plan), ("--export-frames", args.export_frames))
+                 if value]
+        if given:
+            raise InputError(f"--export-field-plan: not with {given[0]} (it writes the field plan and nothing else)")
+        return export_field_plan(args.export_field_plan)
     if args.commission:
         return commission_run(args)
-    if args.export_field_plan:
-        return export_field_plan(args.export_field_plan)
     if args.plan or args.frames or args.beam is not None or args.export_plan or args.export_frames:
         return real_plans(args, config)
     dataset_ids = requested_dataset_ids(args, config)

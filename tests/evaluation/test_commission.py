@@ -178,6 +178,9 @@ def test_the_field_plan_is_exported_for_a_clinic_to_deliver(tmp_path):
     assert float(beam.control_points.mu.sum()) == pytest.approx(150.0, rel=1e-5)
     with pytest.raises(InputError, match="--export-field-plan .*: a folder"):
         inference_visualize.main(["--export-field-plan", str(tmp_path)])
+    with pytest.raises(InputError, match="--export-field-plan: not with --plan"):
+        inference_visualize.main(["--export-field-plan", str(tmp_path / "other.dcm"), "--plan", str(path)])
+    assert not (tmp_path / "other.dcm").exists()
 
 
 def test_the_mu_reference_is_read_from_the_plans_other_than_the_fields(tmp_path, measurements):
