@@ -83,13 +83,13 @@ def arc_plan(folder: Path, dataset_id: int, args: argparse.Namespace):
     """Dataset ``dataset_id``'s arc (or with ``dataset_id`` None the static fields of
     ``commission.field_plan``) as an RT Plan over ``--arc-degrees`` with ``--beam-mu`` MU."""
     if dataset_id is None:
-        control_points, path = commission.field_plan(), folder / "fields.dcm"
+        control_points, path, label = commission.field_plan(), folder / "fields.dcm", "fields"
     else:
         control_points = generate_control_points(dataset_id, args.control_points)
-        path = folder / f"arc_{dataset_id:03d}.dcm"
+        path, label = folder / f"arc_{dataset_id:03d}.dcm", f"arc {dataset_id}"
     start = 181.0
     write_plan(path, control_points, beam_mu=args.beam_mu, gantry_start_deg=start,
-               gantry_stop_deg=(start + args.arc_degrees) % 360.0, label=f"arc {dataset_id}")
+               gantry_stop_deg=(start + args.arc_degrees) % 360.0, label=label)
     (beam,) = read_plan(path)
     return beam
 
