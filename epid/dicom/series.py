@@ -14,13 +14,17 @@ places it in the delivery:
 - the time: ``AcquisitionDateTime`` (else ``AcquisitionDate`` + ``AcquisitionTime``, else
   ``ContentDate`` + ``ContentTime``) of the image, plus ``FrameTime`` (ms) per frame of a multi-frame
   image;
-- ``MetersetExposure`` of the frame's ``ExposureSequence`` item (the MU it integrated).
+- ``MetersetExposure`` of the frame's ``ExposureSequence`` item (the MU it integrated);
+- the linac's MU counter at the frame's start and end, from Varian's XIM cine frames
+  (``epid.dicom.xim``: read through pylinac, an optional extra; a frame with only its end
+  starts where the frame before it ended, the first at 0).
 
-Frames are ordered by control point where every frame names one, else by time where every frame
-has one, else by ``InstanceNumber`` and the order given. A series is one beam: images naming
-different ``ReferencedBeamNumber`` are refused; ``read_beam_series`` splits a whole plan's delivery
-into one series per beam by that number. ``epid.evaluation.timeline`` places the frames on a
-plan's arc.
+Frames are ordered by control point where every frame names one, else by the MU counter where
+every frame has it, else by time where every frame has one, else by ``InstanceNumber`` and the
+order given. XIM files and RT Images may be given alike (an XIM file is known by its first
+bytes). A series is one beam: images naming different ``ReferencedBeamNumber`` are refused;
+``read_beam_series`` splits a whole plan's delivery into one series per beam by that number.
+``epid.evaluation.timeline`` places the frames on a plan's arc.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from pydicom.dataset import Dataset
 
 from epid.core.files import GLOB_CHARACTERS
 from epid.dicom.image import ImageError, exposure_items, frame_control_points, grid_frames, read_rt_image
+from epid.dicom.xim import is_xim, read_xim
 
 TIMESTAMP = re.compile(r"^(\d{8}(?:\d{2}){0,3})(?:\.(\d{1,6}))?")
 """A DICOM DT (date, then hours, minutes, seconds, fraction; any UTC offset after it ignored)."""
@@ -51,7 +56,8 @@ class MeasuredSeries:
     sources: the file of each frame. gantry_deg: (F,) NaN where a frame has no angle. time_s: (F,)
     seconds after the series' first frame, NaN where a frame has no time. meterset_weight: (F, 2)
     start and end cumulative meterset weight of each frame's span, NaN where not given.
-    meterset_exposure: (F,) MU each frame integrated, NaN where not given. control_point_index:
+    meterset_exposure: (F,) MU each frame integrated, NaN where not given. delivered_mu: (F, 2) the
+    linac's MU counter at each frame's start and end, NaN where not given. control_point_index:
     (F,) the control point k a frame names (it integrates k - 1 -> k), 0 where none.
     outside_percent: (F,) share of each frame's field signal outside the grid, percent.
     beam_number: the ``ReferencedBeamNumber`` the images name, None where none does.
@@ -65,6 +71,7 @@ class MeasuredSeries:
     time_s: np.ndarray
     meterset_weight: np.ndarray
     meterset_exposure: np.ndarray
+    delivered_mu: np.ndarray
     control_point_index: np.ndarray
     outside_percent: np.ndarray
     beam_number: int | None
@@ -111,7 +118,7 @@ def read_series(given: str | Path | Sequence[str | Path]) -> MeasuredSeries:
     beam than the files before it; or for a series that mixes frames naming control points with
     frames that do not."""
     files = expand_paths(given)
-    parts = [read_rt_image(path, _image) for path in files]
+    parts = [_read(path) for path in files]
     beams = {part.beam_number for part in parts if part.beam_number is not None}
     if len(beams) > 1:
         first = next(part for part in parts if part.beam_number is not None)
@@ -128,7 +135,7 @@ def read_beam_series(given: str | Path | Sequence[str | Path]) -> list[MeasuredS
     only series. ImageError, one line naming the file, for an image naming no beam beside images
     of two or more beams, and for every problem ``read_series`` refuses within a beam."""
     files = expand_paths(given)
-    parts = [read_rt_image(path, _image) for path in files]
+    parts = [_read(path) for path in files]
     beams = sorted({part.beam_number for part in parts if part.beam_number is not None})
     if len(beams) <= 1:
         return [_series(parts)]
@@ -152,8 +159,11 @@ def _series(parts: list[_Image]) -> MeasuredSeries:
                          "name their control points")
     part_of = np.repeat(np.arange(len(parts)), [len(part.frames) for part in parts])
     times = _series_times(parts)
+    counted = np.concatenate([part.delivered_mu for part in parts])
     if named.all():
         order = np.argsort(control_points, kind="stable")
+    elif np.isfinite(counted[:, 1]).all():
+        order = np.argsort(counted[:, 1], kind="stable")
     elif np.isfinite(times).all():
         order = np.argsort(times, kind="stable")
     else:
@@ -173,11 +183,17 @@ def _series(parts: list[_Image]) -> MeasuredSeries:
     frames.flags.writeable = False
     times = times[order]
     times.flags.writeable = False
+    delivered = counted[order]
+    if np.isfinite(delivered[:, 1]).all():  # a frame that gives only its end starts where the one before ended
+        delivered[:, 0] = np.where(np.isfinite(delivered[:, 0]), delivered[:, 0],
+                                   np.concatenate([[0.0], delivered[:-1, 1]]))
+    delivered.flags.writeable = False
     return MeasuredSeries(
         path=", ".join(files) if len(files) <= 3 else f"{files[0]} ... {files[-1]} ({len(files)} files)",
         frames=frames, sources=tuple(parts[i].path for i in part_of[order]), gantry_deg=ordered("gantry_deg"),
         time_s=times, meterset_weight=ordered("meterset_weight"), meterset_exposure=ordered("meterset_exposure"),
-        control_point_index=ordered("control_point_index"), outside_percent=ordered("outside_percent"),
+        delivered_mu=delivered, control_point_index=ordered("control_point_index"),
+        outside_percent=ordered("outside_percent"),
         beam_number=beams.pop() if beams else None, sid_mm=first.sid_mm, pixel_mm=first.pixel_mm,
     )
 
@@ -193,6 +209,7 @@ class _Image:
     frame_s: np.ndarray
     meterset_weight: np.ndarray
     meterset_exposure: np.ndarray
+    delivered_mu: np.ndarray
     control_point_index: np.ndarray
     outside_percent: np.ndarray
     beam_number: int | None
@@ -201,7 +218,15 @@ class _Image:
     pixel_mm: float
 
 
-def _image(path: str, dataset: Dataset) -> _Image:
+def _read(path: str) -> _Image:
+    """The measured image in ``path``: an XIM file (``epid.dicom.xim``) or an RT Image."""
+    if is_xim(path):
+        frame = read_xim(path, ImageError)
+        return _image(path, frame.dataset, frame.delivered_mu)
+    return read_rt_image(path, _image)
+
+
+def _image(path: str, dataset: Dataset, delivered_mu: np.ndarray | None = None) -> _Image:
     pixels = grid_frames(path, dataset)
     count = len(pixels.frames)
     items = exposure_items(path, dataset, count)
@@ -218,6 +243,7 @@ def _image(path: str, dataset: Dataset) -> _Image:
     return _Image(
         path=path, frames=pixels.frames, gantry_deg=gantry, start_s=_acquired_s(dataset),
         frame_s=_frame_offsets_s(dataset, count), meterset_weight=weights, meterset_exposure=exposure,
+        delivered_mu=np.full((count, 2), math.nan) if delivered_mu is None else np.tile(delivered_mu, (count, 1)),
         control_point_index=np.zeros(count, np.int64) if control_points is None else control_points,
         outside_percent=pixels.outside_percent, beam_number=int(beam) if beam not in (None, "") else None,
         instance=int(dataset.get("InstanceNumber", 0) or 0), sid_mm=pixels.sid_mm, pixel_mm=pixels.pixel_mm,

@@ -8,6 +8,9 @@ integrates one span [m0, m1] of it, placed (``place_frames``) by, in this order:
 - the control point it names (frame k: [c[k-1], c[k]]), the project's own frames;
 - its ``StartCumulativeMetersetWeight`` / ``EndCumulativeMetersetWeight`` (w x M / the final weight);
 - an integrated image without either: the whole beam [0, M];
+- the linac's MU counter at its start and end (Varian XIM cine frames, ``epid.dicom.xim``):
+  the span as counted, exact; a gap between one frame's end and the next one's start holds
+  dropped frames;
 - the MU each frame delivered (``MetersetExposure``, where every frame has it and they sum to the
   beam's MU within 10 %, or the frames have no gantry angle): the frames laid end to end from the
   beam's start, their sum taken as the beam's M (this holds when the gantry waits);
@@ -135,6 +138,9 @@ def place_frames(beam: PlanBeam, series: MeasuredSeries) -> Placement:
     elif series.integrated:
         spans = np.array([[0.0, total]])
         placed_by = "the whole beam (one integrated image)"
+    elif np.isfinite(series.delivered_mu).all():
+        spans = series.delivered_mu.astype(np.float64)
+        placed_by = "the linac's MU counter (XIM MVDoseStart / MVDoseStop / MVDoseDelivered)"
     elif np.isfinite(series.meterset_exposure).all() and (
             _covers_beam(series, total) or not np.isfinite(series.gantry_deg).all()):
         spans = _spans_from_exposures(series, total, where, plan)

@@ -37,6 +37,7 @@ from epid.models.families import build_models, predict_frames
 from epid.synthesis.frames import render_frames
 from epid.synthesis.kernel import default_kernel
 from epid.synthesis.sequences import ControlPoints, generate_control_points
+from tests.dicom.xim_files import write_xim
 from tests.evaluation.test_timeline import direct_integral, series_of
 from tests.support import ROOT, TINY_RUN, clean_environment
 
@@ -402,7 +403,7 @@ def cine(trained) -> dict[str, object]:
     field = render_frames(timeline.open_field(100.0, 100.0, 100.0), [1], default_kernel(), dataset_id=0,
                           noise_std=0.0).numpy()
     (reference,) = write_cine(folder / "calibration", field, [math.nan], units=37.0)
-    runs = {}
+    runs = {"frames": frames, "ends": ends}
     for name, given, extra in (("cine", str(folder / "series"), []), ("integrated", str(integrated), []),
                                ("calibrated", str(folder / "series"), ["--calibration-image", str(reference)])):
         output = folder / f"report_{name}"
@@ -428,6 +429,37 @@ def test_a_cine_series_is_placed_by_gantry_angle_calibrated_and_reported(cine):
     assert len(rows) == 35 and rows[17]["control_point"] == "19", "frame 18 of the timeline is the dropped one"
     for name in ("qa_gamma.png", "qa_leaves.png", "qa_worst_frame.png", "qa_leaves.csv"):
         assert (cine["cine"]["output"] / name).stat().st_size > 0
+
+
+def test_an_xim_cine_series_is_placed_by_the_mu_counter_and_reviewed_like_its_rt_images(cine, trained):
+    # the same delivery as Varian XIM frames (raw integer units, angles on Varian's Standard scale, the
+    # linac's MU counter at each frame's start and end, frame 17 dropped), given as a folder
+    pytest.importorskip("pylinac.core.image", reason="pylinac (requirements-xim.txt) reads XIM files")
+    (beam,) = read_plan(trained["plan_200"])
+    frames, ends = cine["frames"], cine["ends"]
+    starts = np.concatenate([[0.0], ends[:-1]])
+    folder = trained["root"] / "cine" / "xim"
+    folder.mkdir()
+    header = {"PixelWidth": 0.1, "PixelHeight": 0.1, "MVSourceVrt": 100.0, "MVDetectorVrt": 0.0}
+    for index, angle in enumerate(gantry_at(beam, ends)):
+        if index != 17:
+            write_xim(folder / f"{index:05d}.xim", np.rint(frames[index] * 30_000 / frames.max()).astype(np.int32),
+                      {**header, "GantryRtn": (180.0 - angle) % 360.0, "MVDoseStart": float(starts[index]),
+                       "MVDoseStop": float(ends[index])})
+    output = folder / "report"
+    result = run("inference_visualize.py", "--checkpoint", str(trained["checkpoint"]), "--plan",
+                 str(trained["plan_200"]), "--frames", str(folder), "--output-dir", str(output), "--device", "cpu")
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary, twin = json.loads((output / "qa_summary.json").read_text()), cine["cine"]["summary"]
+    assert summary["placement"].startswith("35 measured frames placed by the linac's MU counter")
+    assert (summary["dropped_frames"], summary["frames"], summary["reconstructed_control_points"]) == (1, 35, 17)
+    with open(output / "qa_frames.csv", newline="") as handle:
+        assert [row["control_point"] for row in csv.DictReader(handle)][16:18] == ["17", "19"]
+    # the counter gives each frame its exact span (the angles only approximately the first one's and the
+    # one's after the gap), so the predictions fit at least as well; the total signal is the same
+    for key in ("gamma_3_2mm_mean", "gamma_2_2mm_mean", "gamma_3_2mm_integrated"):
+        assert summary[key] >= twin[key], key
+    assert summary["mu_total_error_percent"] == pytest.approx(twin["mu_total_error_percent"], abs=0.1)
 
 
 def test_a_calibration_image_calibrates_the_series(cine):

@@ -19,12 +19,16 @@ from epid.synthesis.sequences import generate_control_points
 FRAME_RATE = 9.5
 
 
+def arc_80(folder):
+    """The 12 control points of arc 80 written as an RT Plan in ``folder`` and read back."""
+    write_plan(folder / "arc.dcm", generate_control_points(80, 12), label="arc 80")
+    (read,) = read_plan(folder / "arc.dcm")
+    return read
+
+
 @pytest.fixture(scope="module")
 def beam(tmp_path_factory):
-    path = tmp_path_factory.mktemp("plan") / "arc.dcm"
-    write_plan(path, generate_control_points(80, 12), label="arc 80")
-    (read,) = read_plan(path)
-    return read
+    return arc_80(tmp_path_factory.mktemp("plan"))
 
 
 def reference_cumulative(beam) -> np.ndarray:
@@ -46,7 +50,8 @@ def series_of(beam, ends: np.ndarray, *, angles=None, weights=None, times=None) 
         gantry_deg=reference_angles(beam, ends) if angles is None else angles,
         time_s=np.arange(count) / FRAME_RATE if times is None else times,
         meterset_weight=np.full((count, 2), np.nan) if weights is None else weights,
-        meterset_exposure=np.full(count, np.nan), control_point_index=np.zeros(count, np.int64),
+        meterset_exposure=np.full(count, np.nan), delivered_mu=np.full((count, 2), np.nan),
+        control_point_index=np.zeros(count, np.int64),
         outside_percent=np.zeros(count), beam_number=beam.beam_number, sid_mm=1000.0, pixel_mm=1.0,
     )
 
@@ -278,7 +283,8 @@ def series_of_image(frame: np.ndarray) -> MeasuredSeries:
     return MeasuredSeries(
         path="calibration.dcm", frames=frame[None].astype(np.float32), sources=("calibration.dcm",),
         gantry_deg=np.array([np.nan]), time_s=np.array([0.0]), meterset_weight=np.full((1, 2), np.nan),
-        meterset_exposure=np.array([np.nan]), control_point_index=np.zeros(1, np.int64), outside_percent=np.zeros(1),
+        meterset_exposure=np.array([np.nan]), delivered_mu=np.full((1, 2), np.nan),
+        control_point_index=np.zeros(1, np.int64), outside_percent=np.zeros(1),
         beam_number=None, sid_mm=1000.0, pixel_mm=1.0)
 
 
@@ -292,7 +298,8 @@ def test_frames_carrying_their_mu_are_laid_end_to_end_even_where_the_gantry_wait
     np.testing.assert_allclose(placement.boundaries_mu, np.concatenate([[0.0], ends]), atol=1e-9)
     short = MeasuredSeries(**{**series.__dict__, "meterset_exposure": exposure[:6]})
     short = MeasuredSeries(**{**short.__dict__, **{name: getattr(short, name)[:6] for name in (
-        "frames", "gantry_deg", "time_s", "meterset_weight", "control_point_index", "outside_percent")},
+        "frames", "gantry_deg", "time_s", "meterset_weight", "delivered_mu", "control_point_index",
+        "outside_percent")},
         "sources": short.sources[:6]})
     with pytest.raises(InputError, match="MetersetExposure sum to .* no gantry angle"):
         timeline.place_frames(beam, short)
