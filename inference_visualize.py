@@ -17,9 +17,10 @@ point, the trajectories of the worst leaves, jaws and MU; arcs.csv holds the fig
 
 Real plans and images (DICOM): --plan predicts every frame of an RT Plan's beam (--beam N when
 the plan has several treatment beams) and draws plan_frames.png; --export-frames writes the
-prediction as a multi-frame RT Image. With --frames (RT Images of the delivery: a cine series placed
-on the arc by gantry angle, one integrated image, or frames naming their control points; measured
-units calibrated by --calibration) it also writes the delivery QA report (epid.evaluation.plan_qa): gamma per frame
+prediction as a multi-frame RT Image. With --frames (RT Images or Varian XIM files of the delivery: a cine
+series placed on the arc by gantry angle or MU, one integrated image, or frames naming their control
+points; a panel's dark and flood images taken out by --dark-image and --flood-image; measured units
+calibrated by --calibration) it also writes the delivery QA report (epid.evaluation.plan_qa): gamma per frame
 (3 %/2 mm and 2 %/2 mm), the control points reconstructed from the measured frames (--reconstruction,
 default arc) against the plan, TG-218 and TG-142 pass/fail, qa_summary.json, qa_frames.csv,
 qa_leaves.csv and figures; for a plan of several beams given the images of all of them (each naming
@@ -67,7 +68,7 @@ from epid.synthesis.sequences import NUM_DATASETS, PATTERNS, pattern_for
 
 if TYPE_CHECKING:
     from epid.dicom.plan import PlanBeam
-    from epid.dicom.series import MeasuredSeries
+    from epid.dicom.series import MeasuredSeries, PanelCorrection
     from epid.evaluation.plots import Draw
 
 PROGRAM = "inference_visualize.py"
@@ -134,6 +135,14 @@ def parse_arguments(argv: Sequence[str] | None, config: Config) -> argparse.Name
                             "(default 100x100)")
     dicom.add_argument("--calibration-mu", type=_positive_float, default=100.0, metavar="MU",
                        help="MU of the calibration image (default %(default)s)")
+    dicom.add_argument("--dark-image", nargs="+", metavar="RTIMAGE",
+                       help="images of the panel without beam (RT Images or XIM files, folders or glob patterns; "
+                            "their mean): subtracted from every measured image, pixel by pixel, before it is "
+                            "resampled")
+    dicom.add_argument("--flood-image", nargs="+", metavar="RTIMAGE",
+                       help="images of a flood field covering the panel (their mean, less the dark): every measured "
+                            "image is divided by its gain relative to the panel's centre, pixel by pixel (this takes "
+                            "the beam's off-axis profile out too, as a panel's flood calibration does)")
     dicom.add_argument("--commission", nargs="+", metavar="PLAN FRAMES",
                        help="commission the forward model: fit its physics and the panel's calibration to the "
                             "measured images of these plans (pairs of an RT Plan and its cine series: a folder, "
@@ -265,6 +274,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if given:
             raise InputError(f"--export-field-plan: not with {given[0]} (it writes the field plan and nothing else)")
         return export_field_plan(args.export_field_plan)
+    for name, value in (("--dark-image", args.dark_image), ("--flood-image", args.flood_image)):
+        if value and not (args.frames or args.commission):
+            raise InputError(f"{name}: only with --frames or --commission (it corrects measured images)")
     if args.commission:
         return commission_run(args)
     if args.plan or args.frames or args.beam is not None or args.export_plan or args.export_frames:
@@ -415,8 +427,9 @@ def commission_run(args: argparse.Namespace) -> int:
     if given:
         raise InputError(f"{given[0]}: not with --commission (its plans and images are given in pairs)")
     measurements, deliveries = [], []
+    correction = panel_correction_of(args)
     for plan, frames in zip(pairs[::2], pairs[1::2], strict=True):
-        series = read_series(frames)
+        series = read_series(frames, correction)
         measurements.append(commission.Measurement.of(select_beam(plan, None), series))
         deliveries.append((series, measurements[-1].placement))
     if not os.path.isfile(args.checkpoint):
@@ -487,17 +500,32 @@ def select_beam(path: str, beam: int | None) -> PlanBeam:
     return beams[0]
 
 
-def plan_deliveries(args: argparse.Namespace) -> list[tuple[PlanBeam, MeasuredSeries | None]]:
+def panel_correction_of(args: argparse.Namespace) -> PanelCorrection | None:
+    """The panel's dark offset and flood-field gain from ``--dark-image`` and ``--flood-image``
+    (epid.dicom.series.panel_correction), None without either; said in a line."""
+    from epid.dicom.series import panel_correction
+
+    correction = panel_correction(args.dark_image, args.flood_image)
+    if correction is not None:
+        given = "; ".join(f"{name} {len(files)} image(s), {files[0]}{' ...' if len(files) > 1 else ''}"
+                          for name, files in correction.sources.items())
+        _stage(f"panel correction ({correction.dark.shape[0]} x {correction.dark.shape[1]} pixels): {given}")
+    return correction
+
+
+def plan_deliveries(args: argparse.Namespace,
+                    correction: PanelCorrection | None = None) -> list[tuple[PlanBeam, MeasuredSeries | None]]:
     """The beams of ``--plan`` to review, each with its measured series from ``--frames`` (None
-    without): ``--beam``, or the plan's only treatment beam, with its images among those given
-    (images of other beams left aside, and said so); or, for a plan of several treatment beams
-    whose images name their beams (``ReferencedBeamNumber``), every beam with its own images.
+    without; each frame corrected by ``correction``): ``--beam``, or the plan's only treatment beam,
+    with its images among those given (images of other beams left aside, and said so); or, for a
+    plan of several treatment beams whose images name their beams (``ReferencedBeamNumber``), every
+    beam with its own images.
     InputError where a beam cannot be told or has no images."""
     from epid.dicom.plan import read_plan
     from epid.dicom.series import read_beam_series
 
     beams = read_plan(args.plan, args.beam)
-    measured = read_beam_series(args.frames) if args.frames else []
+    measured = read_beam_series(args.frames, correction) if args.frames else []
     if len(beams) == 1:
         if len(measured) <= 1:
             return [(beams[0], measured[0] if measured else None)]
@@ -549,14 +577,15 @@ def _review_plan(args: argparse.Namespace, draw: Draw) -> None:
     from epid.evaluation import inference, plan_qa, qa_report, timeline
     from epid.training.preflight import check_writable
 
-    deliveries = plan_deliveries(args)
+    correction = panel_correction_of(args)
+    deliveries = plan_deliveries(args, correction)
     placements = []
     for beam, series in deliveries:
         placement = timeline.place_frames(beam, series) if series is not None else None
         if series is not None and not series.integrated:
             plan_qa.match_frames(placement.beam, plan_qa.placed_frames(series, placement))
         placements.append(placement)
-    reference = read_series(args.calibration_image) if args.calibration_image else None
+    reference = read_series(args.calibration_image, correction) if args.calibration_image else None
     if reference is not None and len(reference) != 1:
         raise InputError(f"--calibration-image {args.calibration_image}: {len(reference)} frames; expected one image "
                          "of an open field")
@@ -644,7 +673,8 @@ def beam_context(args: argparse.Namespace, checkpoint: dict, series: MeasuredSer
         _stage(f"  warning: up to {outside:.1f} % of a measured frame's field signal lies outside the "
                f"{FRAME_SHAPE[0]} mm grid and is not compared")
     return {"checkpoint": str(args.checkpoint), "epoch": checkpoint["epoch"], "placement": placement.describe(),
-            "dropped_frames": placement.dropped, "outside_grid_percent": round(outside, 3)}
+            "dropped_frames": placement.dropped, "outside_grid_percent": round(outside, 3),
+            "panel_correction": {"dark_image": args.dark_image, "flood_image": args.flood_image}}
 
 
 def frames_review(args: argparse.Namespace, models: tuple, commissioning: dict, series: MeasuredSeries, placement,

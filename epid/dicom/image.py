@@ -30,7 +30,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -313,10 +313,38 @@ FIELD_LEVEL = 0.1
 """Share of a frame's maximum above which its pixels count as the field (``GridFrames.outside_percent``)."""
 
 
-def grid_frames(path: str, dataset: Dataset) -> GridFrames:
+def grid_frames(path: str, dataset: Dataset,
+                correction: Callable[[str, np.ndarray], np.ndarray] | None = None) -> GridFrames:
     """Every frame of the RT Image ``dataset`` (read from ``path``) resampled onto the grid
-    (``read_frames`` says how); ImageError (one line naming the file) for an image without pixel
-    data, spacing, SID or SAD, or whose pixels are not integrated signal."""
+    (``read_frames`` says how), each first corrected on its own pixels by ``correction(path,
+    values (B, rows, columns))`` where given (a panel's dark offset and flood-field gain,
+    ``epid.dicom.series.PanelCorrection``); ImageError (one line naming the file) for an image
+    without pixel data, spacing, SID or SAD, or whose pixels are not integrated signal."""
+    geometry = _geometry(path, dataset)
+    resample = _resampler(geometry, int(dataset.Rows), int(dataset.Columns))
+    count = int(dataset.get("NumberOfFrames", 1) or 1)
+    frames = np.empty((count, GRID_SIZE, GRID_SIZE), dtype=np.float32)
+    outside = np.zeros(count)
+    for start, values in _rescaled_chunks(path, dataset):
+        if correction is not None:
+            values = correction(path, values)
+        frames[start:start + len(values)] = resample(values)
+        outside[start:start + len(values)] = resample.outside_percent(values)
+    scale = geometry.sad_mm / geometry.sid_mm
+    return GridFrames(frames=frames, outside_percent=outside, sid_mm=geometry.sid_mm,
+                      pixel_mm=max(geometry.spacing) * scale)
+
+
+def detector_frames(path: str, dataset: Dataset) -> np.ndarray:
+    """Every frame of the RT Image ``dataset`` on its own detector pixels, after its rescale:
+    (F, rows, columns) float32 (dark and flood images, ``epid.dicom.series.panel_correction``)."""
+    return np.concatenate([values for _, values in _rescaled_chunks(path, dataset)])
+
+
+def _rescaled_chunks(path: str, dataset: Dataset) -> Iterator[tuple[int, np.ndarray]]:
+    """(first frame, frames (B, rows, columns) float32 after ``RescaleSlope`` / ``RescaleIntercept``)
+    of the RT Image ``dataset``, ``FRAMES_PER_CHUNK`` frames at a time; ImageError (one line naming
+    the file) for pixels that are not one sample of integrated signal, or fewer than its frames."""
     if "PixelData" not in dataset:
         raise ImageError(f"{path}: RT Image without pixel data")
     if int(dataset.get("SamplesPerPixel", 1)) != 1:
@@ -325,23 +353,14 @@ def grid_frames(path: str, dataset: Dataset) -> GridFrames:
         raise ImageError(f"{path}: pixel values fall as the intensity rises (PixelIntensityRelationshipSign -1); "
                          "expected frames of integrated signal")
     count = int(dataset.get("NumberOfFrames", 1) or 1)
-    geometry = _geometry(path, dataset)
     slope = float(dataset.get("RescaleSlope", 1) or 1)
     intercept = float(dataset.get("RescaleIntercept", 0) or 0)
-    resample = _resampler(geometry, int(dataset.Rows), int(dataset.Columns))
     stored = pydicom.pixels.iter_pixels(dataset)
-    frames = np.empty((count, GRID_SIZE, GRID_SIZE), dtype=np.float32)
-    outside = np.zeros(count)
     for start in range(0, count, FRAMES_PER_CHUNK):
         chunk = list(itertools.islice(stored, FRAMES_PER_CHUNK))
         if not chunk:
             raise ImageError(f"{path}: pixel data for {start} frames, NumberOfFrames {count}")
-        values = np.stack(chunk).astype(np.float32) * slope + intercept
-        frames[start:start + len(chunk)] = resample(values)
-        outside[start:start + len(chunk)] = resample.outside_percent(values)
-    scale = geometry.sad_mm / geometry.sid_mm
-    return GridFrames(frames=frames, outside_percent=outside, sid_mm=geometry.sid_mm,
-                      pixel_mm=max(geometry.spacing) * scale)
+        yield start, np.stack(chunk).astype(np.float32) * slope + intercept
 
 
 def _control_points(path: str, dataset: Dataset, count: int) -> np.ndarray:

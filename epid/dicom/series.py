@@ -41,9 +41,21 @@ import numpy as np
 from pydicom.dataset import Dataset
 
 from epid.core.files import GLOB_CHARACTERS
-from epid.dicom.image import ImageError, exposure_items, frame_control_points, grid_frames, read_rt_image
+from epid.dicom.image import (
+    ImageError,
+    detector_frames,
+    exposure_items,
+    frame_control_points,
+    grid_frames,
+    read_rt_image,
+)
 from epid.dicom.xim import is_xim, read_xim
 
+FLOOD_CENTRE_SHARE = 0.1
+"""Share of the panel's rows and columns, about its centre, over which a flood image's gain is 1."""
+MIN_FLOOD_GAIN = 0.2
+"""Least gain a flood image may give a pixel (relative to its centre): below it the flood field does
+not cover the panel."""
 TIMESTAMP = re.compile(r"^(\d{8}(?:\d{2}){0,3})(?:\.(\d{1,6}))?")
 """A DICOM DT (date, then hours, minutes, seconds, fraction; any UTC offset after it ignored)."""
 
@@ -111,14 +123,90 @@ def expand_paths(given: str | Path | Sequence[str | Path]) -> list[str]:
     return files
 
 
-def read_series(given: str | Path | Sequence[str | Path]) -> MeasuredSeries:
-    """The measured frames of one beam's delivery (module docstring) from ``given``: RT Image
-    files, folders or glob patterns. ImageError, one line naming the file, for a file that is
-    not a readable RT Image, lacks what its pixels need (spacing, SID, SAD), or names another
-    beam than the files before it; or for a series that mixes frames naming control points with
-    frames that do not."""
+@dataclass(frozen=True)
+class PanelCorrection:
+    """A panel's dark offset and flood-field gain on its own pixels, (rows, columns) float32 each:
+    a frame's pixels p become (p - dark) / gain before they are resampled onto the grid. ``dark``
+    is the mean of the dark images (0 without), ``gain`` the mean flood image less the dark over its
+    mean in the panel's central ``FLOOD_CENTRE_SHARE`` (1 without). As a panel's own flood
+    calibration does, the gain takes the beam's off-axis profile out of the frames with the pixels'
+    response; a commissioned forward model learns the profile that is left (``--commission`` fits
+    it). ``sources``: the files, for the report."""
+
+    dark: np.ndarray
+    gain: np.ndarray
+    sources: dict[str, list[str]]
+
+    def __call__(self, path: str, values: np.ndarray) -> np.ndarray:
+        """Frames ``values`` (B, rows, columns) of the image in ``path`` corrected; ImageError, one
+        line naming the file, where its pixels are not the dark and flood images' own."""
+        if values.shape[-2:] != self.dark.shape:
+            raise ImageError(f"{path}: {values.shape[-2]} x {values.shape[-1]} pixels, but the dark and flood "
+                             f"images have {self.dark.shape[0]} x {self.dark.shape[1]}; they must be the same panel's")
+        return (values - self.dark) / self.gain
+
+
+def panel_correction(dark: str | Path | Sequence[str | Path] | None,
+                     flood: str | Path | Sequence[str | Path] | None) -> PanelCorrection | None:
+    """The ``PanelCorrection`` of ``dark`` and ``flood`` images (files, folders or glob patterns of RT
+    Images or XIM files; each the mean of its frames), None without either. ImageError, one line
+    naming the file, for images of different sizes, or a flood image that does not cover the panel
+    (a pixel's gain below ``MIN_FLOOD_GAIN`` of its centre's, or not finite)."""
+    if dark is None and flood is None:
+        return None
+    dark_files, offset = _mean_pixels(dark) if dark is not None else ([], None)
+    flood_files, flooded = _mean_pixels(flood) if flood is not None else ([], None)
+    if offset is not None and flooded is not None and offset.shape != flooded.shape:
+        raise ImageError(f"{flood_files[0]}: a flood image of {flooded.shape[0]} x {flooded.shape[1]} pixels, but "
+                         f"the dark image {dark_files[0]} has {offset.shape[0]} x {offset.shape[1]}")
+    if offset is None:
+        offset = np.zeros(flooded.shape, np.float32)
+    gain = np.ones_like(offset) if flooded is None else _flood_gain(flood_files[0], flooded - offset)
+    return PanelCorrection(offset, gain, {name: files for name, files in (("dark", dark_files), ("flood", flood_files))
+                                          if files})
+
+
+def _flood_gain(path: str, signal: np.ndarray) -> np.ndarray:
+    """A flood image's signal (rows, columns) over its mean in the panel's central
+    ``FLOOD_CENTRE_SHARE``; ImageError naming ``path`` where it does not cover the panel."""
+    def central(size: int) -> slice:
+        first = round(size * (1 - FLOOD_CENTRE_SHARE) / 2)
+        return slice(first, max(first + 1, size - first))
+
+    level = float(signal[central(signal.shape[0]), central(signal.shape[1])].mean())
+    gain = (signal / level if level > 0 else np.full_like(signal, np.nan)).astype(np.float32)
+    low = ~(gain >= MIN_FLOOD_GAIN)
+    if low.any():
+        row, column = np.argwhere(low)[0]
+        raise ImageError(f"{path}: {int(low.sum())} of {gain.size} flood-image pixels at less than "
+                         f"{MIN_FLOOD_GAIN:.0%} of its centre's signal (first: row {row}, column {column}); a flood "
+                         "field covers the whole panel")
+    return gain
+
+
+def _mean_pixels(given: str | Path | Sequence[str | Path]) -> tuple[list[str], np.ndarray]:
+    """The files ``given`` names and the mean of all their frames on the detector's own pixels."""
     files = expand_paths(given)
-    parts = [_read(path) for path in files]
+    frames = []
+    for path in files:
+        if is_xim(path):
+            frames.append(detector_frames(path, read_xim(path, ImageError).dataset))
+        else:
+            frames.append(read_rt_image(path, detector_frames))
+        if frames[-1].shape[1:] != frames[0].shape[1:]:
+            raise ImageError(f"{path}: {frames[-1].shape[1]} x {frames[-1].shape[2]} pixels, but {files[0]} has "
+                             f"{frames[0].shape[1]} x {frames[0].shape[2]}")
+    return files, np.concatenate(frames).mean(0, dtype=np.float64).astype(np.float32)
+
+
+def read_series(given: str | Path | Sequence[str | Path], correction: PanelCorrection | None = None) -> MeasuredSeries:
+    """The measured frames of one beam's delivery (module docstring) from ``given``: RT Image
+    files, folders or glob patterns, each frame corrected by ``correction`` where given.
+    ImageError, one line naming the file, for a file that is not a readable RT Image, lacks what
+    its pixels need (spacing, SID, SAD), or names another beam than the files before it; or for a
+    series that mixes frames naming control points with frames that do not."""
+    files = expand_paths(given)
+    parts = [_read(path, correction) for path in files]
     beams = {part.beam_number for part in parts if part.beam_number is not None}
     if len(beams) > 1:
         first = next(part for part in parts if part.beam_number is not None)
@@ -128,14 +216,16 @@ def read_series(given: str | Path | Sequence[str | Path]) -> MeasuredSeries:
     return _series(parts)
 
 
-def read_beam_series(given: str | Path | Sequence[str | Path]) -> list[MeasuredSeries]:
+def read_beam_series(given: str | Path | Sequence[str | Path],
+                     correction: PanelCorrection | None = None) -> list[MeasuredSeries]:
     """The measured frames of each beam's delivery in ``given`` (RT Image files, folders or glob
-    patterns of a whole plan's delivery), grouped by the ``ReferencedBeamNumber`` the images name,
+    patterns of a whole plan's delivery; each frame corrected by ``correction`` where given), grouped
+    by the ``ReferencedBeamNumber`` the images name,
     in beam-number order; images naming no beam join the one beam the others name, or form the
     only series. ImageError, one line naming the file, for an image naming no beam beside images
     of two or more beams, and for every problem ``read_series`` refuses within a beam."""
     files = expand_paths(given)
-    parts = [_read(path) for path in files]
+    parts = [_read(path, correction) for path in files]
     beams = sorted({part.beam_number for part in parts if part.beam_number is not None})
     if len(beams) <= 1:
         return [_series(parts)]
@@ -218,16 +308,18 @@ class _Image:
     pixel_mm: float
 
 
-def _read(path: str) -> _Image:
-    """The measured image in ``path``: an XIM file (``epid.dicom.xim``) or an RT Image."""
+def _read(path: str, correction: PanelCorrection | None) -> _Image:
+    """The measured image in ``path``, an XIM file (``epid.dicom.xim``) or an RT Image, its frames
+    corrected by ``correction`` where given."""
     if is_xim(path):
         frame = read_xim(path, ImageError)
-        return _image(path, frame.dataset, frame.delivered_mu)
-    return read_rt_image(path, _image)
+        return _image(path, frame.dataset, frame.delivered_mu, correction)
+    return read_rt_image(path, lambda name, dataset: _image(name, dataset, None, correction))
 
 
-def _image(path: str, dataset: Dataset, delivered_mu: np.ndarray | None = None) -> _Image:
-    pixels = grid_frames(path, dataset)
+def _image(path: str, dataset: Dataset, delivered_mu: np.ndarray | None,
+           correction: PanelCorrection | None) -> _Image:
+    pixels = grid_frames(path, dataset, correction)
     count = len(pixels.frames)
     items = exposure_items(path, dataset, count)
     control_points = frame_control_points(path, dataset, count)

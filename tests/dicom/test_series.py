@@ -14,7 +14,7 @@ from pydicom.uid import ExplicitVRLittleEndian, generate_uid
 
 from epid.dicom import files as files_module
 from epid.dicom.image import RT_IMAGE_STORAGE, ImageError
-from epid.dicom.series import expand_paths, read_beam_series, read_series
+from epid.dicom.series import expand_paths, panel_correction, read_beam_series, read_series
 from tests.dicom.test_plan_and_image import assert_one_line, field_edges
 
 
@@ -184,4 +184,62 @@ def test_bad_series_give_one_line_naming_the_file(tmp_path, case):
         expected = ("*.dcm", "no file matches")
     with pytest.raises(ImageError) as error:
         read_series([str(p) for p in paths])
+    assert_one_line(error, *expected)
+
+
+# --------------------------------------------------------------------------- dark offset and flood-field gain
+
+
+def raw_image(pixels: np.ndarray, slope: float = 0.05, **geometry) -> Dataset:
+    """A ``panel_image`` geometry holding ``pixels`` (rows, columns) in units of ``slope``."""
+    dataset = panel_image(*FIELD, rows=pixels.shape[0], columns=pixels.shape[1], **geometry)
+    dataset.RescaleSlope = f"{slope:g}"
+    dataset.PixelData = np.rint(pixels / slope).astype(np.uint16).tobytes()
+    return dataset
+
+
+PANEL = {"pitch_mm": 2.0, "sid_mm": 1500.0, "translation": (4.0, -2.0)}
+
+
+def test_a_panels_dark_offset_and_flood_gain_come_out_pixel_by_pixel_before_resampling(tmp_path):
+    # a 160 x 128 panel whose pixels each have their own gain (0.8 to 1.2) and dark offset (40 to 60):
+    # the field's frame, the flood field (flat, 2000) and the dark as the panel records them
+    field = panel_image(*FIELD, rows=160, columns=128, **PANEL)
+    signal = np.frombuffer(field.PixelData, dtype=np.uint16).reshape(160, 128).astype(np.float64)
+    rng = np.random.default_rng(7)
+    gain, dark = 0.8 + 0.4 * rng.random(signal.shape), 40.0 + 20.0 * rng.random(signal.shape)
+    paths = {name: save(raw_image(pixels, **PANEL), tmp_path / f"{name}.dcm") for name, pixels in (
+        ("frame", gain * signal + dark), ("flood", gain * 2000.0 + dark), ("dark", dark))}
+    centre = gain[72:88, 58:70].mean()  # the central tenth of the rows and columns: the flood's unit gain
+    truth = read_series(save(raw_image(signal * centre, **PANEL), tmp_path / "truth.dcm")).frames[0]
+    correction = panel_correction(paths["dark"], paths["flood"])
+    assert correction.sources == {"dark": [str(paths["dark"])], "flood": [str(paths["flood"])]}
+    corrected = read_series(paths["frame"], correction).frames[0]
+    np.testing.assert_allclose(corrected, truth, atol=2e-3 * truth.max())
+    raw = read_series(paths["frame"]).frames[0]
+    assert np.abs(raw - truth).max() > 0.05 * truth.max(), "the uncorrected frame is another image"
+    # the dark alone: the offset out, the gain left in
+    dark_only = read_series(paths["frame"], panel_correction(paths["dark"], None)).frames[0]
+    gained = read_series(save(raw_image(gain * signal, **PANEL), tmp_path / "gained.dcm")).frames[0]
+    np.testing.assert_allclose(dark_only, gained, atol=2e-3 * gained.max())
+
+
+@pytest.mark.parametrize("case", ["uncovered flood", "other panel", "dark and flood differ"])
+def test_bad_dark_and_flood_images_give_one_line_naming_the_file(tmp_path, case):
+    flat = np.full((64, 64), 1000.0)
+    frame = save(raw_image(flat, pitch_mm=4.0, sid_mm=1000.0), tmp_path / "frame.dcm")
+    dark = save(raw_image(flat * 0.05, pitch_mm=4.0, sid_mm=1000.0), tmp_path / "dark.dcm")
+    if case == "uncovered flood":
+        flood = flat.copy()
+        flood[:, :6] = 100.0  # the field's edge on the panel: its last columns see a tenth of the centre
+        given, expected = (dark, save(raw_image(flood, pitch_mm=4.0, sid_mm=1000.0), tmp_path / "flood.dcm")), \
+            ("flood.dcm", "384 of 4096 flood-image pixels", "covers the whole panel")
+    elif case == "other panel":
+        given = (save(raw_image(np.full((32, 32), 50.0), pitch_mm=8.0, sid_mm=1000.0), tmp_path / "small.dcm"), None)
+        expected = ("frame.dcm", "64 x 64 pixels", "32 x 32")
+    else:
+        given = (dark, save(raw_image(np.full((32, 32), 900.0), pitch_mm=8.0, sid_mm=1000.0), tmp_path / "flood.dcm"))
+        expected = ("flood.dcm", "32 x 32", "dark.dcm", "64 x 64")
+    with pytest.raises(ImageError) as error:
+        read_series(frame, panel_correction(*given))
     assert_one_line(error, *expected)

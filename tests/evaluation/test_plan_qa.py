@@ -37,6 +37,7 @@ from epid.models.families import build_models, predict_frames
 from epid.synthesis.frames import render_frames
 from epid.synthesis.kernel import default_kernel
 from epid.synthesis.sequences import ControlPoints, generate_control_points
+from tests.dicom.test_series import raw_image, save
 from tests.dicom.xim_files import write_xim
 from tests.evaluation.test_timeline import direct_integral, series_of
 from tests.support import ROOT, TINY_RUN, clean_environment
@@ -226,7 +227,7 @@ def test_a_plan_on_another_mlc_than_the_checkpoints_exits_2_naming_both(tmp_path
 
 
 @pytest.mark.parametrize("case", ["outside", "gap", "beam", "frames alone", "with ids", "export no id", "folder",
-                                  "over the plan"])
+                                  "over the plan", "dark alone", "flood of another panel"])
 def test_bad_arguments_and_frames_are_refused_before_anything_is_written(tmp_path, case):
     plan = write_arc_plans(tmp_path / "plans")[5]
     frames = synthesised(5, 12)
@@ -255,6 +256,14 @@ def test_bad_arguments_and_frames_are_refused_before_anything_is_written(tmp_pat
     elif case == "folder":
         arguments = ["--dataset-ids", "5", "--export-plan", str(tmp_path)]
         expected = "--export-plan .*: a folder"
+    elif case == "dark alone":
+        arguments = arguments[:6] + ["--dark-image", str(images)]
+        expected = "--dark-image: only with --frames or --commission"
+    elif case == "flood of another panel":
+        write_frames(images, frames)
+        flood = save(raw_image(np.full((64, 64), 900.0), pitch_mm=4.0, sid_mm=1000.0), tmp_path / "flood.dcm")
+        arguments = arguments + ["--flood-image", str(flood)]
+        expected = "frames.dcm: 256 x 256 pixels, but the dark and flood images have 64 x 64"
     else:
         arguments = arguments[:6] + ["--export-frames", str(plan)]
         expected = "--export-frames .*arc_005.dcm.*: is an input file"
@@ -460,6 +469,30 @@ def test_an_xim_cine_series_is_placed_by_the_mu_counter_and_reviewed_like_its_rt
     for key in ("gamma_3_2mm_mean", "gamma_2_2mm_mean", "gamma_3_2mm_integrated"):
         assert summary[key] >= twin[key], key
     assert summary["mu_total_error_percent"] == pytest.approx(twin["mu_total_error_percent"], abs=0.1)
+
+
+def test_a_raw_series_with_its_dark_and_flood_images_is_reviewed_as_the_corrected_one(cine, trained):
+    # the series as a raw panel records it: each pixel its own gain (0.7 to 1.3) and dark offset, the dark
+    # and a flat flood field beside it; corrected, the QA is the corrected series' (a scale apart)
+    (beam,) = read_plan(trained["plan_200"])
+    frames, ends = cine["frames"], cine["ends"]
+    rng = np.random.default_rng(11)
+    gain, dark = 0.7 + 0.6 * rng.random(frames.shape[1:]), 2.0 + rng.random(frames.shape[1:])
+    folder = trained["root"] / "cine" / "raw"
+    write_cine(folder / "series", frames * gain + dark, gantry_at(beam, ends), units=1.0, keep=set(range(36)) - {17})
+    write_cine(folder / "dark", dark[None], [math.nan], units=1.0)
+    write_cine(folder / "flood", (gain * 3.0 + dark)[None], [math.nan], units=1.0)
+    output = folder / "report"
+    result = run("inference_visualize.py", "--checkpoint", str(trained["checkpoint"]), "--plan",
+                 str(trained["plan_200"]), "--frames", str(folder / "series"), "--dark-image", str(folder / "dark"),
+                 "--flood-image", str(folder / "flood"), "--output-dir", str(output), "--device", "cpu")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "panel correction (256 x 256 pixels): dark 1 image(s)" in result.stdout + result.stderr
+    summary, twin = json.loads((output / "qa_summary.json").read_text()), cine["cine"]["summary"]
+    assert summary["panel_correction"] == {"dark_image": [str(folder / "dark")], "flood_image": [str(folder / "flood")]}
+    for key in ("gamma_3_2mm_mean", "gamma_2_2mm_mean", "gamma_3_2mm_integrated", "leaf_mae_mm", "jaw_mae_mm",
+                "mu_total_error_percent"):
+        assert summary[key] == pytest.approx(twin[key], rel=1e-3, abs=0.01), key
 
 
 def test_a_calibration_image_calibrates_the_series(cine):
