@@ -65,6 +65,8 @@ RT_PLAN_STORAGE = "1.2.840.10008.5.1.4.1.1.481.5"
 MLC_Y_MAX_MM = MLC_Y_MIN_MM + NUM_LEAF_PAIRS * LEAF_WIDTH_MM
 SAD_MM = 1000.0
 JAW_TYPES = {"ASYMY": "y", "Y": "y", "ASYMX": "x", "X": "x"}
+X_JAW_MATCH_MM = 0.05
+"""A leaf within this of an X jaw (or behind it) is taken as hidden by it (``PlanBeam.behind_x_jaws``)."""
 LEAF_JAW_POSITIONS = Tag("LeafJawPositions")
 CROSSED_TOLERANCE_MM = 0.01
 """How far a bank A leaf may lie past its bank B leaf (a closed pair written with rounding), mm."""
@@ -102,9 +104,22 @@ class PlanBeam:
     """The beam's final cumulative meterset weight: a weight w lies at beam_mu x w / it MU."""
     geometry: MlcGeometry = LEGACY_GRID
     """The beam's MLC (``epid.dicom.mlc_devices``)."""
+    x_jaws: np.ndarray | None = None
+    """(N, 2) the X jaws' positions [X1, X2] at each control point, mm along x; None for a beam
+    without X jaws. The leaves are folded into them (no leaf opens past an X jaw)."""
 
     def __len__(self) -> int:
         return len(self.control_points)
+
+    def behind_x_jaws(self) -> np.ndarray | None:
+        """(2, N, 52) int8 for bank A's and bank B's leaves: 1 where the leaf lies at or behind the X1
+        jaw, 2 where at or behind X2 (within ``X_JAW_MATCH_MM``), so that an image shows that jaw's
+        edge, not the leaf's; 0 elsewhere. None without X jaws."""
+        if self.x_jaws is None:
+            return None
+        low, high = self.x_jaws[:, :1] + X_JAW_MATCH_MM, self.x_jaws[:, 1:] - X_JAW_MATCH_MM
+        return np.stack([np.where(leaves <= low, 1, np.where(leaves >= high, 2, 0)).astype(np.int8)
+                         for leaves in (self.control_points.leaf_a, self.control_points.leaf_b)])
 
 
 # --------------------------------------------------------------------------- reading
@@ -255,6 +270,7 @@ def _read_beam(path: str, beam: Dataset, metersets: dict[int, float], dataset_id
     mu = _frame_mu(where, cumulative, metersets[number], final_weight)
     leaf_a, leaf_b = geometry.strips([(layer[:, 0], layer[:, 1]) for layer in layers])
     x_jaws = jaws["x"]
+    has_x_jaws = bool(np.isfinite(x_jaws).all())
     leaf_a = np.clip(leaf_a, x_jaws[:, :1], x_jaws[:, 1:])
     leaf_b = np.maximum(np.clip(leaf_b, x_jaws[:, :1], x_jaws[:, 1:]), leaf_a)
     jaw_1, jaw_2 = (_tenth(np.clip(jaws["y"][:, side], MLC_Y_MIN_MM, MLC_Y_MAX_MM)) for side in (0, 1))
@@ -268,6 +284,7 @@ def _read_beam(path: str, beam: Dataset, metersets: dict[int, float], dataset_id
         machine=str(beam.get("TreatmentMachineName", "")), mlc=mlc.description, beam_mu=float(metersets[number]),
         gantry_deg=_read_only(gantry.astype(np.float32)), collimator_deg=float(collimator[0]), control_points=control,
         final_meterset_weight=final_weight, geometry=geometry,
+        x_jaws=_tenth(x_jaws) if has_x_jaws else None,
     )
 
 

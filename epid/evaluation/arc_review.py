@@ -36,7 +36,9 @@ class ArcSegment:
 
     frames: (N + 1, 256, 256) float32, the recorded frame before the first (zeros at the start
     of the arc) then the N frames. leaf_a, leaf_b: (N, 52) mm; jaw_1, jaw_2, mu: (N,) of control
-    points first..first + N - 1 (mu of the frame that ends on each).
+    points first..first + N - 1 (mu of the frame that ends on each). behind_x_jaws: (2, N, 52)
+    int8, for bank A's and B's leaves the X jaw (1: X1, 2: X2) that hides each, 0 where none does
+    (``PlanBeam.behind_x_jaws``); None without X jaws.
     """
 
     dataset_id: int
@@ -48,9 +50,39 @@ class ArcSegment:
     jaw_1: np.ndarray
     jaw_2: np.ndarray
     mu: np.ndarray
+    behind_x_jaws: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.mu)
+
+
+@dataclass(frozen=True)
+class LeafErrors:
+    """Signed leaf errors of a reconstruction, reconstructed minus planned, (N, 52) mm per bank
+    ("A", "B"), with ``band`` (N, 52): the pairs inside the jaw band, and ``behind_x_jaws`` (2, N, 52):
+    the X jaw that hides each position (1: X1, 2: X2; 0 where none does, everywhere without X jaws).
+    A hidden leaf's planned position is the jaw's edge (the plan's leaves are folded into the X
+    jaws), so its error is the X jaw's, scored as the jaw's (``x_jaws``), never as the leaf's
+    (``scored``)."""
+
+    banks: dict[str, np.ndarray]
+    band: np.ndarray
+    behind_x_jaws: np.ndarray
+
+    def scored(self) -> dict[str, np.ndarray]:
+        """Per bank, the (N, 52) positions scored as leaves: in the band, not behind an X jaw."""
+        return {bank: self.band & (hidden == 0) for bank, hidden in zip(self.banks, self.behind_x_jaws, strict=True)}
+
+    def scored_errors(self) -> np.ndarray:
+        """The errors of every scored leaf position, bank A's then bank B's (1-D)."""
+        return np.concatenate([self.banks[bank][mask] for bank, mask in self.scored().items()])
+
+    def x_jaws(self) -> dict[str, np.ndarray]:
+        """Per X jaw ("X1", "X2"), the errors of the in-band leaf positions of both banks it hides
+        (1-D; empty without X jaws)."""
+        return {jaw: np.concatenate([self.banks[bank][self.band & (hidden == code)]
+                                     for bank, hidden in zip(self.banks, self.behind_x_jaws, strict=True)])
+                for code, jaw in ((1, "X1"), (2, "X2"))}
 
 
 @dataclass(frozen=True)
@@ -136,19 +168,19 @@ def reconstruct_segment(method: str, models: tuple[nn.Module, nn.Module], segmen
     return ArcEstimate(leaf_a, leaf_b, jaws, mu, method=used, from_start=from_start, signal_mu=signal_mu)
 
 
-def leaf_errors(estimate: ArcEstimate, segment: ArcSegment) -> tuple[Tensor, Tensor, Tensor]:
-    """Signed leaf errors of banks A and B, reconstructed minus true, (N, 52) mm each, and the
-    (N, 52) mask of the leaves inside the jaw band (the ones scored)."""
-    jaw_1, jaw_2 = torch.from_numpy(segment.jaw_1), torch.from_numpy(segment.jaw_2)
-    return (estimate.leaf_a - torch.from_numpy(segment.leaf_a), estimate.leaf_b - torch.from_numpy(segment.leaf_b),
-            jaw_band(jaw_1, jaw_2))
+def leaf_errors(estimate: ArcEstimate, segment: ArcSegment) -> LeafErrors:
+    """The ``LeafErrors`` of ``estimate`` against the plan of ``segment``."""
+    band = jaw_band(torch.from_numpy(segment.jaw_1), torch.from_numpy(segment.jaw_2)).numpy()
+    hidden = np.zeros((2, *band.shape), np.int8) if segment.behind_x_jaws is None else segment.behind_x_jaws
+    return LeafErrors({"A": estimate.leaf_a.numpy() - segment.leaf_a, "B": estimate.leaf_b.numpy() - segment.leaf_b},
+                      band, hidden)
 
 
 def arc_errors(estimate: ArcEstimate, segment: ArcSegment) -> dict[str, float]:
-    """Leaf MAE, RMS and share within 0.5 mm and 1 mm (%) over the in-band leaves of both banks,
-    jaw MAE (mm), MU relative error (%, mean over frames) and ``leaves`` (how many scored)."""
-    error_a, error_b, band = leaf_errors(estimate, segment)
-    leaf = torch.cat([error_a[band], error_b[band]]).abs()
+    """Leaf MAE, RMS and share within 0.5 mm and 1 mm (%) over the scored leaves of both banks
+    (``LeafErrors.scored``), jaw MAE (mm), MU relative error (%, mean over frames) and ``leaves``
+    (how many scored)."""
+    leaf = torch.from_numpy(leaf_errors(estimate, segment).scored_errors()).abs()
     jaws = torch.from_numpy(np.stack([segment.jaw_1, segment.jaw_2], 1))
     mu = torch.from_numpy(segment.mu)
     return {
@@ -185,7 +217,7 @@ def write_review(segment: ArcSegment, estimate: ArcEstimate, errors: Mapping[str
                  run_label: str) -> None:
     """``plots.arc_figure`` of one reconstructed segment, as a PNG at ``path``."""
 
-    error_a, error_b, band = leaf_errors(estimate, segment)
+    band = leaf_errors(estimate, segment).band
     true = {"leaf_a": segment.leaf_a, "leaf_b": segment.leaf_b, "jaw_1": segment.jaw_1, "jaw_2": segment.jaw_2,
             "mu": segment.mu}
     reconstructed = {"leaf_a": estimate.leaf_a.numpy(), "leaf_b": estimate.leaf_b.numpy(),
@@ -195,7 +227,7 @@ def write_review(segment: ArcSegment, estimate: ArcEstimate, errors: Mapping[str
     title = (f"Dataset {segment.dataset_id} ({segment.pattern}), control points {control_points[0]}-"
              f"{control_points[-1]} reconstructed from their {len(segment)} frames ({estimate.method}); "
              f"jaw MAE {errors['jaw_mae_mm']:.2f} mm, MU error {errors['mu_error_percent']:.2f} %; {run_label}")
-    plots.save_figure(plots.arc_figure(control_points, true, reconstructed, band.numpy(), title), path)
+    plots.save_figure(plots.arc_figure(control_points, true, reconstructed, band, title), path)
 
 
 def write_errors_csv(path: str | Path, rows: Sequence[Mapping[str, object]]) -> None:

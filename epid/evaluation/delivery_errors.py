@@ -1,10 +1,13 @@
 """Delivery errors found in a reconstruction: the figures and flags of the QA report beside gamma.
 
 From the leaves reconstructed at a beam's control points (the plan's, or a measured series'
-timeline's) against the plan, inside the jaw band:
+timeline's) against the plan, inside the jaw band (``epid.evaluation.arc_review.LeafErrors``):
 
-- per bank: the mean and spread of reconstructed minus planned; the bank is flagged when its
-  mean lies ``BANK_FLAG_MM`` or more from 0 (a systematic shift of the bank);
+- per bank: the mean and spread of reconstructed minus planned over its leaves that no X jaw
+  hides; the bank is flagged when its mean lies ``BANK_FLAG_MM`` or more from 0 (a systematic
+  shift of the bank);
+- per X jaw (a beam with X jaws): the same over the leaf positions it hides, whose edge in the
+  image is the jaw's (the plan's leaves are folded into the X jaws), flagged alike;
 - per leaf: mean, spread, largest error; a leaf is flagged where its error exceeds
   ``LEAF_FLAG_MM`` at ``LEAF_FLAG_RUN`` or more consecutive control points (a stuck or
   lagging leaf), with the control points and gantry angles of each such run;
@@ -22,9 +25,12 @@ from __future__ import annotations
 import csv
 import math
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from epid.evaluation.arc_review import LeafErrors
 
 BANK_FLAG_MM = 0.5
 LEAF_FLAG_MM = 2.0
@@ -47,14 +53,15 @@ def _stats(values: np.ndarray) -> tuple[float, float]:
     return (float(values.mean()), float(values.std())) if values.size else (math.nan, math.nan)
 
 
-def leaf_table(errors: dict[str, np.ndarray], band: np.ndarray, points: np.ndarray, gantry_deg: np.ndarray,
+def leaf_table(errors: LeafErrors, points: np.ndarray, gantry_deg: np.ndarray,
                leaf_y_mm: np.ndarray) -> list[dict[str, Any]]:
-    """One row per bank and leaf (``LEAF_ERROR_COLUMNS``): errors (S, 52) per bank name, ``band``
-    (S, 52), the S control points and their gantry angles."""
+    """One row per bank and leaf (``LEAF_ERROR_COLUMNS``) of the S control points ``points`` and their
+    gantry angles: the figures of its scored positions (``LeafErrors.scored``)."""
     rows = []
-    for bank, error in errors.items():
+    masks = errors.scored()
+    for bank, error in errors.banks.items():
         for leaf in range(error.shape[1]):
-            scored = band[:, leaf]
+            scored = masks[bank][:, leaf]
             values = error[scored, leaf]
             mean, spread = _stats(values)
             large = scored & (np.abs(error[:, leaf]) > LEAF_FLAG_MM)
@@ -70,17 +77,16 @@ def leaf_table(errors: dict[str, np.ndarray], band: np.ndarray, points: np.ndarr
     return rows
 
 
-def error_summary(errors: dict[str, np.ndarray], band: np.ndarray, leaves: list[dict[str, Any]],
+def error_summary(errors: LeafErrors, leaves: list[dict[str, Any]],
                   mu_total_error_percent: float, frame_rates: np.ndarray, frame_points: np.ndarray,
                   frame_gantry_deg: np.ndarray, tolerance_percent: float) -> dict[str, Any]:
-    """The report's ``delivery_errors``: per bank {mean_mm, sd_mm, positions, flagged}, the flagged
+    """The report's ``delivery_errors``: per bank {mean_mm, sd_mm, positions, flagged} over its scored
+    positions, the same per X jaw over the positions it hides (a beam with X jaws), the flagged
     leaves (at most ``LISTED``, with ``flagged_leaves`` counting all), the MU flag, the frames below
     the gamma tolerance (at most ``LISTED``, ``flagged_frames`` counting all) and ``flagged``: any."""
-    banks = {}
-    for bank, error in errors.items():
-        mean, spread = _stats(error[band])
-        banks[bank] = {"mean_mm": mean, "sd_mm": spread, "positions": int(band.sum()),
-                       "flagged": bool(math.isfinite(mean) and abs(mean) >= BANK_FLAG_MM)}
+    masks = errors.scored()
+    banks = {bank: _edge(error[masks[bank]]) for bank, error in errors.banks.items()}
+    x_jaws = {jaw: _edge(values) for jaw, values in errors.x_jaws().items() if values.size}
     flagged_leaves = [{key: row[key] for key in ("bank", "leaf", "mean_mm", "flagged_control_points",
                                                  "flagged_gantry_deg")} for row in leaves if row["flagged"]]
     low = np.flatnonzero(np.isfinite(frame_rates) & (frame_rates < tolerance_percent))
@@ -90,11 +96,20 @@ def error_summary(errors: dict[str, np.ndarray], band: np.ndarray, leaves: list[
     return _json_safe({
         "thresholds": {"bank_mean_mm": BANK_FLAG_MM, "leaf_mm": LEAF_FLAG_MM, "leaf_run_control_points": LEAF_FLAG_RUN,
                        "mu_total_percent": MU_FLAG_PERCENT, "frame_gamma_3_2mm_percent": tolerance_percent},
-        "banks": banks, "flagged_leaves": len(flagged_leaves), "leaves": flagged_leaves[:LISTED],
+        "banks": banks, "x_jaws": x_jaws, "flagged_leaves": len(flagged_leaves), "leaves": flagged_leaves[:LISTED],
         "mu_total_error_percent": mu_total_error_percent, "mu_flagged": mu_flag,
         "flagged_frames": int(low.size), "frames": frames,
-        "flagged": bool(any(item["flagged"] for item in banks.values()) or flagged_leaves or mu_flag),
+        "flagged": bool(any(item["flagged"] for item in [*banks.values(), *x_jaws.values()]) or flagged_leaves
+                        or mu_flag),
     })
+
+
+def _edge(errors: np.ndarray) -> dict[str, Any]:
+    """Mean, spread and count of one bank's or jaw's errors (1-D), flagged where the mean lies
+    ``BANK_FLAG_MM`` or more from 0."""
+    mean, spread = _stats(errors)
+    return {"mean_mm": mean, "sd_mm": spread, "positions": int(errors.size),
+            "flagged": bool(math.isfinite(mean) and abs(mean) >= BANK_FLAG_MM)}
 
 
 def _json_safe(value: Any) -> Any:

@@ -82,7 +82,8 @@ SUMMARY_KEYS = (
     "gamma_2_2mm_mean", "gamma_2_2mm_min", "gamma_2_2mm_integrated", "frames_passing_2_2mm",
     "worst_frame_control_point", "reconstruction", "reconstructed_control_points", "leaves_scored",
     "leaf_mae_mm", "leaf_rms_mm", "leaf_bias_mm", "leaf_max_mm", "leaf_within_1mm_percent", "worst_leaf",
-    "jaw_mae_mm", "jaw_max_mm", "mu_error_percent", "mu_planned", "mu_reconstructed", "mu_total_error_percent",
+    "jaw_mae_mm", "jaw_max_mm", "x_jaw_positions", "x_jaw_mae_mm", "x_jaw_max_mm", "mu_error_percent", "mu_planned",
+    "mu_reconstructed", "mu_total_error_percent",
     "criteria", "pass", "delivery_errors",
 )
 LEAF_CENTRES_MM = MLC_Y_MIN_MM + LEAF_WIDTH_MM * (np.arange(NUM_LEAF_PAIRS) + 0.5)
@@ -264,9 +265,11 @@ def plan_segment(beam: PlanBeam, points: np.ndarray, frames: Tensor) -> arc_revi
         frames, scored = torch.cat([torch.zeros_like(frames[:1]), frames]), points
     else:
         scored = points[1:]
+    hidden = beam.behind_x_jaws()
     return arc_review.ArcSegment(
         dataset_id=beam.beam_number, pattern=cp.pattern, first=int(scored[0]), frames=frames.float(),
         **{name: np.array(getattr(cp, name)[scored]) for name in ("leaf_a", "leaf_b", "jaw_1", "jaw_2", "mu")},
+        behind_x_jaws=None if hidden is None else hidden[:, scored],
     )
 
 
@@ -391,23 +394,26 @@ def summarise(qa: PlanQA) -> dict[str, Any]:
     worst_frame_control_point. reconstruction (the method used), reconstructed_control_points,
     leaves_scored (in-band leaf positions, both banks), leaf_mae_mm, leaf_rms_mm, leaf_bias_mm
     (reconstructed - planned), leaf_max_mm, leaf_within_1mm_percent, worst_leaf {bank, leaf,
-    control_point, error_mm}; jaw_mae_mm, jaw_max_mm (jaw_1 and jaw_2); mu_error_percent (mean
+    control_point, error_mm}; jaw_mae_mm, jaw_max_mm (jaw_1 and jaw_2); x_jaw_positions, x_jaw_mae_mm,
+    x_jaw_max_mm (the in-band leaf positions an X jaw hides, scored as the jaw's edge, not as leaves:
+    ``arc_review.LeafErrors``); mu_error_percent (mean
     relative error of the frames' least-squares MU, frames with planned MU), mu_planned and
     mu_reconstructed (sums over the reconstructed frames; the latter of the arc fit's signal MU,
     ``fallback.frame_misfits``, times ``PlanQA.mu_reference``), mu_total_error_percent. criteria: per criterion
     {rule, value, limit, pass}; pass: every criterion passes.
     """
     beam, gamma, estimate, segment = qa.beam, qa.gamma, qa.estimate, qa.segment
-    error_a, error_b, band = (t.numpy() for t in arc_review.leaf_errors(estimate, segment))
-    scored = np.concatenate([error_a[band], error_b[band]])
+    errors = arc_review.leaf_errors(estimate, segment)
+    scored = errors.scored_errors()
     absolute = np.abs(scored)
     worst_leaf = None
     if scored.size:
-        errors = np.stack([np.where(band, np.abs(error_a), -1.0), np.where(band, np.abs(error_b), -1.0)])
-        bank, row, leaf = np.unravel_index(int(np.argmax(errors)), errors.shape)
-        signed = (error_a, error_b)[bank][row, leaf]
+        masks = errors.scored()
+        ranked = np.stack([np.where(masks[bank], np.abs(error), -1.0) for bank, error in errors.banks.items()])
+        bank, row, leaf = np.unravel_index(int(np.argmax(ranked)), ranked.shape)
         worst_leaf = {"bank": "AB"[bank], "leaf": int(leaf), "control_point": int(qa.scored_points()[row]),
-                      "error_mm": float(signed)}
+                      "error_mm": float(errors.banks["AB"[bank]][row, leaf])}
+    x_jaws = np.abs(np.concatenate(list(errors.x_jaws().values())))
     jaws = np.abs(estimate.jaws.numpy() - np.stack([segment.jaw_1, segment.jaw_2], axis=1))
     mu_planned, mu_reconstructed = segment.mu.astype(np.float64), estimate.mu.numpy().astype(np.float64)
     delivering = mu_planned > 0
@@ -436,6 +442,8 @@ def summarise(qa: PlanQA) -> dict[str, Any]:
         "leaf_within_1mm_percent": _statistic(absolute,
                                               lambda errors: 100 * np.mean(errors <= TG142_LEAF_TOLERANCE_MM)),
         "worst_leaf": worst_leaf, "jaw_mae_mm": float(jaws.mean()), "jaw_max_mm": float(jaws.max()),
+        "x_jaw_positions": int(x_jaws.size), "x_jaw_mae_mm": _statistic(x_jaws, np.mean),
+        "x_jaw_max_mm": _statistic(x_jaws, np.max),
         "mu_error_percent": _statistic(100 * mu_relative, np.mean), "mu_planned": round(float(mu_planned.sum()), 4),
         "mu_reconstructed": mu_total,
         "mu_total_error_percent": 100 * (mu_total - mu_planned.sum()) / mu_planned.sum() if mu_planned.sum() > 0
@@ -444,17 +452,16 @@ def summarise(qa: PlanQA) -> dict[str, Any]:
     summary["criteria"] = _criteria(summary)
     summary["pass"] = all(item["pass"] for item in summary["criteria"].values())
     summary["delivery_errors"] = delivery_errors.error_summary(
-        {"A": error_a, "B": error_b}, band, leaf_error_rows(qa), summary["mu_total_error_percent"],
+        errors, leaf_error_rows(qa), summary["mu_total_error_percent"],
         gamma.pass_rates[TG218_CRITERION], qa.points, qa.beam.gantry_deg[qa.points], TG218_TOLERANCE_PERCENT)
     return {key: _finite(value) if isinstance(value, float) else value for key, value in summary.items()}
 
 
 def leaf_error_rows(qa: PlanQA) -> list[dict[str, Any]]:
     """Per bank and leaf, the reconstructed-minus-planned figures and flags (``delivery_errors.leaf_table``)."""
-    error_a, error_b, band = (t.numpy() for t in arc_review.leaf_errors(qa.estimate, qa.segment))
     points = qa.scored_points()
-    return delivery_errors.leaf_table({"A": error_a, "B": error_b}, band, points, qa.beam.gantry_deg[points],
-                                      LEAF_CENTRES_MM)
+    return delivery_errors.leaf_table(arc_review.leaf_errors(qa.estimate, qa.segment), points,
+                                      qa.beam.gantry_deg[points], LEAF_CENTRES_MM)
 
 
 def integrated_summary(beam: PlanBeam, measured: str, gamma: FrameGamma) -> dict[str, Any]:

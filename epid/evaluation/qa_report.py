@@ -49,8 +49,8 @@ FRAME_COLUMNS = (
     "jaw_2_planned_mm", "jaw_2_reconstructed_mm",
 )
 LEAF_COLUMNS = (
-    "control_point", "gantry_deg", "bank", "leaf", "leaf_y_mm", "in_band", "planned_mm", "reconstructed_mm",
-    "error_mm",
+    "control_point", "gantry_deg", "bank", "leaf", "leaf_y_mm", "in_band", "behind_x_jaw", "planned_mm",
+    "reconstructed_mm", "error_mm",
 )
 
 
@@ -58,7 +58,8 @@ def frame_rows(qa: PlanQA) -> list[dict[str, Any]]:
     """One row per measured frame (``FRAME_COLUMNS``); the reconstruction's columns are empty for
     a frame whose control point was not reconstructed."""
     cp, estimate = qa.beam.control_points, qa.estimate
-    error_a, error_b, band = (t.numpy() for t in arc_review.leaf_errors(estimate, qa.segment))
+    errors = arc_review.leaf_errors(estimate, qa.segment)
+    masks = errors.scored()
     scored_row = {int(point): row for row, point in enumerate(qa.scored_points())}
     rows = []
     for index, point in enumerate(qa.points.tolist()):
@@ -71,11 +72,11 @@ def frame_rows(qa: PlanQA) -> list[dict[str, Any]]:
         }
         if point in scored_row:
             r = scored_row[point]
-            errors = np.abs(np.concatenate([error_a[r][band[r]], error_b[r][band[r]]]))
+            scored = np.abs(np.concatenate([error[r][masks[bank][r]] for bank, error in errors.banks.items()]))
             row.update({
-                "mu_reconstructed": float(estimate.mu[r]), "leaves_scored": int(errors.size),
-                "leaf_mae_mm": float(errors.mean()) if errors.size else math.nan,
-                "leaf_max_mm": float(errors.max()) if errors.size else math.nan,
+                "mu_reconstructed": float(estimate.mu[r]), "leaves_scored": int(scored.size),
+                "leaf_mae_mm": float(scored.mean()) if scored.size else math.nan,
+                "leaf_max_mm": float(scored.max()) if scored.size else math.nan,
                 "jaw_1_reconstructed_mm": float(estimate.jaws[r, 0]),
                 "jaw_2_reconstructed_mm": float(estimate.jaws[r, 1]),
             })
@@ -93,9 +94,11 @@ def write_csv(path: Path, columns: tuple[str, ...], rows: list[Mapping[str, Any]
 
 
 def write_leaves_csv(path: Path, qa: PlanQA) -> None:
-    """``qa_leaves.csv``: every leaf of both banks at every reconstructed control point."""
+    """``qa_leaves.csv``: every leaf of both banks at every reconstructed control point, with the X
+    jaw (X1, X2) that hides it, if any (its error is then the jaw's)."""
     segment, estimate = qa.segment, qa.estimate
-    band = arc_review.leaf_errors(estimate, segment)[2].numpy()
+    errors = arc_review.leaf_errors(estimate, segment)
+    band, hidden = errors.band, dict(zip("AB", errors.behind_x_jaws, strict=True))
     with open(path, "w", newline="") as handle:
         writer = csv.writer(handle)
         writer.writerow(LEAF_COLUMNS)
@@ -107,7 +110,8 @@ def write_leaves_csv(path: Path, qa: PlanQA) -> None:
                 for leaf in range(NUM_LEAF_PAIRS):
                     plan_mm, rec_mm = float(planned[row, leaf]), float(values[leaf])
                     writer.writerow([point, gantry, bank, leaf, f"{LEAF_CENTRES_MM[leaf]:g}", int(band[row, leaf]),
-                                     f"{plan_mm:.6g}", f"{rec_mm:.6g}", f"{rec_mm - plan_mm:.6g}"])
+                                     ("", "X1", "X2")[hidden[bank][row, leaf]], f"{plan_mm:.6g}", f"{rec_mm:.6g}",
+                                     f"{rec_mm - plan_mm:.6g}"])
 
 
 def write_report(qa: PlanQA, output_dir: str | Path, run_label: str, draw: Draw = plots.draw,
@@ -232,7 +236,7 @@ def _write_leaf_figure(qa: PlanQA, summary: Mapping[str, Any], path: Path, label
     reconstructed = {"leaf_a": estimate.leaf_a.numpy(), "leaf_b": estimate.leaf_b.numpy(),
                      "jaw_1": estimate.jaws[:, 0].numpy(), "jaw_2": estimate.jaws[:, 1].numpy(),
                      "mu": estimate.mu.numpy()}
-    band = arc_review.leaf_errors(estimate, segment)[2].numpy()
+    band = arc_review.leaf_errors(estimate, segment).band
     verdict = "passes" if summary["criteria"]["leaf_1mm"]["pass"] else "fails"
     mu_error = summary["mu_total_error_percent"]
     mu_text = "no MU planned" if mu_error is None else f"total MU {mu_error:+.2f} %"

@@ -267,7 +267,7 @@ def _interval_of(cumulative: np.ndarray, mu: np.ndarray) -> np.ndarray:
 def positions_at(beam: PlanBeam, mu: np.ndarray, interval: np.ndarray | None = None) -> dict[str, np.ndarray]:
     """The plan's positions and gantry angle at cumulative MU ``mu`` (M,), each interpolated within
     control-point interval ``interval`` (M,) (default: the interval holding it): leaf_a, leaf_b
-    (M, 52), jaw_1, jaw_2, gantry_deg (M,), float64."""
+    (M, 52), jaw_1, jaw_2, gantry_deg (M,), and x_jaws (M, 2) for a beam with X jaws, float64."""
     cumulative = cumulative_mu(beam)
     interval = _interval_of(cumulative, mu) if interval is None else interval
     low, high = cumulative[interval - 1], cumulative[interval]
@@ -276,8 +276,11 @@ def positions_at(beam: PlanBeam, mu: np.ndarray, interval: np.ndarray | None = N
     cp = beam.control_points
     travel, direction = arc_travel(beam.gantry_deg)
     values = {}
-    for name in ("leaf_a", "leaf_b", "jaw_1", "jaw_2"):
-        array = getattr(cp, name).astype(np.float64)
+    arrays = {name: getattr(cp, name) for name in ("leaf_a", "leaf_b", "jaw_1", "jaw_2")}
+    if beam.x_jaws is not None:
+        arrays["x_jaws"] = beam.x_jaws
+    for name, array in arrays.items():
+        array = array.astype(np.float64)
         weight = share[:, None] if array.ndim == 2 else share
         values[name] = (1 - weight) * array[interval - 1] + weight * array[interval]
     gantry_travel = (1 - share) * travel[interval - 1] + share * travel[interval]
@@ -303,7 +306,8 @@ def resample(beam: PlanBeam, boundaries: np.ndarray) -> PlanBeam:
         mlc=beam.control_points.mlc,
     )
     return replace(beam, gantry_deg=frozen(values["gantry_deg"]), control_points=control_points,
-                   beam_mu=float(boundaries[-1] - boundaries[0]))
+                   beam_mu=float(boundaries[-1] - boundaries[0]),
+                   x_jaws=frozen(values["x_jaws"]) if "x_jaws" in values else None)
 
 
 def pieces(plan: PlanBeam, boundaries: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -17,6 +17,7 @@ from epid.dicom import files as files_module
 from epid.dicom.files import save_dataset
 from epid.dicom.image import RT_IMAGE_STORAGE, ImageError, read_frames, write_frames
 from epid.dicom.plan import RT_PLAN_STORAGE, Arc, PlanError, read_plan, write_arcs, write_plan
+from epid.evaluation import timeline
 from epid.synthesis.frames import render_frames
 from epid.synthesis.kernel import default_kernel
 from epid.synthesis.sequences import generate_control_points, leaf_weights
@@ -258,6 +259,19 @@ def test_millennium_like_plan_maps_5_mm_leaves_one_to_one_and_10_mm_leaves_to_tw
     np.testing.assert_allclose(beam.control_points.leaf_a, expected_a, atol=1e-4)
     np.testing.assert_allclose(beam.control_points.leaf_b, expected_b, atol=1e-4)
     assert beam.mlc == "MLCX (millennium120) 60 leaf pairs: 10 x 10 mm, 40 x 5 mm, 10 x 10 mm"
+    # the X jaws kept, and which of them hides each leaf (its planned position at or behind the jaw)
+    np.testing.assert_array_equal(beam.x_jaws, jaws_x)
+    hidden = beam.behind_x_jaws()
+    for bank, planned in enumerate((leaf_a[:, rows], leaf_b[:, rows])):
+        np.testing.assert_array_equal(hidden[bank], np.where(planned <= jaws_x[:, :1], 1,
+                                                             np.where(planned >= jaws_x[:, 1:], 2, 0)))
+    assert 0 < (hidden > 0).mean() < 1
+    # on a timeline whose control point 1 lies halfway between the plan's 1 and 2, the X jaws lie halfway too
+    cumulative = timeline.cumulative_mu(beam)
+    resampled = timeline.resample(beam, np.array([0.0, (cumulative[1] + cumulative[2]) / 2, cumulative[-1]]))
+    np.testing.assert_allclose(resampled.x_jaws, [jaws_x[0], [-50.0, 50.0], jaws_x[-1]], atol=1e-4)
+    assert read_plan(saved(tmp_path, hand_plan(millennium_boundaries(), leaf_a, leaf_b),
+                           "no_jaws.dcm"))[0].behind_x_jaws() is None
 
 
 def test_hd120_like_plan_is_refused_naming_the_device_and_its_boundaries(tmp_path):

@@ -10,6 +10,7 @@ RT Image of the synthesised frames.
 from __future__ import annotations
 
 import csv
+import dataclasses
 import datetime
 import json
 import math
@@ -31,7 +32,7 @@ from epid.data.dataset import EpidData
 from epid.data.plans import scan_plans
 from epid.dicom.image import read_frames, write_frames
 from epid.dicom.plan import Arc, read_plan, write_arcs, write_plan
-from epid.evaluation import arc_review, plan_qa, qa_report, timeline
+from epid.evaluation import arc_review, inference, plan_qa, qa_report, timeline
 from epid.models.checkpoint import load_checkpoint
 from epid.models.families import build_models, predict_frames
 from epid.synthesis.frames import render_frames
@@ -322,6 +323,47 @@ def test_a_delivery_that_matches_its_plan_passes_every_criterion(tmp_path):
     assert summary["leaf_mae_mm"] == summary["leaf_max_mm"] == 0.0 and summary["leaf_within_1mm_percent"] == 100.0
     assert summary["jaw_mae_mm"] == 0.0 and abs(summary["mu_total_error_percent"]) < 1e-4
     assert summary["pass"] and all(item["pass"] for item in summary["criteria"].values())
+
+
+def test_leaves_an_x_jaw_hides_are_scored_as_that_jaw_and_never_as_leaves(tmp_path):
+    # arc 5 (its in-band leaves at x = 26.7..29.8 and 59.9..63.6 mm) behind X jaws at 28.4 and 62.0 mm, its
+    # leaves folded into them as the plan reading does; the reconstruction finds every visible leaf where
+    # planned and the X1 jaw's edge 1.5 mm inside the plan's
+    qa = qa_of(tmp_path, estimate_from_plan=True)
+    cp = qa.beam.control_points
+    x1, x2 = 28.4, 62.0
+    leaf_a = np.clip(cp.leaf_a, x1, x2)
+    leaf_b = np.maximum(np.clip(cp.leaf_b, x1, x2), leaf_a)
+    beam = dataclasses.replace(qa.beam, control_points=dataclasses.replace(cp, leaf_a=leaf_a, leaf_b=leaf_b),
+                               x_jaws=np.tile(np.float32([x1, x2]), (len(cp), 1)))
+    segment = plan_qa.plan_segment(beam, qa.points, torch.from_numpy(np.array(qa.measured.frames)))
+    rows = qa.points  # the scored control points (from frame 1: every frame's)
+    band = inference.jaw_band(torch.from_numpy(cp.jaw_1[rows]), torch.from_numpy(cp.jaw_2[rows])).numpy()
+    behind_x1 = {"A": cp.leaf_a[rows] <= x1, "B": cp.leaf_b[rows] <= x1}  # from the unfolded plan
+    behind_x2 = {"A": cp.leaf_a[rows] >= x2, "B": cp.leaf_b[rows] >= x2}
+    shift = {bank: np.where(behind_x1[bank], 1.5, 0.0).astype(np.float32) for bank in "AB"}
+    estimate = arc_review.ArcEstimate(
+        torch.from_numpy(segment.leaf_a + shift["A"]), torch.from_numpy(segment.leaf_b + shift["B"]),
+        torch.from_numpy(np.stack([segment.jaw_1, segment.jaw_2], 1)), torch.from_numpy(segment.mu), "arc")
+    summary = plan_qa.summarise(dataclasses.replace(qa, beam=beam, segment=segment, estimate=estimate))
+    hidden_x1 = sum(int((band & behind_x1[bank]).sum()) for bank in "AB")
+    hidden_x2 = sum(int((band & behind_x2[bank]).sum()) for bank in "AB")
+    assert hidden_x1 > 15 and hidden_x2 > 15, "each jaw hides a share of its bank's leaves inside the band"
+    assert summary["leaves_scored"] == 2 * int(band.sum()) - hidden_x1 - hidden_x2
+    assert summary["leaf_mae_mm"] == 0.0 and summary["leaf_within_1mm_percent"] == 100.0
+    assert summary["x_jaw_positions"] == hidden_x1 + hidden_x2
+    assert summary["x_jaw_max_mm"] == pytest.approx(1.5)
+    found = summary["delivery_errors"]
+    assert found["x_jaws"]["X1"]["mean_mm"] == pytest.approx(1.5) and found["x_jaws"]["X1"]["flagged"]
+    assert found["x_jaws"]["X2"]["mean_mm"] == 0.0 and not found["x_jaws"]["X2"]["flagged"]
+    assert not any(bank["flagged"] for bank in found["banks"].values()) and found["flagged_leaves"] == 0
+    assert found["flagged"]
+    qa_report.write_leaves_csv(tmp_path / "qa_leaves.csv", dataclasses.replace(qa, beam=beam, segment=segment,
+                                                                               estimate=estimate))
+    with open(tmp_path / "qa_leaves.csv", newline="") as handle:
+        hiding = [row["behind_x_jaw"] for row in csv.DictReader(handle)]
+    assert hiding.count("X1") == sum(int(behind_x1[bank].sum()) for bank in "AB")
+    assert hiding.count("X2") == sum(int(behind_x2[bank].sum()) for bank in "AB")
 
 
 def test_arc_fit_from_a_later_frame_scores_the_control_points_after_it(tmp_path):
