@@ -15,10 +15,14 @@ gamma per frame and integrated, the arc reconstruction, the report's flags
 bank's mean reconstructed-minus-planned position, the total MU error), the flags and gamma's
 verdict beside them (a series the QA refuses outright, as frames at angles outside the arc, counts
 as found), the seconds of each QA (read, place, predict, gamma, reconstruct, summarise) in the
-JSON, and the false-alarm rate on the error-free deliveries. Run from the repository root:
+JSON, and the false-alarm rate on the error-free deliveries. With ``--xim`` every cine series is
+written as Varian XIM files instead (``clinic_delivery.write_xim_cine``: read through pylinac,
+placed by the linac's MU counter rather than by gantry angle, so that an angle reported off is no
+longer seen). Run from the repository root:
 
     python -m bench.bench_error_detection --checkpoint quality_sharp/checkpoint.pth
     python -m bench.bench_error_detection --checkpoint quality_sharp/checkpoint.pth --plans 1 --errors none,bank_a_1mm
+    python -m bench.bench_error_detection --checkpoint quality_sharp/checkpoint.pth --xim --errors none,mu_2pct
 """
 
 from __future__ import annotations
@@ -34,7 +38,14 @@ from pathlib import Path
 import torch
 
 from bench.bench_quality import machine as describe_machine
-from bench.clinic_delivery import ClinicPanel, DeliveryErrors, PanelPhysics, write_cine, write_integrated
+from bench.clinic_delivery import (
+    ClinicPanel,
+    DeliveryErrors,
+    PanelPhysics,
+    write_cine,
+    write_integrated,
+    write_xim_cine,
+)
 from epid.core.errors import InputError
 from epid.core.memory import keep_freed_memory
 from epid.core.tables import format_table
@@ -71,6 +82,8 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--commission-steps", type=int, default=commission.DEFAULT_STEPS)
     parser.add_argument("--field-plan", action="store_true",
                         help="commission on commission.field_plan's static fields too")
+    parser.add_argument("--xim", action="store_true",
+                        help="write the cine series as Varian XIM files (read through pylinac) instead of RT Images")
     parser.add_argument("--output", default="error_detection.json", help="figures as JSON")
     args = parser.parse_args(argv)
     unknown = [name for name in args.errors.split(",") if name not in ERRORS]
@@ -115,7 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     physics = PanelPhysics()
     panel = ClinicPanel(physics)
     machine = describe_machine(torch.device("cpu"))
+    write_series = write_xim_cine if args.xim else write_cine
     results: dict = {"checkpoint": args.checkpoint, "machine": machine, "physics": dataclasses.asdict(physics),
+                     "cine_format": "XIM" if args.xim else "RT Image",
                      "arc_degrees": args.arc_degrees, "control_points": args.control_points, "beam_mu": args.beam_mu,
                      "deliveries": [], "integrated": []}
     started = time.perf_counter()
@@ -125,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         for dataset_id in COMMISSIONING_IDS + ((None,) if args.field_plan else ()):
             beam = arc_plan(folder, dataset_id, args)
             delivery = panel.deliver(beam)
-            paths = write_cine(delivery, folder / f"commission_{dataset_id or 'fields'}", physics)
+            paths = write_series(delivery, folder / f"commission_{dataset_id or 'fields'}", physics)
             series = read_series(paths)
             measurements.append(commission.Measurement.of(beam, series))
             deliveries.append((series, measurements[-1].placement))
@@ -143,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
             beam = arc_plan(folder, dataset_id, args)
             for name in args.errors.split(","):
                 delivery = panel.deliver(beam, ERRORS[name])
-                paths = write_cine(delivery, folder / f"judged_{dataset_id}_{name}", physics)
+                paths = write_series(delivery, folder / f"judged_{dataset_id}_{name}", physics)
                 timer = time.perf_counter()
                 try:
                     series = read_series(paths)

@@ -35,6 +35,7 @@ import scipy.ndimage
 from pydicom.dataset import Dataset, FileMetaDataset
 from pydicom.uid import ExplicitVRLittleEndian, generate_uid
 
+from bench.xim_files import write_xim
 from epid.dicom.plan import PlanBeam
 
 FLUENCE_MM = 0.25
@@ -90,12 +91,14 @@ class DeliveryErrors:
 @dataclass
 class Delivery:
     """Cine frames of one beam (F, H, W) in panel units on a 0.5 mm grid at the isocentre (row 0
-    the most positive y), their reported gantry angles (F,), times (F,) s and true MU spans (F, 2)."""
+    the most positive y), their reported gantry angles (F,), times (F,) s, true MU spans (F, 2) and
+    the linac's MU counter over them (F, 2: the planned MU, which an output error does not change)."""
 
     frames: np.ndarray
     gantry_deg: np.ndarray
     time_s: np.ndarray
     spans_mu: np.ndarray
+    counter_mu: np.ndarray
     delivered: dict[str, np.ndarray] = field(default_factory=dict)
 
 
@@ -266,8 +269,9 @@ class ClinicPanel:
             frames[index] = recorded + noise
             if progress is not None:
                 progress(1)
+        spans = np.stack([starts, mu_at], 1)
         return Delivery(frames=frames, gantry_deg=(gantry + errors.gantry_offset_deg) % 360.0, time_s=ends,
-                        spans_mu=np.stack([starts, mu_at], 1), delivered=plan)
+                        spans_mu=spans, counter_mu=spans / errors.mu_scale, delivered=plan)
 
 
 def write_cine(delivery: Delivery, folder: str | Path, physics: PanelPhysics = PanelPhysics(), beam: int = 1,
@@ -286,6 +290,25 @@ def write_cine(delivery: Delivery, folder: str | Path, physics: PanelPhysics = P
         path = folder / f"cine_{index:04d}.dcm"
         _rt_image(frame, path, physics, beam, delivery.gantry_deg[index], acquired, index + 1)
         paths.append(path)
+    return paths
+
+
+def write_xim_cine(delivery: Delivery, folder: str | Path, physics: PanelPhysics = PanelPhysics()) -> list[Path]:
+    """The frames as Varian XIM files in ``folder`` (frame_0000.xim, ...), as a TrueBeam panel writes
+    its cine frames: whole panel units, the pitch in cm (0.75 mm at SID ``physics.sid_mm``), the
+    panel's height below the isocentre, the gantry angle on Varian's Standard scale and the linac's
+    MU counter at each frame's start and end (``bench.xim_files``)."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    pitch_cm = IMAGE_MM * physics.sid_mm / 1000.0 / 10.0
+    header = {"PixelWidth": pitch_cm, "PixelHeight": pitch_cm, "MVSourceVrt": 100.0,
+              "MVDetectorVrt": (1000.0 - physics.sid_mm) / 10.0, "MVCollimatorRtn": 180.0}
+    paths = []
+    for index, frame in enumerate(delivery.frames):
+        start, stop = delivery.counter_mu[index]
+        paths.append(write_xim(folder / f"frame_{index:04d}.xim", np.rint(frame).astype(np.int32), {
+            **header, "GantryRtn": float((180.0 - delivery.gantry_deg[index]) % 360.0), "MVDoseStart": float(start),
+            "MVDoseStop": float(stop)}))
     return paths
 
 

@@ -55,3 +55,31 @@ def test_clinic_panel_integrates_leaf_motion_exactly_and_records_the_delivered_m
     more = panel.deliver(beam, DeliveryErrors(mu_scale=1.03))
     ratio = more.frames.sum() / delivered.frames.sum()
     assert abs(ratio - 1.03) < 0.01, ratio
+    # the linac's counter counts planned MU: it ends at the beam's 40 MU while 3 % more were delivered
+    assert abs(more.counter_mu[-1, 1] - 40.0) < 40.0 / len(more.frames) < abs(more.spans_mu[-1, 1] - 40.0)
+    np.testing.assert_allclose(more.counter_mu, more.spans_mu / 1.03)
+
+
+def test_clinic_cine_frames_read_alike_as_rt_images_and_as_xim_placed_by_the_mu_counter(tmp_path):
+    import numpy as np
+    import pytest
+
+    pytest.importorskip("pylinac.core.image", reason="pylinac (requirements-xim.txt) reads XIM files")
+    from bench.clinic_delivery import ClinicPanel, PanelPhysics, write_cine, write_xim_cine
+    from epid.dicom.plan import read_plan, write_plan
+    from epid.dicom.series import read_series
+    from epid.evaluation import timeline
+    from epid.synthesis.sequences import generate_control_points
+
+    write_plan(tmp_path / "arc.dcm", generate_control_points(86, 4), beam_mu=12.0, gantry_start_deg=181.0,
+               gantry_stop_deg=191.0, label="arc 86")
+    (beam,) = read_plan(tmp_path / "arc.dcm")
+    physics = PanelPhysics()
+    delivered = ClinicPanel(physics).deliver(beam)
+    as_images = read_series(write_cine(delivered, tmp_path / "dicom", physics))
+    as_xim = read_series(write_xim_cine(delivered, tmp_path / "xim", physics))
+    np.testing.assert_allclose(as_xim.gantry_deg, as_images.gantry_deg, atol=0.006)  # the RT Images' 2 decimals
+    np.testing.assert_allclose(as_xim.frames, as_images.frames, atol=0.5)  # rounded to whole panel units
+    placement = timeline.place_frames(beam, as_xim)
+    assert placement.placed_by.startswith("the linac's MU counter")
+    np.testing.assert_allclose(placement.boundaries_mu[1:], delivered.spans_mu[:, 1], atol=1e-9)

@@ -9,12 +9,12 @@ import sys
 import numpy as np
 import pytest
 
+from bench.xim_files import write_xim
 from epid.dicom.image import ImageError
 from epid.dicom.series import read_series
 from epid.evaluation import timeline
 from tests.dicom.test_plan_and_image import assert_one_line, field_edges
 from tests.dicom.test_series import FIELD, panel_image, save
-from tests.dicom.xim_files import write_xim
 from tests.evaluation.test_timeline import arc_80
 
 pytest.importorskip("pylinac.core.image", reason="pylinac (requirements-xim.txt) reads XIM files")

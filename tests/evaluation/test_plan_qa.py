@@ -24,6 +24,7 @@ import pytest
 import torch
 
 import inference_visualize
+from bench.xim_files import write_xim
 from epid.config.load import Config, load_config
 from epid.config.variables import ConfigError
 from epid.core.errors import InputError
@@ -39,7 +40,6 @@ from epid.synthesis.frames import render_frames
 from epid.synthesis.kernel import default_kernel
 from epid.synthesis.sequences import ControlPoints, generate_control_points
 from tests.dicom.test_series import raw_image, save
-from tests.dicom.xim_files import write_xim
 from tests.evaluation.test_timeline import direct_integral, series_of
 from tests.support import ROOT, TINY_RUN, clean_environment
 

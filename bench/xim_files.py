@@ -1,5 +1,6 @@
-"""Varian XIM files written for the tests, in the compressed form the panels write (the reader is
-pylinac's; these files are what it reads back, checked pixel for pixel in tests/dicom/test_xim.py).
+"""Varian XIM files written in the compressed form TrueBeam panels write: the cine frames of
+``bench.clinic_delivery`` in Varian's own format, and the tests' (the reader is pylinac's, which
+reads these back pixel for pixel, tests/dicom/test_xim.py).
 
 Layout (little-endian): "VMS.XI" padded to 8 bytes; version, width, height, bits and bytes per
 pixel, compression flag (int32 each); the lookup table's size and bytes (a 2-bit code per
