@@ -17,16 +17,16 @@ point, the trajectories of the worst leaves, jaws and MU; arcs.csv holds the fig
 
 Real plans and images (DICOM): --plan predicts every frame of an RT Plan's beam (--beam N when
 the plan has several treatment beams) and draws plan_frames.png; --export-frames writes the
-prediction as a multi-frame RT Image. With --frames (RT Images or Varian XIM files of the delivery: a cine
-series placed on the arc by gantry angle or MU, one integrated image, or frames naming their control
-points; a panel's dark and flood images taken out by --dark-image and --flood-image; measured units
-calibrated by --calibration) it also writes the delivery QA report (epid.evaluation.plan_qa): gamma per frame
-(3 %/2 mm and 2 %/2 mm), the control points reconstructed from the measured frames (--reconstruction,
-default arc) against the plan, TG-218 and TG-142 pass/fail, qa_summary.json, qa_frames.csv,
-qa_leaves.csv and figures; for a plan of several beams given the images of all of them (each naming
-its beam), every beam's report in beam_<n>/ and qa_plan.json. Without --plan, --export-plan and
---export-frames write the synthetic arc of one dataset ID (--dataset-ids N) as an RT Plan and its
-synthesised frames as an RT Image.
+prediction as a multi-frame RT Image. With --frames (RT Images or Varian XIM files of the
+delivery: a cine series placed on the arc by gantry angle or MU, one integrated image, or frames
+naming their control points; a panel's dark and flood images taken out by --dark-image and
+--flood-image; measured units calibrated by --calibration) it also writes the delivery QA report
+(epid.evaluation.plan_qa): gamma per frame (3 %/2 mm and 2 %/2 mm), the control points
+reconstructed from the measured frames (--reconstruction, default arc) against the plan, TG-218
+and TG-142 pass/fail, qa_summary.json, qa_frames.csv, qa_leaves.csv and figures; for a plan of
+several beams given the images of all of them (each naming its beam), every beam's report in
+beam_<n>/ and qa_plan.json. Without --plan, --export-plan and --export-frames write the synthetic
+arc of one dataset ID (--dataset-ids N) as an RT Plan and its synthesised frames as an RT Image.
 Frames are in the collimator's frame (x along the leaves' travel).
 
 Examples:

@@ -200,10 +200,10 @@ def _mean_pixels(given: str | Path | Sequence[str | Path]) -> tuple[list[str], n
 
 
 def read_series(given: str | Path | Sequence[str | Path], correction: PanelCorrection | None = None) -> MeasuredSeries:
-    """The measured frames of one beam's delivery (module docstring) from ``given``: RT Image
-    files, folders or glob patterns, each frame corrected by ``correction`` where given.
-    ImageError, one line naming the file, for a file that is not a readable RT Image, lacks what
-    its pixels need (spacing, SID, SAD), or names another beam than the files before it; or for a
+    """The measured frames of one beam's delivery (module docstring) from ``given``: RT Image or
+    XIM files, folders or glob patterns, each frame corrected by ``correction`` where given.
+    ImageError, one line naming the file, for a file that is not a readable RT Image or XIM file,
+    lacks what its pixels need (spacing, SID, SAD), or names another beam than the files before it; or for a
     series that mixes frames naming control points with frames that do not."""
     files = expand_paths(given)
     parts = [_read(path, correction) for path in files]
@@ -218,12 +218,12 @@ def read_series(given: str | Path | Sequence[str | Path], correction: PanelCorre
 
 def read_beam_series(given: str | Path | Sequence[str | Path],
                      correction: PanelCorrection | None = None) -> list[MeasuredSeries]:
-    """The measured frames of each beam's delivery in ``given`` (RT Image files, folders or glob
-    patterns of a whole plan's delivery; each frame corrected by ``correction`` where given), grouped
-    by the ``ReferencedBeamNumber`` the images name,
-    in beam-number order; images naming no beam join the one beam the others name, or form the
-    only series. ImageError, one line naming the file, for an image naming no beam beside images
-    of two or more beams, and for every problem ``read_series`` refuses within a beam."""
+    """The measured frames of each beam's delivery in ``given`` (RT Image or XIM files, folders or
+    glob patterns of a whole plan's delivery; each frame corrected by ``correction`` where given),
+    grouped by the ``ReferencedBeamNumber`` the images name, in beam-number order; images naming no
+    beam join the one beam the others name, or form the only series. ImageError, one line naming
+    the file, for an image naming no beam beside images of two or more beams, and for every problem
+    ``read_series`` refuses within a beam."""
     files = expand_paths(given)
     parts = [_read(path, correction) for path in files]
     beams = sorted({part.beam_number for part in parts if part.beam_number is not None})
