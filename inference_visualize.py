@@ -117,9 +117,10 @@ def parse_arguments(argv: Sequence[str] | None, config: Config) -> argparse.Name
     dicom.add_argument("--beam", type=_positive_int, metavar="N",
                        help="beam number in --plan (needed when the plan has several treatment beams)")
     dicom.add_argument("--frames", nargs="+", metavar="RTIMAGE",
-                       help="measured images of the delivery of --plan: RT Image files, folders or glob patterns: "
-                            "a cine series (frames placed on the arc by gantry angle or meterset weights), one "
-                            "integrated image of the beam, or frames naming their control points")
+                       help="measured images of the delivery of --plan: RT Image or Varian XIM files, folders or "
+                            "glob patterns: a cine series (frames placed on the arc by gantry angle, meterset weights "
+                            "or the linac's MU counter), one integrated image of the beam, or frames naming their "
+                            "control points")
     dicom.add_argument("--calibration", choices=("auto", "none", "fit", "commissioned", "image"), default="auto",
                        help="measured units to the models' units: none (frames already in them), fit (one "
                             "least-squares scale per delivery; it absorbs a global MU error), commissioned (the "
