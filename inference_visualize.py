@@ -635,7 +635,8 @@ def beam_review(args: argparse.Namespace, checkpoint: dict, models: tuple,
     if not cine or args.export_frames:
         _stage(f"predicting its {frames} frames (batches of {args.batch_size})")
         with _counter(frames, "frame") as advance:
-            predicted = plan_qa.predict_plan_frames(models[0], beam.control_points, device, args.batch_size, advance)
+            predicted = plan_qa.predict_plan_frames(models[0], beam.control_points, device, args.batch_size, advance,
+                                                    beam.x_jaws)
         if not cine:
             qa_report.write_plan_frames(predicted, beam, output_dir / "plan_frames.png", run_label, draw)
     if args.export_frames:

@@ -92,25 +92,30 @@ LEAF_CENTRES_MM = MLC_Y_MIN_MM + LEAF_WIDTH_MM * (np.arange(NUM_LEAF_PAIRS) + 0.
 # --------------------------------------------------------------------------- prediction
 
 
-def frame_inputs(control_points: ControlPoints) -> tuple[Tensor, Tensor, Tensor]:
+def frame_inputs(control_points: ControlPoints, x_jaws: np.ndarray | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """Forward-model inputs of frames 1..N-1 (frame k: prev control point k - 1, curr k), CPU
     float32: leaf_a, leaf_b (N - 1, 104) mm [prev 52, curr 52] and scalars (N - 1, 5) [MU of the
-    frame, jaw_1 prev, jaw_1 curr, jaw_2 prev, jaw_2 curr]."""
+    frame, jaw_1 prev, jaw_1 curr, jaw_2 prev, jaw_2 curr]; with a beam's ``x_jaws`` (N, 2),
+    (N - 1, 9): [X1 prev, X1 curr, X2 prev, X2 curr] appended."""
     cp = control_points
 
     def pair(values: np.ndarray) -> Tensor:
         return torch.from_numpy(np.concatenate([values[:-1], values[1:]], axis=1).astype(np.float32))
 
-    scalars = np.stack([cp.mu[1:], cp.jaw_1[:-1], cp.jaw_1[1:], cp.jaw_2[:-1], cp.jaw_2[1:]], axis=1)
-    return pair(cp.leaf_a), pair(cp.leaf_b), torch.from_numpy(scalars.astype(np.float32))
+    columns = [cp.mu[1:], cp.jaw_1[:-1], cp.jaw_1[1:], cp.jaw_2[:-1], cp.jaw_2[1:]]
+    if x_jaws is not None:
+        columns += [x_jaws[:-1, 0], x_jaws[1:, 0], x_jaws[:-1, 1], x_jaws[1:, 1]]
+    return pair(cp.leaf_a), pair(cp.leaf_b), torch.from_numpy(np.stack(columns, axis=1).astype(np.float32))
 
 
 def predict_plan_frames(forward_model: nn.Module, control_points: ControlPoints, device: torch.device | str = "cpu",
-                        batch_size: int = 64, progress: Progress | None = None) -> Tensor:
+                        batch_size: int = 64, progress: Progress | None = None,
+                        x_jaws: np.ndarray | None = None) -> Tensor:
     """Frames 1..N-1 of the plan (N - 1, 256, 256) float32 on the CPU, predicted by
     ``forward_model`` (on ``device``, switched to eval mode) ``batch_size`` frames at a time, with
-    the model's own lag carried from frame to frame (``timeline.predict_intervals``)."""
-    leaf_a, leaf_b, scalars = frame_inputs(control_points)
+    the model's own lag carried from frame to frame (``timeline.predict_intervals``); the beam's
+    ``x_jaws`` (N, 2) rendered as jaws where given (``frame_inputs``)."""
+    leaf_a, leaf_b, scalars = frame_inputs(control_points, x_jaws)
     return timeline.predict_intervals(forward_model, leaf_a, leaf_b, scalars, device, batch_size, progress)
 
 

@@ -337,15 +337,18 @@ def pieces(plan: PlanBeam, boundaries: np.ndarray) -> tuple[np.ndarray, np.ndarr
 def piece_inputs(plan: PlanBeam, start: np.ndarray, end: np.ndarray) -> tuple[Tensor, Tensor, Tensor]:
     """Forward-model inputs of pieces [start, end] (P,) of cumulative MU, each inside one of the
     plan's control-point intervals: leaf_a, leaf_b (P, 104) [at start 52, at end 52] mm and scalars
-    (P, 5) [MU, jaw_1 at start, at end, jaw_2 at start, at end], float32."""
+    (P, 5) [MU, jaw_1 at start, at end, jaw_2 at start, at end], float32; for a beam with X jaws
+    (P, 9), [X1 at start, at end, X2 at start, at end] appended (``epid.models.families.predict_frames``)."""
     interval = _interval_of(cumulative_mu(plan), (start + end) / 2)
     before, after = positions_at(plan, start, interval), positions_at(plan, end, interval)
 
     def pair(name: str) -> Tensor:
         return torch.from_numpy(np.concatenate([before[name], after[name]], axis=1).astype(np.float32))
 
-    scalars = np.stack([end - start, before["jaw_1"], after["jaw_1"], before["jaw_2"], after["jaw_2"]], axis=1)
-    return pair("leaf_a"), pair("leaf_b"), torch.from_numpy(scalars.astype(np.float32))
+    columns = [end - start, before["jaw_1"], after["jaw_1"], before["jaw_2"], after["jaw_2"]]
+    if "x_jaws" in before:
+        columns += [before["x_jaws"][:, 0], after["x_jaws"][:, 0], before["x_jaws"][:, 1], after["x_jaws"][:, 1]]
+    return pair("leaf_a"), pair("leaf_b"), torch.from_numpy(np.stack(columns, axis=1).astype(np.float32))
 
 
 def piece_gantry(plan: PlanBeam, start: np.ndarray, end: np.ndarray) -> np.ndarray:

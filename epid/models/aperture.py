@@ -62,6 +62,8 @@ from epid.synthesis.geometry import (
 
 LATENT_POOL = GRID_SIZE // LATENT_SIZE
 PHYSICS_LR_FACTOR = 10.0
+X_JAW_SCALARS = 4
+"""Columns a beam with X jaws appends to the scalars: [X1 prev, X1 curr, X2 prev, X2 curr] mm."""
 """Learning-rate factor of the few physical parameters (response, edge shift, in-field weights)."""
 MIN_EXPECTED_SUM = 1.0
 """Added to the expected frame sum per MU (pixels), so that MU stays finite for a closed aperture."""
@@ -151,10 +153,16 @@ class ApertureFluence(nn.Module):
         return width + (width.clamp_min(0.0) - width).detach()
 
     def forward(self, leaf_a: Tensor, leaf_b: Tensor, scalars: Tensor) -> Tensor:
+        """The fluence (B, 260, 256) of leaves (B, 104) and scalars (B, 5), or (B, 9) with the X jaws'
+        [X1 prev, X1 curr, X2 prev, X2 curr] appended (``X_JAW_SCALARS``), rendered with the Y jaws'
+        edge offset and transmission."""
         batch = leaf_a.shape[0]
         jaw_1 = sub_aperture_positions(scalars[:, 1], scalars[:, 2])  # (B, 7)
         jaw_2 = sub_aperture_positions(scalars[:, 3], scalars[:, 4])
         layers: dict[str, object] = {}
+        if scalars.shape[1] == NUM_SCALARS + X_JAW_SCALARS:
+            layers["x_jaws"] = (sub_aperture_positions(scalars[:, 5], scalars[:, 6]),
+                                sub_aperture_positions(scalars[:, 7], scalars[:, 8]))
         if self.layers:
             layers["interleaf"] = self.interleaf
         if self.layers > 1:
@@ -201,6 +209,7 @@ class ApertureForwardModel(nn.Module):
     """Control point -> EPID frame through the aperture's fluence and a learned detector response."""
 
     takes_prev_frame = True
+    renders_x_jaws = True
     ADDED_PARAMETERS = ("aperture.leaf_end_offset", "aperture.leaf_transmission_percent",
                         "aperture.jaw_transmission_percent", "aperture.interleaf_leakage_percent",
                         "aperture.tongue_groove_mm", "lag_percent", "response.radial_log_width",
@@ -248,14 +257,16 @@ class ApertureForwardModel(nn.Module):
 
     def forward(self, leaf_a: Tensor, leaf_b: Tensor, scalars: Tensor,
                 epid_prev: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """Predict ``(epid (B,1,256,256), latent (B,1,64,64))`` from leaves (B,104) mm and scalars (B,5).
+        """Predict ``(epid (B,1,256,256), latent (B,1,64,64))`` from leaves (B,104) mm and scalars (B,5),
+        or (B,9) with a beam's X jaws appended (``ApertureFluence.forward``).
 
         With the recorded previous frame ``epid_prev`` (B,1,256,256), the prediction is the
         recorded frame (1 - lag) x signal + lag x ``epid_prev`` (learned lag, starting at 0);
         without it, the signal alone."""
         _check_vector("leaf_a", leaf_a, NUM_LEAVES)
         _check_vector("leaf_b", leaf_b, NUM_LEAVES)
-        _check_vector("scalars", scalars, NUM_SCALARS)
+        if scalars.shape[-1] != NUM_SCALARS + X_JAW_SCALARS:
+            _check_vector("scalars", scalars, NUM_SCALARS)
         per_mu, fluence = self.render(leaf_a, leaf_b, scalars)
         epid = (per_mu * scalars[:, :1, None].float()).unsqueeze(1)
         if epid_prev is not None:

@@ -141,7 +141,11 @@ def build_models(size: str = "full", family_name: str = DEFAULT_FAMILY,
 def predict_frames(forward_model: nn.Module, leaf_a: Tensor, leaf_b: Tensor, scalars: Tensor,
                    epid_prev: Tensor) -> tuple[Tensor, Tensor]:
     """The forward model's (epid, latent) for one batch; a model that predicts the detector's lag
-    (``takes_prev_frame``) also gets the recorded previous frame ``epid_prev``."""
+    (``takes_prev_frame``) also gets the recorded previous frame ``epid_prev``. Scalars with a beam's
+    X jaws appended (B, 9) reach a model that renders them (``renders_x_jaws``, the aperture family);
+    the legacy family gets the first 5 and renders the leaves folded into the X jaws alone."""
+    if scalars.shape[-1] > legacy.NUM_SCALARS and not getattr(forward_model, "renders_x_jaws", False):
+        scalars = scalars[:, :legacy.NUM_SCALARS]
     if getattr(forward_model, "takes_prev_frame", False):
         return forward_model(leaf_a, leaf_b, scalars, epid_prev)
     return forward_model(leaf_a, leaf_b, scalars)

@@ -162,7 +162,8 @@ def aperture_fluence(leaf_a: torch.Tensor, leaf_b: torch.Tensor, jaw_1: torch.Te
                      jaw_edge_offset: Setting = 0.0, tongue_groove_mm: Setting = 0.0,
                      leaf_transmission: Setting = 0.0, interleaf_leakage: Setting = 0.0,
                      jaw_transmission: Setting = 0.0, second_layer: tuple[torch.Tensor, torch.Tensor] | None = None,
-                     interleaf: torch.Tensor | None = None) -> torch.Tensor:
+                     interleaf: torch.Tensor | None = None,
+                     x_jaws: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """The fluence of B apertures on the leaf grid, (B, 260, 256), y ascending: the sum of the S
     sub-apertures of each (leaves (B, S, 52), jaws (B, S), mm) weighted by ``weights`` (B, S).
 
@@ -182,6 +183,11 @@ def aperture_fluence(leaf_a: torch.Tensor, leaf_b: torch.Tensor, jaw_1: torch.Te
     jaws (the transmissions keep theirs), which halves a dual layer's forward and backward pass.
     ``interleaf`` (layers, 51): which boundaries between strips are boundaries between leaves of
     each layer (``MlcGeometry.interleaf``; default every one, in one layer).
+
+    ``x_jaws`` (X1, X2: (B, S) mm each, a beam with X jaws, one layer of leaves): jaws along x with
+    the Y jaws' edge offset and transmission, whose transmission multiplies the leaves' and the Y
+    jaws' at every point (exact over each cell: where a leaf end and an X jaw share a cell, the part
+    both leave open is their openings' overlap).
     """
     device, batch, sub_apertures = leaf_a.device, leaf_a.shape[0], leaf_a.shape[1]
     columns = torch.arange(GRID_SIZE, device=device, dtype=torch.float32) + (GRID_ORIGIN_MM + 0.5)
@@ -193,9 +199,14 @@ def aperture_fluence(leaf_a: torch.Tensor, leaf_b: torch.Tensor, jaw_1: torch.Te
     if isinstance(tongue_groove_mm, torch.Tensor) or tongue_groove_mm > 0:
         strip = (torch.as_tensor(tongue_groove_mm, device=device) / 2.0).clamp(0.0, 1.0)  # share of a row
 
-    def open_sum(lower: torch.Tensor, upper: torch.Tensor) -> torch.Tensor:
-        """(B, 260, 256) sum over the sub-apertures of jaws x the open fraction of leaf edges (B, S, 52)."""
-        leaf_open = cell_coverage(lower - leaf_end_offset_a, upper + leaf_end_offset_b, columns).transpose(1, 2)
+    def open_sum(lower: torch.Tensor, upper: torch.Tensor, within_x_jaws: bool = False) -> torch.Tensor:
+        """(B, 260, 256) sum over the sub-apertures of jaws x the open fraction of leaf edges (B, S, 52),
+        or with ``within_x_jaws`` of the part of the opening that the X jaws leave open too."""
+        low, high = lower - leaf_end_offset_a, upper + leaf_end_offset_b
+        if within_x_jaws:
+            low = torch.maximum(low, (x_jaws[0] - jaw_edge_offset)[..., None])
+            high = torch.minimum(high, (x_jaws[1] + jaw_edge_offset)[..., None])
+        leaf_open = cell_coverage(low, high, columns).transpose(1, 2)
         first_open, last_open = leaf_open, leaf_open  # (B, 52, S, 256): of a leaf's first and last rows
         if strip is not None:
             both = torch.minimum(leaf_open[:, :-1], leaf_open[:, 1:])
@@ -215,6 +226,16 @@ def aperture_fluence(leaf_a: torch.Tensor, leaf_b: torch.Tensor, jaw_1: torch.Te
     boundary[:, 1:, 0] = interleaf
     closed = leaf_transmission + interleaf_leakage * boundary.view(layers, LEAF_GRID_ROWS, 1)  # (layers, 260, 1)
     jaw_sum = jaw_fluence.sum(-1).reshape(batch, LEAF_GRID_ROWS, 1)
+    if x_jaws is not None:
+        if second_layer is not None:
+            raise ValueError("X jaws are rendered for a single layer of leaves only")
+        # a cell passes t_x + (1 - t_x) x its share the X jaws leave open, times the leaves' and Y jaws' own:
+        # the leaves' open part splits into the part the X jaws leave open and the rest
+        x_open = cell_coverage(x_jaws[0] - jaw_edge_offset, x_jaws[1] + jaw_edge_offset, columns)  # (B, S, 256)
+        x_sum = torch.matmul(jaw_fluence.reshape(batch, LEAF_GRID_ROWS, sub_apertures), x_open)
+        leaves = jaw_transmission * open_sum(leaf_a, leaf_b) + (1.0 - jaw_transmission) * open_sum(leaf_a, leaf_b,
+                                                                                                   True)
+        return leaves * (1.0 - closed[0]) + (jaw_transmission * jaw_sum + (1.0 - jaw_transmission) * x_sum) * closed[0]
     if second_layer is None:
         return open_sum(leaf_a, leaf_b) * (1.0 - closed[0]) + jaw_sum * closed[0]
     first, second = closed

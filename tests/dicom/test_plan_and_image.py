@@ -270,6 +270,9 @@ def test_millennium_like_plan_maps_5_mm_leaves_one_to_one_and_10_mm_leaves_to_tw
     cumulative = timeline.cumulative_mu(beam)
     resampled = timeline.resample(beam, np.array([0.0, (cumulative[1] + cumulative[2]) / 2, cumulative[-1]]))
     np.testing.assert_allclose(resampled.x_jaws, [jaws_x[0], [-50.0, 50.0], jaws_x[-1]], atol=1e-4)
+    # and the forward model is given them: [X1, X2] at each piece's start and end after the Y jaws
+    _, _, scalars = timeline.piece_inputs(beam, cumulative[[1, 2]], cumulative[[2, 3]])
+    np.testing.assert_allclose(scalars[:, 5:].numpy(), [[-70.0, -30.0, 80.0, 20.0], [-30.0, -30.0, 20.0, 20.0]])
     assert read_plan(saved(tmp_path, hand_plan(millennium_boundaries(), leaf_a, leaf_b),
                            "no_jaws.dcm"))[0].behind_x_jaws() is None
 

@@ -12,12 +12,12 @@ import torch
 
 from epid.models import aperture as aperture_module
 from epid.models.checkpoint import build_models_from_checkpoint
-from epid.models.families import PairConfig, build_models
+from epid.models.families import PairConfig, build_models, predict_frames
 from epid.models.panel import COMMISSIONING_PARAMETERS
 from epid.models.response import DetectorResponse, to_imager
 from epid.reconstruction.rows import RowDomain
 from epid.synthesis import geometry
-from epid.synthesis.fluence import frame_positions, physics_fluence, rasterize
+from epid.synthesis.fluence import aperture_fluence, frame_positions, physics_fluence, rasterize
 from epid.synthesis.mlc import MLC_GEOMETRIES
 from epid.synthesis.physics import PRESETS
 from epid.synthesis.sequences import generate_control_points
@@ -49,6 +49,36 @@ def test_fluence_of_a_moving_aperture_averages_the_seven_sub_apertures():
     expected = sum(rasterize(leaf_a[:, :52] + 2.0 * k, leaf_b[:, :52] + 2.0 * k, scalars[:, 1], scalars[:, 3])
                    for k in range(7)) / 7
     torch.testing.assert_close(to_imager(fluence), expected)
+
+
+def test_a_beams_x_jaws_reach_the_aperture_as_jaws_and_the_legacy_family_leaves_them_to_the_folded_leaves():
+    leaf_a, leaf_b, scalars = whole_mm_control_points(3, seed=2, move_mm=6.0)
+    forward, _ = build_models("tiny", "aperture")
+    forward.eval()
+    with torch.no_grad():
+        forward.aperture.jaw_transmission_percent.fill_(0.5)
+    x_jaws = torch.tensor([[-30.0, -24.0, 35.0, 41.0]]).expand(3, 4)  # X1 and X2 moving 6 mm in the frame
+    wide = torch.tensor([[-200.0, -200.0, 200.0, 200.0]]).expand(3, 4)
+    with torch.no_grad():
+        plain, _ = forward(leaf_a, leaf_b, scalars)
+        open_jaws, _ = forward(leaf_a, leaf_b, torch.cat([scalars, wide], 1))
+        jawed = forward.aperture(leaf_a, leaf_b, torch.cat([scalars, x_jaws], 1))
+    torch.testing.assert_close(open_jaws, plain)  # X jaws outside the field change nothing
+    moving = [aperture_module.sub_aperture_positions(scalars[:, i], scalars[:, i + 1]) for i in (1, 3)]
+    edges = aperture_module.ApertureFluence.moving_leaves(leaf_a, leaf_b)
+    expected = aperture_fluence(*edges, *moving, torch.full((3, 7), 1 / 7), jaw_transmission=0.005,
+                                x_jaws=(aperture_module.sub_aperture_positions(x_jaws[:, 0], x_jaws[:, 1]),
+                                        aperture_module.sub_aperture_positions(x_jaws[:, 2], x_jaws[:, 3])))
+    torch.testing.assert_close(jawed, expected)
+    columns = aperture_module.column_centres()
+    assert float(jawed[..., columns < -31].max()) <= 0.005 + 1e-7 < float(jawed.max())  # behind X1 all frame
+    legacy_forward, _ = build_models("tiny", "legacy")
+    legacy_forward.eval()
+    previous = torch.zeros(3, 1, 256, 256)
+    with torch.no_grad():
+        torch.testing.assert_close(predict_frames(legacy_forward, leaf_a, leaf_b, torch.cat([scalars, x_jaws], 1),
+                                                  previous)[0],
+                                   predict_frames(legacy_forward, leaf_a, leaf_b, scalars, previous)[0])
 
 
 def test_fluence_covers_a_cell_by_the_length_of_the_opening_in_it():

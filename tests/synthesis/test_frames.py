@@ -336,3 +336,40 @@ def test_frame_indices_outside_1_to_n_minus_1_are_rejected(control_points, frame
 
 def test_an_empty_frame_list_gives_an_empty_batch(control_points):
     assert render_frames(control_points, [], default_kernel(), dataset_id=200).shape == (0, 256, 256)
+
+
+def test_x_jaws_multiply_their_transmission_into_the_fluence_as_a_tenth_of_a_millimetre_grid_does():
+    """A static aperture under Y and X jaws: each 1 mm cell's fluence is the mean over a 0.1 mm grid of
+    the product of the Y jaws', the leaves' and the X jaws' transmission, t + (1 - t) x open."""
+    from epid.synthesis.fluence import aperture_fluence
+
+    rng = np.random.default_rng(4)
+    leaf_a = rng.integers(-600, 0, 52) / 10
+    leaf_b = leaf_a + rng.integers(0, 900, 52) / 10
+    jaw_1, jaw_2, x1, x2 = -71.3, 88.6, -25.4, 47.7
+    leaf_t, jaw_t = 0.015, 0.004
+    step = 0.1
+    y = -130.0 + step * (np.arange(2600) + 0.5)  # ascending, the leaf grid's rows
+    x = -128.0 + step * (np.arange(2560) + 0.5)
+    strip = np.clip(((y + 130.0) // 5).astype(int), 0, 51)
+    leaf_open = (x[None] >= leaf_a[strip][:, None]) & (x[None] < leaf_b[strip][:, None])
+    y_open = (y >= jaw_1) & (y < jaw_2)
+    x_open = (x >= x1) & (x < x2)
+
+    def passed(t, is_open):
+        return t + (1 - t) * is_open
+
+    fine = passed(jaw_t, y_open)[:, None] * passed(leaf_t, leaf_open) * passed(jaw_t, x_open)[None]
+    expected = fine.reshape(260, 10, 256, 10).mean(axis=(1, 3))
+    sub = 7
+
+    def moving(values):
+        return torch.tensor(values, dtype=torch.float32).expand(1, sub, *np.shape(values))
+
+    fluence = aperture_fluence(moving(leaf_a), moving(leaf_b), moving(jaw_1), moving(jaw_2),
+                               torch.full((1, sub), 1.0 / sub), leaf_transmission=leaf_t, jaw_transmission=jaw_t,
+                               x_jaws=(moving(x1), moving(x2)))[0].numpy()
+    np.testing.assert_allclose(fluence, expected, atol=1e-5)  # float32 sums of the 7 sub-apertures
+    without = aperture_fluence(moving(leaf_a), moving(leaf_b), moving(jaw_1), moving(jaw_2),
+                               torch.full((1, sub), 1.0 / sub), leaf_transmission=leaf_t, jaw_transmission=jaw_t)
+    assert np.abs(without[0].numpy() - expected).max() > 0.5, "without the X jaws the leaves alone shape the field"
