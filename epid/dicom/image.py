@@ -152,7 +152,7 @@ def _plan_reference(plan_path: str | Path | None, beam: int | None) -> tuple[Dat
     return read_dataset(plan_path, PlanError, "an RT Plan"), beams[0]
 
 
-def _decimal(value: float) -> str:
+def decimal_string(value: float) -> str:
     """``value`` as a decimal string of at most 16 characters (DS)."""
     return f"{value:.9g}"
 
@@ -161,8 +161,8 @@ def _image_pixel(dataset: Dataset, values: np.ndarray) -> None:
     """Image Pixel and Modality LUT: 16-bit unsigned pixels, rescaled to the frames' values."""
     intercept = min(0.0, float(values.min()))
     span = float(values.max()) - intercept
-    slope_text = _decimal(span / STORED_LEVELS if span > 0 else 1.0)
-    intercept_text = _decimal(intercept)
+    slope_text = decimal_string(span / STORED_LEVELS if span > 0 else 1.0)
+    intercept_text = decimal_string(intercept)
     slope, intercept = float(slope_text), float(intercept_text)
     stored = np.clip(np.rint((values - intercept) / slope), 0, STORED_LEVELS).astype("<u2")
     dataset.SamplesPerPixel = 1

@@ -33,7 +33,7 @@ import datetime
 import glob
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,6 +43,7 @@ from pydicom.dataset import Dataset
 from epid.core.files import GLOB_CHARACTERS
 from epid.dicom.image import (
     ImageError,
+    Parsed,
     detector_frames,
     exposure_items,
     frame_control_points,
@@ -189,10 +190,7 @@ def _mean_pixels(given: str | Path | Sequence[str | Path]) -> tuple[list[str], n
     files = expand_paths(given)
     frames = []
     for path in files:
-        if is_xim(path):
-            frames.append(detector_frames(path, read_xim(path, ImageError).dataset))
-        else:
-            frames.append(read_rt_image(path, detector_frames))
+        frames.append(_parsed(path, lambda name, dataset, _: detector_frames(name, dataset)))
         if frames[-1].shape[1:] != frames[0].shape[1:]:
             raise ImageError(f"{path}: {frames[-1].shape[1]} x {frames[-1].shape[2]} pixels, but {files[0]} has "
                              f"{frames[0].shape[1]} x {frames[0].shape[2]}")
@@ -309,12 +307,17 @@ class _Image:
 
 
 def _read(path: str, correction: PanelCorrection | None) -> _Image:
-    """The measured image in ``path``, an XIM file (``epid.dicom.xim``) or an RT Image, its frames
-    corrected by ``correction`` where given."""
+    """The measured image in ``path``, its frames corrected by ``correction`` where given."""
+    return _parsed(path, lambda name, dataset, delivered_mu: _image(name, dataset, delivered_mu, correction))
+
+
+def _parsed(path: str, parse: Callable[[str, Dataset, np.ndarray | None], Parsed]) -> Parsed:
+    """``parse(path, dataset, delivered_mu)`` of the image in ``path``: an XIM file (``epid.dicom.xim``:
+    its RT Image data set and the linac's MU counter) or an RT Image (no counter)."""
     if is_xim(path):
         frame = read_xim(path, ImageError)
-        return _image(path, frame.dataset, frame.delivered_mu, correction)
-    return read_rt_image(path, lambda name, dataset: _image(name, dataset, None, correction))
+        return parse(path, frame.dataset, frame.delivered_mu)
+    return read_rt_image(path, lambda name, dataset: parse(name, dataset, None))
 
 
 def _image(path: str, dataset: Dataset, delivered_mu: np.ndarray | None,

@@ -35,7 +35,7 @@ from pydicom.dataset import Dataset, FileMetaDataset
 from pydicom.uid import ExplicitVRLittleEndian, generate_uid
 
 from epid.core.errors import InputError
-from epid.dicom.image import RT_IMAGE_STORAGE
+from epid.dicom.image import RT_IMAGE_STORAGE, decimal_string
 
 SIGNATURE = b"VMS.XI"
 """The first bytes of an XIM file."""
@@ -109,21 +109,17 @@ def read_xim(path: str | Path, error: type[InputError]) -> XimFrame:
     dataset.BitsAllocated, dataset.BitsStored, dataset.HighBit, dataset.PixelRepresentation = 32, 32, 31, 1
     dataset.PixelData = pixels.astype("<i4").tobytes()
     dataset.RTImagePlane = "NORMAL"
-    dataset.ImagePlanePixelSpacing = [_decimal(height * CM), _decimal(width * CM)]
-    dataset.RadiationMachineSAD = _decimal(source * CM)
-    dataset.RTImageSID = _decimal((source - detector) * CM)
-    dataset.XRayImageReceptorTranslation = [_decimal(number(name, 0.0) * CM) for name in ("MVDetectorLat",
+    dataset.ImagePlanePixelSpacing = [decimal_string(height * CM), decimal_string(width * CM)]
+    dataset.RadiationMachineSAD = decimal_string(source * CM)
+    dataset.RTImageSID = decimal_string((source - detector) * CM)
+    dataset.XRayImageReceptorTranslation = [decimal_string(number(name, 0.0) * CM) for name in ("MVDetectorLat",
                                                                                           "MVDetectorLng")] + \
-        [_decimal(detector * CM)]
-    dataset.BeamLimitingDeviceAngle = _decimal(collimator)
+        [decimal_string(detector * CM)]
+    dataset.BeamLimitingDeviceAngle = decimal_string(collimator)
     if math.isfinite(gantry):
-        dataset.GantryAngle = _decimal(gantry)
+        dataset.GantryAngle = decimal_string(gantry)
     start, stop = number("MVDoseStart"), number("MVDoseStop")
     if not (math.isfinite(start) and math.isfinite(stop)):
         start, stop = math.nan, number("MVDoseDelivered")
     return XimFrame(dataset, np.array([start, stop]))
 
-
-def _decimal(value: float) -> str:
-    """A DICOM decimal string (at most 16 characters) of ``value``."""
-    return f"{float(value):.10g}"

@@ -62,9 +62,9 @@ from epid.synthesis.geometry import (
 
 LATENT_POOL = GRID_SIZE // LATENT_SIZE
 PHYSICS_LR_FACTOR = 10.0
+"""Learning-rate factor of the few physical parameters (response, edge shift, in-field weights)."""
 X_JAW_SCALARS = 4
 """Columns a beam with X jaws appends to the scalars: [X1 prev, X1 curr, X2 prev, X2 curr] mm."""
-"""Learning-rate factor of the few physical parameters (response, edge shift, in-field weights)."""
 MIN_EXPECTED_SUM = 1.0
 """Added to the expected frame sum per MU (pixels), so that MU stays finite for a closed aperture."""
 MAX_MU = 200.0
