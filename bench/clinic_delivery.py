@@ -79,10 +79,12 @@ class PanelPhysics:
 class DeliveryErrors:
     """What goes wrong in a delivery: bank A (and B) shifted along x, mm; one leaf pair's bank A leaf
     stuck at its position from a share of the arc on (``stuck_leaf``: (row, from share)); every MU
-    scaled; the gantry angles reported ``gantry_offset_deg`` off the delivered ones."""
+    scaled; the gantry angles reported ``gantry_offset_deg`` off the delivered ones; the X1 jaw of a
+    beam with X jaws shifted along x (``x_jaw_1_mm``, positive closing), mm."""
 
     bank_a_mm: float = 0.0
     bank_b_mm: float = 0.0
+    x_jaw_1_mm: float = 0.0
     stuck_leaf: tuple[int, float] | None = None
     mu_scale: float = 1.0
     gantry_offset_deg: float = 0.0
@@ -104,7 +106,8 @@ class Delivery:
 
 def delivered_plan(beam: PlanBeam, errors: DeliveryErrors) -> dict[str, np.ndarray]:
     """The control points as the linac delivers them: leaf_a, leaf_b (N, 52), jaw_1, jaw_2 (N,),
-    cumulative MU (N,) and gantry angles (N,), with ``errors`` applied (not the angle offset)."""
+    cumulative MU (N,) and gantry angles (N,), with ``errors`` applied (not the angle offset); for a
+    beam with X jaws also x_jaw_1, x_jaw_2 (N,)."""
     cp = beam.control_points
     leaf_a = cp.leaf_a.astype(np.float64) + errors.bank_a_mm
     leaf_b = cp.leaf_b.astype(np.float64) + errors.bank_b_mm
@@ -114,9 +117,13 @@ def delivered_plan(beam: PlanBeam, errors: DeliveryErrors) -> dict[str, np.ndarr
         leaf_a[start:, row] = np.minimum(leaf_a[start, row], leaf_b[start:, row])
     leaf_b = np.maximum(leaf_b, leaf_a)
     cumulative = np.cumsum(cp.mu.astype(np.float64)) * errors.mu_scale
-    return {"leaf_a": leaf_a, "leaf_b": leaf_b, "jaw_1": cp.jaw_1.astype(np.float64),
+    plan = {"leaf_a": leaf_a, "leaf_b": leaf_b, "jaw_1": cp.jaw_1.astype(np.float64),
             "jaw_2": cp.jaw_2.astype(np.float64), "cumulative_mu": cumulative,
             "gantry_deg": beam.gantry_deg.astype(np.float64)}
+    if beam.x_jaws is not None:
+        plan["x_jaw_1"], plan["x_jaw_2"] = (beam.x_jaws[:, side].astype(np.float64) for side in (0, 1))
+        plan["x_jaw_1"] += errors.x_jaw_1_mm
+    return plan
 
 
 def frame_schedule(plan: dict[str, np.ndarray], physics: PanelPhysics) -> tuple[np.ndarray, np.ndarray]:
@@ -201,12 +208,13 @@ class ClinicPanel:
                 share = (mu - cumulative[interval - 1]) / span if span > 0 else 1.0
                 return (1 - share) * plan[name][interval - 1] + share * plan[name][interval]
 
+            middle = (low + high) / 2
+            x_jaws = (at("x_jaw_1", middle), at("x_jaw_2", middle)) if "x_jaw_1" in plan else None
             total += (high - low) * self._piece(at("leaf_a", low), at("leaf_a", high), at("leaf_b", low),
-                                                at("leaf_b", high), at("jaw_1", (low + high) / 2),
-                                                at("jaw_2", (low + high) / 2))
+                                                at("leaf_b", high), at("jaw_1", middle), at("jaw_2", middle), x_jaws)
         return total * self.horn
 
-    def _piece(self, a0, a1, b0, b1, jaw_1, jaw_2) -> np.ndarray:
+    def _piece(self, a0, a1, b0, b1, jaw_1, jaw_2, x_jaws=None) -> np.ndarray:
         p = self.physics
         offset = p.leaf_end_offset_mm
         edges = (a0[self.row] - offset, a1[self.row] - offset, b0[self.row] + offset, b1[self.row] + offset)
@@ -219,6 +227,8 @@ class ClinicPanel:
         share = np.where(self.groove[:, None], groove_share, share)
         closed = np.where(self.interleaf, p.interleaf_transmission, p.leaf_transmission)[:, None]
         inside = ((self.y >= jaw_1) & (self.y <= jaw_2))[:, None]
+        if x_jaws is not None:
+            inside = inside & ((self.x >= x_jaws[0]) & (self.x <= x_jaws[1]))[None, :]
         return np.where(inside, 1.0, p.jaw_transmission) * (closed + (1 - closed) * share)
 
     def image(self, fluence: np.ndarray, gantry_deg: float) -> np.ndarray:

@@ -60,6 +60,41 @@ def test_clinic_panel_integrates_leaf_motion_exactly_and_records_the_delivered_m
     np.testing.assert_allclose(more.counter_mu, more.spans_mu / 1.03)
 
 
+def test_clinic_renders_a_plans_x_jaws_as_jaws_and_shifts_x1_by_its_error(tmp_path):
+    """A static field, leaves open over [-50, 50] mm behind X jaws at -20 and 30 mm: the fluence is
+    open between the jaws, the jaws' 0.2 % beyond them (over open leaves), and an X1 closed 1 mm opens
+    at -19 mm."""
+    import dataclasses
+
+    import numpy as np
+
+    from bench.clinic_delivery import ClinicPanel, DeliveryErrors, PanelPhysics, delivered_plan
+    from epid.dicom.plan import read_plan, write_plan
+    from epid.synthesis.sequences import generate_control_points
+
+    arc = generate_control_points(86, 2)
+    field = dataclasses.replace(arc, leaf_a=np.full_like(arc.leaf_a, -50.0), leaf_b=np.full_like(arc.leaf_b, 50.0),
+                                jaw_1=np.full_like(arc.jaw_1, -40.0), jaw_2=np.full_like(arc.jaw_2, 40.0))
+    write_plan(tmp_path / "field.dcm", field, beam_mu=10.0, x_jaws=np.array([[-20.0, 30.0]] * 2))
+    (beam,) = read_plan(tmp_path / "field.dcm")
+    np.testing.assert_allclose(beam.x_jaws, [[-20.0, 30.0]] * 2)
+    # the leaves where they stand, not folded into the jaws as the plan reading gives them
+    beam = dataclasses.replace(beam, control_points=dataclasses.replace(
+        beam.control_points, leaf_a=np.full_like(beam.control_points.leaf_a, -50.0),
+        leaf_b=np.full_like(beam.control_points.leaf_b, 50.0)))
+    physics = PanelPhysics(horn_per_100mm=0.0)
+    panel = ClinicPanel(physics)
+    row = np.argmin(np.abs(panel.y - 2.5))  # inside a leaf, away from its boundaries
+    for x1_error, opening in ((0.0, -20.0), (1.0, -19.0)):
+        plan = delivered_plan(beam, DeliveryErrors(x_jaw_1_mm=x1_error))
+        profile = panel.fluence(plan, 0.0, 10.0)[row] / 10.0
+        inside = (panel.x > opening) & (panel.x < 30.0)
+        np.testing.assert_allclose(profile[inside], 1.0)
+        np.testing.assert_allclose(profile[(panel.x > -50.0) & (panel.x < opening)], physics.jaw_transmission)
+        beyond = panel.x > 50.0 + physics.leaf_end_offset_mm  # a leaf end shows its edge that much more open
+        np.testing.assert_allclose(profile[beyond], physics.jaw_transmission * physics.leaf_transmission)
+
+
 def test_clinic_cine_frames_read_alike_as_rt_images_and_as_xim_placed_by_the_mu_counter(tmp_path):
     import numpy as np
     import pytest

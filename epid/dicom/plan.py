@@ -344,13 +344,15 @@ def _tenth(values: np.ndarray) -> np.ndarray:
 class Arc:
     """One arc beam of a plan to write: its control points, MU (``beam_mu``, default the sum of
     ``mu[1:]``) and the gantry's turn ``gantry_direction`` ("CW" or "CC") from
-    ``gantry_start_deg`` to ``gantry_stop_deg`` in equal steps."""
+    ``gantry_start_deg`` to ``gantry_stop_deg`` in equal steps; ``x_jaws`` (N, 2) [X1, X2] mm: ASYMX
+    jaws at each control point (an MLC with X jaws only), None for none."""
 
     control_points: ControlPoints
     beam_mu: float | None = None
     gantry_start_deg: float = 181.0
     gantry_stop_deg: float = 179.0
     gantry_direction: str = "CW"
+    x_jaws: np.ndarray | None = None
 
 
 def write_plan(
@@ -364,10 +366,11 @@ def write_plan(
     gantry_direction: str = "CW",
     label: str = "EPID arc",
     mlc: MlcGeometry = LEGACY_GRID,
+    x_jaws: np.ndarray | None = None,
 ) -> None:
     """Write ``control_points`` as a single-arc VMAT RT Plan (RT Plan Storage) to ``path``: beam 1,
     "ARC" (``write_arcs`` with one ``Arc`` of these settings)."""
-    write_arcs(path, [Arc(control_points, beam_mu, gantry_start_deg, gantry_stop_deg, gantry_direction)],
+    write_arcs(path, [Arc(control_points, beam_mu, gantry_start_deg, gantry_stop_deg, gantry_direction, x_jaws)],
                machine=machine, label=label, mlc=mlc)
 
 
@@ -377,11 +380,12 @@ def write_arcs(path: str | Path, arcs: Sequence[Arc], *, machine: str = "EPID", 
 
     Beam k + 1 is arc k ("ARC" for a single arc, else "ARC 1", "ARC 2", ...), on ``mlc``
     (``MlcGeometry.leaves`` of the strips; the legacy grid written as Agility, whose central 52
-    pairs are the strips): an MLCX, or a dual-layer MLC's MLCX1 and MLCX2, and ASYMY jaws where the
-    MLC has Y jaws, at every control point. The cumulative meterset weight of control point k is
-    the sum of ``mu[1..k]``; ``BeamMeterset`` is the arc's ``beam_mu`` (default that sum), so
-    ``read_plan`` gives back ``mu[1:]`` scaled by beam_mu / sum. Positions are written in mm to 0.1,
-    ``label`` is the RT Plan Label (at most 16 characters).
+    pairs are the strips): an MLCX, or a dual-layer MLC's MLCX1 and MLCX2, ASYMY jaws where the
+    MLC has Y jaws and ASYMX jaws where an arc has ``x_jaws``, at every control point. The
+    cumulative meterset weight of control point k is the sum of ``mu[1..k]``; ``BeamMeterset`` is
+    the arc's ``beam_mu`` (default that sum), so ``read_plan`` gives back ``mu[1:]`` scaled by
+    beam_mu / sum. Positions are written in mm to 0.1, ``label`` is the RT Plan Label (at most 16
+    characters).
     """
     if not arcs:
         raise ValueError("a plan needs at least one arc")
@@ -394,15 +398,18 @@ def write_arcs(path: str | Path, arcs: Sequence[Arc], *, machine: str = "EPID", 
         n = len(arc.control_points)
         if n < 2:
             raise ValueError(f"arc {number}: an arc needs at least 2 control points, got {n}")
+        written = MLC_GEOMETRIES["agility"] if mlc == LEGACY_GRID else mlc
+        if arc.x_jaws is not None and (not written.x_jaws or np.shape(arc.x_jaws) != (n, 2)):
+            raise ValueError(f"arc {number}: x_jaws of shape {np.shape(arc.x_jaws)}: expected ({n}, 2) on an MLC "
+                             f"with X jaws ({written.name}: {'with' if written.x_jaws else 'without'})")
         mu_tenths = np.rint(np.asarray(arc.control_points.mu, dtype=np.float64) * 10).astype(np.int64)
         cumulative = np.concatenate([[0], np.cumsum(mu_tenths[1:])])
         if cumulative[-1] <= 0:
             raise ValueError(f"arc {number}: the arc delivers no MU (mu[1:] sums to 0)")
         meterset.append(cumulative[-1] / 10.0 if arc.beam_mu is None else float(arc.beam_mu))
         gantry = _gantry_angles(n, arc.gantry_start_deg, arc.gantry_stop_deg, arc.gantry_direction)
-        beams.append(_arc_beam(arc.control_points, cumulative, machine, gantry, arc.gantry_direction,
-                               MLC_GEOMETRIES["agility"] if mlc == LEGACY_GRID else mlc,
-                               number, "ARC" if len(arcs) == 1 else f"ARC {number}"))
+        beams.append(_arc_beam(arc.control_points, cumulative, machine, gantry, arc.gantry_direction, written,
+                               number, "ARC" if len(arcs) == 1 else f"ARC {number}", arc.x_jaws))
 
     first = arcs[0].control_points
     dataset = new_dataset(RT_PLAN_STORAGE, "RTPLAN", f"{label}: dataset {first.dataset_id}")
@@ -499,7 +506,7 @@ def _as_explicit_little_endian(dataset: Dataset) -> None:
 
 
 def _arc_beam(control_points: ControlPoints, cumulative: np.ndarray, machine: str, gantry: np.ndarray,
-              direction: str, mlc: MlcGeometry, number: int, name: str) -> Dataset:
+              direction: str, mlc: MlcGeometry, number: int, name: str, x_jaws: np.ndarray | None = None) -> Dataset:
     n = len(control_points)
     beam = Dataset()
     beam.BeamNumber = number
@@ -511,7 +518,7 @@ def _arc_beam(control_points: ControlPoints, cumulative: np.ndarray, machine: st
     beam.PrimaryDosimeterUnit = "MU"
     beam.SourceAxisDistance = f"{SAD_MM:g}"
     names = [MLC_TYPE] if len(mlc.layers) == 1 else [f"{MLC_TYPE}{k + 1}" for k in range(len(mlc.layers))]
-    jaws_device = [_device("ASYMY", 1)] if mlc.y_jaws else []
+    jaws_device = ([_device("ASYMX", 1)] if x_jaws is not None else []) + ([_device("ASYMY", 1)] if mlc.y_jaws else [])
     beam.BeamLimitingDeviceSequence = DicomSequence(jaws_device + [
         _device(name, pairs, np.asarray(boundaries)) for name, pairs, boundaries in zip(names, mlc.pairs, mlc.layers,
                                                                                          strict=True)])
@@ -526,6 +533,7 @@ def _arc_beam(control_points: ControlPoints, cumulative: np.ndarray, machine: st
     layers = _written_layers(control_points, mlc)
     jaws = np.rint(np.stack([control_points.jaw_1, control_points.jaw_2], axis=1).astype(np.float64) * 10)
     jaws = jaws.astype(np.int64)
+    x_tenths = None if x_jaws is None else np.rint(np.asarray(x_jaws, dtype=np.float64) * 10).astype(np.int64)
     weights = _tenths_text(cumulative)
     points = []
     for index in range(n):
@@ -533,7 +541,8 @@ def _arc_beam(control_points: ControlPoints, cumulative: np.ndarray, machine: st
         point.ControlPointIndex = index
         point.CumulativeMetersetWeight = weights[index]
         point.BeamLimitingDevicePositionSequence = DicomSequence(
-            ([_position("ASYMY", _tenths_text(jaws[index]))] if mlc.y_jaws else [])
+            ([_position("ASYMX", _tenths_text(x_tenths[index]))] if x_tenths is not None else [])
+            + ([_position("ASYMY", _tenths_text(jaws[index]))] if mlc.y_jaws else [])
             + [_position(name, _tenths_text(layer[index])) for name, layer in zip(names, layers, strict=True)])
         point.GantryAngle = _decimal(gantry[index])
         point.GantryRotationDirection = direction if index < n - 1 else "NONE"

@@ -38,7 +38,8 @@ class ArcSegment:
     of the arc) then the N frames. leaf_a, leaf_b: (N, 52) mm; jaw_1, jaw_2, mu: (N,) of control
     points first..first + N - 1 (mu of the frame that ends on each). behind_x_jaws: (2, N, 52)
     int8, for bank A's and B's leaves the X jaw (1: X1, 2: X2) that hides each, 0 where none does
-    (``PlanBeam.behind_x_jaws``); None without X jaws.
+    (``PlanBeam.behind_x_jaws``), and x_jaws: (N, 2) [X1, X2] mm the plan's X jaws at those
+    control points; both None without X jaws.
     """
 
     dataset_id: int
@@ -51,6 +52,7 @@ class ArcSegment:
     jaw_2: np.ndarray
     mu: np.ndarray
     behind_x_jaws: np.ndarray | None = None
+    x_jaws: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.mu)

@@ -760,6 +760,32 @@ def test_dciodvfy_finds_no_errors_in_written_plan_and_image(tmp_path):
     assert all("0x0011,0x1001" in line for line in image_lines if "Warning" in line), image_lines
 
 
+def test_an_arc_with_x_jaws_is_written_with_asymx_jaws_and_read_back_folded_into_them(tmp_path):
+    from epid.synthesis.mlc import MLC_GEOMETRIES
+
+    geometry = MLC_GEOMETRIES["millennium120"]
+    arc = generate_control_points(300, CONTROL_POINTS, geometry)
+    x_jaws = np.stack([arc.leaf_a.min(1) + 3.0, arc.leaf_b.max(1) - 3.0], 1).round(1)
+    path = tmp_path / "x_jaws.dcm"
+    write_plan(path, arc, mlc=geometry, x_jaws=x_jaws)
+    (beam,) = read_plan(path)
+    np.testing.assert_allclose(beam.x_jaws, x_jaws, atol=1e-4)
+    expected_a = np.clip(beam.geometry.shown(arc.leaf_a, arc.leaf_b)[0], x_jaws[:, :1], x_jaws[:, 1:])
+    np.testing.assert_allclose(beam.control_points.leaf_a, expected_a, atol=1e-4)
+    assert 0 < (beam.behind_x_jaws() == 1).mean() < 1
+    point = pydicom.dcmread(path).BeamSequence[0].ControlPointSequence[5]
+    types = [str(item.RTBeamLimitingDeviceType) for item in point.BeamLimitingDevicePositionSequence]
+    assert types == ["ASYMX", "ASYMY", "MLCX"]
+    with pytest.raises(ValueError, match=r"x_jaws of shape \(3, 2\): expected \(40, 2\)"):
+        write_plan(tmp_path / "bad.dcm", arc, mlc=geometry, x_jaws=x_jaws[:3])
+    with pytest.raises(ValueError, match="halcyon: without"):
+        write_plan(tmp_path / "bad.dcm", generate_control_points(300, CONTROL_POINTS, MLC_GEOMETRIES["halcyon"]),
+                   mlc=MLC_GEOMETRIES["halcyon"], x_jaws=x_jaws)
+    if shutil.which("dciodvfy"):
+        lines = [line for line in dciodvfy(path) if "Error" in line or "Warning" in line]
+        assert not lines, lines
+
+
 @pytest.mark.parametrize("name", ["agility", "millennium120", "mlci2", "halcyon"])
 def test_an_arc_on_each_mlc_is_written_on_its_own_leaves_and_read_back_the_same(tmp_path, name):
     from epid.synthesis.mlc import MLC_GEOMETRIES
