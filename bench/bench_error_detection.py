@@ -23,7 +23,7 @@ planning system's jaw tracking sets them (``tracking_x_jaws``), which the indepe
 renders as jaws: the positions they hide are scored as the jaws (the X1 / X2 columns), and
 ``X_JAW_ERRORS`` join the errors. The commissioning arcs stay without X jaws: commissioned on arcs
 with them, the same checkpoint read the error-free MU of the judged ones +1.44, +0.94 and -2.57 %
-(arc 166 a false alarm), against +1.23, +0.99 and +0.34 % commissioned without. Run from the repository root:
+(two false alarms), against +1.23, +0.99 and +0.34 % commissioned without (README). Run from the repository root:
 
     python -m bench.bench_error_detection --checkpoint quality_sharp/checkpoint.pth
     python -m bench.bench_error_detection --checkpoint quality_sharp/checkpoint.pth --plans 1 --errors none,bank_a_1mm

@@ -11,7 +11,8 @@ would write them. The physics has forms the synthesis does not have:
   their end;
 - fluence on a 0.25 mm grid, the leaves' linear motion within each piece of a frame integrated
   exactly (the share of the piece's time each point lies between the banks); rounded leaf ends (a
-  radiation edge offset and a Gaussian penumbra along the travel), leaf and jaw transmission,
+  radiation edge offset and a Gaussian penumbra along the travel), the Y jaws and a plan's X jaws
+  (hard edges, each jaw's transmission multiplying the rest), leaf and jaw transmission,
   interleaf leakage on the leaf boundaries, tongue and groove (the boundary strip open only where
   both neighbours are), an off-axis profile rising towards the field's edge;
 - the panel: source size (Gaussian), an optical core and an exponential scatter tail (a
@@ -226,10 +227,10 @@ class ClinicPanel:
         groove_share = _open_share(self.x[None, :], *(v[:, None] for v in groove_edges))
         share = np.where(self.groove[:, None], groove_share, share)
         closed = np.where(self.interleaf, p.interleaf_transmission, p.leaf_transmission)[:, None]
-        inside = ((self.y >= jaw_1) & (self.y <= jaw_2))[:, None]
-        if x_jaws is not None:
-            inside = inside & ((self.x >= x_jaws[0]) & (self.x <= x_jaws[1]))[None, :]
-        return np.where(inside, 1.0, p.jaw_transmission) * (closed + (1 - closed) * share)
+        jaws = np.where((self.y >= jaw_1) & (self.y <= jaw_2), 1.0, p.jaw_transmission)[:, None]
+        if x_jaws is not None:  # the X jaws stand apart from the Y jaws: outside both, both transmit
+            jaws = jaws * np.where((self.x >= x_jaws[0]) & (self.x <= x_jaws[1]), 1.0, p.jaw_transmission)[None, :]
+        return jaws * (closed + (1 - closed) * share)
 
     def image(self, fluence: np.ndarray, gantry_deg: float) -> np.ndarray:
         """The panel's signal (H, W) of one frame's ``fluence``: blurred (leaf-end penumbra along x,

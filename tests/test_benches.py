@@ -61,9 +61,9 @@ def test_clinic_panel_integrates_leaf_motion_exactly_and_records_the_delivered_m
 
 
 def test_clinic_renders_a_plans_x_jaws_as_jaws_and_shifts_x1_by_its_error(tmp_path):
-    """A static field, leaves open over [-50, 50] mm behind X jaws at -20 and 30 mm: the fluence is
-    open between the jaws, the jaws' 0.2 % beyond them (over open leaves), and an X1 closed 1 mm opens
-    at -19 mm."""
+    """A static field, leaves open over [-50, 50] mm behind X jaws at -20 and 30 mm and Y jaws at
+    +-40 mm: the fluence is open between the jaws, the jaws' 0.2 % beyond them (over open leaves),
+    0.2 % squared beyond both, and an X1 closed 1 mm opens at -19 mm."""
     import dataclasses
 
     import numpy as np
@@ -93,6 +93,10 @@ def test_clinic_renders_a_plans_x_jaws_as_jaws_and_shifts_x1_by_its_error(tmp_pa
         np.testing.assert_allclose(profile[(panel.x > -50.0) & (panel.x < opening)], physics.jaw_transmission)
         beyond = panel.x > 50.0 + physics.leaf_end_offset_mm  # a leaf end shows its edge that much more open
         np.testing.assert_allclose(profile[beyond], physics.jaw_transmission * physics.leaf_transmission)
+        # outside the Y jaws too, both jaws transmit
+        corner = panel.fluence(plan, 0.0, 10.0)[np.argmin(np.abs(panel.y - 60.0))] / 10.0
+        np.testing.assert_allclose(corner[(panel.x > -50.0) & (panel.x < opening)], physics.jaw_transmission ** 2)
+        np.testing.assert_allclose(corner[inside], physics.jaw_transmission)
 
 
 def test_clinic_cine_frames_read_alike_as_rt_images_and_as_xim_placed_by_the_mu_counter(tmp_path):

@@ -29,10 +29,11 @@ machine names are kept as metadata only.
 
 Writing (``write_plan``, ``write_arcs``): arcs as a VMAT plan of one beam per arc on the MLC they
 were made for: each leaf at its strips' position (``MlcGeometry.leaves``), a leaf beyond the strips closed at the
-middle of the nearest strip's opening, and ``ASYMY`` jaws where the MLC has Y jaws. The legacy
-grid is written as Agility (80 pairs of 5 mm, the strips its central 52), which like every
-single-layer MLC written here has exactly the devices {MLCX, ASYMY} that
-``pymedphys.Delivery.from_dicom`` reads; a dual-layer MLC is written as MLCX1 and MLCX2.
+middle of the nearest strip's opening, ``ASYMY`` jaws where the MLC has Y jaws and ``ASYMX`` jaws
+where an arc is given X jaws. The legacy grid is written as Agility (80 pairs of 5 mm, the strips
+its central 52), which like every single-layer MLC written here has exactly the devices {MLCX,
+ASYMY} that ``pymedphys.Delivery.from_dicom`` reads (it refuses {MLCX, ASYMX, ASYMY}, a plan with
+X jaws, as a jaw system it does not support); a dual-layer MLC is written as MLCX1 and MLCX2.
 The cumulative meterset weight is the cumulative MU (CMW_0 = 0, final CMW = sum of
 ``mu[1:]``), so the MU of every frame is exact in the file.
 
