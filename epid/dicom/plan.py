@@ -392,6 +392,7 @@ def write_arcs(path: str | Path, arcs: Sequence[Arc], *, machine: str = "EPID", 
         raise ValueError("a plan needs at least one arc")
     if len(label) > 16:
         raise ValueError(f"label={label!r}: an RT Plan Label has at most 16 characters")
+    written = MLC_GEOMETRIES["agility"] if mlc == LEGACY_GRID else mlc
     beams, meterset = [], []
     for number, arc in enumerate(arcs, start=1):
         if arc.gantry_direction not in ("CW", "CC"):
@@ -399,7 +400,6 @@ def write_arcs(path: str | Path, arcs: Sequence[Arc], *, machine: str = "EPID", 
         n = len(arc.control_points)
         if n < 2:
             raise ValueError(f"arc {number}: an arc needs at least 2 control points, got {n}")
-        written = MLC_GEOMETRIES["agility"] if mlc == LEGACY_GRID else mlc
         if arc.x_jaws is not None and (not written.x_jaws or np.shape(arc.x_jaws) != (n, 2)):
             raise ValueError(f"arc {number}: x_jaws of shape {np.shape(arc.x_jaws)}: expected ({n}, 2) on an MLC "
                              f"with X jaws ({written.name}: {'with' if written.x_jaws else 'without'})")

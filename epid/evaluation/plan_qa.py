@@ -108,7 +108,7 @@ def frame_inputs(control_points: ControlPoints, x_jaws: np.ndarray | None = None
 
     columns = [cp.mu[1:], cp.jaw_1[:-1], cp.jaw_1[1:], cp.jaw_2[:-1], cp.jaw_2[1:]]
     if x_jaws is not None:
-        columns += [x_jaws[:-1, 0], x_jaws[1:, 0], x_jaws[:-1, 1], x_jaws[1:, 1]]
+        columns += timeline.x_jaw_columns(x_jaws[:-1], x_jaws[1:])
     return pair(cp.leaf_a), pair(cp.leaf_b), torch.from_numpy(np.stack(columns, axis=1).astype(np.float32))
 
 

@@ -334,6 +334,13 @@ def pieces(plan: PlanBeam, boundaries: np.ndarray) -> tuple[np.ndarray, np.ndarr
     return piece_start, piece_start + width, frame
 
 
+def x_jaw_columns(before: np.ndarray, after: np.ndarray) -> list[np.ndarray]:
+    """The columns a beam with X jaws appends to the forward model's scalars
+    (``epid.models.aperture.X_JAW_SCALARS``) for motions from X jaws ``before`` to ``after`` (P, 2)
+    [X1, X2] mm: [X1 before, X1 after, X2 before, X2 after]."""
+    return [before[:, 0], after[:, 0], before[:, 1], after[:, 1]]
+
+
 def piece_inputs(plan: PlanBeam, start: np.ndarray, end: np.ndarray) -> tuple[Tensor, Tensor, Tensor]:
     """Forward-model inputs of pieces [start, end] (P,) of cumulative MU, each inside one of the
     plan's control-point intervals: leaf_a, leaf_b (P, 104) [at start 52, at end 52] mm and scalars
@@ -347,7 +354,7 @@ def piece_inputs(plan: PlanBeam, start: np.ndarray, end: np.ndarray) -> tuple[Te
 
     columns = [end - start, before["jaw_1"], after["jaw_1"], before["jaw_2"], after["jaw_2"]]
     if "x_jaws" in before:
-        columns += [before["x_jaws"][:, 0], after["x_jaws"][:, 0], before["x_jaws"][:, 1], after["x_jaws"][:, 1]]
+        columns += x_jaw_columns(before["x_jaws"], after["x_jaws"])
     return pair("leaf_a"), pair("leaf_b"), torch.from_numpy(np.stack(columns, axis=1).astype(np.float32))
 
 
