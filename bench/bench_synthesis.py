@@ -9,6 +9,9 @@ Measures, reporting medians over --repeats runs:
     few frames, and its per-frame ratio to ours (the legacy convolved each of the 7
     sub-frames of a frame);
   - one full dataset on CUDA when available (target 0.3 s);
+  - frames on each MLC under the realistic physics (--mlc-frames of one dataset, the MLCs in
+    turn within each repeat): ms per frame and the ratio to the legacy grid's, HD120 rendered on
+    its fine strips (rows of 0.5 mm);
   - the host memory of the control points of every dataset ID: bytes held and the peak RSS
     of a fresh Python process (numpy and epid.synthesis.sequences only) that generates and keeps them all.
 Wall times are printed with the CPU time of the process beside them (all threads): on a
@@ -16,7 +19,7 @@ busy machine the wall time grows while the CPU time stays put.
 OMP_WAIT_POLICY defaults to PASSIVE here: on a machine shared with other jobs, OpenMP
 threads that spin while waiting slow every parallel region down many times over.
 
-    python -m bench.bench_synthesis [--repeats 3] [--threads 0] [--memory-ids 640]
+    python -m bench.bench_synthesis [--repeats 3] [--threads 0] [--mlc-frames 256] [--memory-ids 640]
 """
 
 from __future__ import annotations
@@ -40,6 +43,8 @@ import torch
 from epid.synthesis.fluence import rasterize
 from epid.synthesis.frames import FrameRenderer, render_frames, renderer_for
 from epid.synthesis.kernel import default_kernel
+from epid.synthesis.mlc import MLC_GEOMETRIES
+from epid.synthesis.physics import PRESETS
 from epid.synthesis.sequences import DEFAULT_CONTROL_POINTS, NUM_DATASETS, generate_control_points, pattern_for
 
 BATCH_SAMPLES = 128
@@ -151,6 +156,30 @@ def bench_cuda(dataset_id: int, repeats: int) -> None:
     print(f"CUDA ({torch.cuda.get_device_name(device)}): full dataset, noise on: {wall:.3f} s  (target 0.3 s)")
 
 
+def bench_mlcs(dataset_id: int, count: int, repeats: int) -> None:
+    """ms per frame of ``count`` frames of one dataset on each MLC, realistic physics, noise on."""
+    kernel, physics = default_kernel(), PRESETS["realistic"]
+    names = ("legacy", "millennium120", "halcyon", "hd120")
+    arcs = {name: generate_control_points(dataset_id, count + 1, MLC_GEOMETRIES[name]) for name in names}
+    frames = np.arange(1, count + 1)
+    seconds: dict[str, list[float]] = {name: [] for name in names}
+    for name in names:  # warm-up: operators, caches
+        render_frames(arcs[name], frames[:8], kernel, dataset_id=dataset_id, physics=physics)
+    for _ in range(repeats):
+        for name in names:
+            start = time.perf_counter()
+            render_frames(arcs[name], frames, kernel, dataset_id=dataset_id, physics=physics)
+            seconds[name].append(time.perf_counter() - start)
+    legacy = statistics.median(seconds["legacy"])
+    print(f"frames on each MLC, realistic physics, {count} frames of dataset {dataset_id}, noise on "
+          f"(median of {repeats}):")
+    for name in names:
+        grid = MLC_GEOMETRIES[name].grid
+        median = statistics.median(seconds[name])
+        print(f"  {name:13s} {grid.count:3d} strips of {grid.strip_mm:3g} mm: {median / count * 1e3:6.2f} ms per frame"
+              f"  ({median / legacy:.2f}x the legacy grid)")
+
+
 _GENERATE_ALL = """
 import json, resource, sys, time
 from epid.synthesis.sequences import generate_control_points
@@ -207,6 +236,7 @@ def main() -> None:
     parser.add_argument("--dataset-id", type=int, default=200, help="dataset rendered in full (default 200)")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     parser.add_argument("--direct-frames", type=int, default=1, help="frames for the legacy convolution (0: skip)")
+    parser.add_argument("--mlc-frames", type=int, default=256, help="frames per MLC for the MLC figure (0: skip)")
     parser.add_argument("--memory-ids", type=int, default=NUM_DATASETS, help="IDs for the memory figure (0: skip)")
     args = parser.parse_args()
     if args.repeats < 1:
@@ -219,6 +249,8 @@ def main() -> None:
     if args.direct_frames > 0:
         bench_legacy(args.dataset_id, args.direct_frames, per_frame)
     bench_cuda(args.dataset_id, args.repeats)
+    if args.mlc_frames > 0:
+        bench_mlcs(args.dataset_id, args.mlc_frames, args.repeats)
     if args.memory_ids > 0:
         bench_memory(args.memory_ids)
 

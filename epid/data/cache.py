@@ -26,6 +26,7 @@ import torch
 from epid.core.files import fsync_directory
 from epid.data.plans import PlanArc
 from epid.synthesis import fluence, frames, geometry, sequences
+from epid.synthesis import mlc as mlc_module
 from epid.synthesis import physics as physics_module
 from epid.synthesis.geometry import FRAME_SHAPE
 from epid.synthesis.mlc import LEGACY_GRID, MlcGeometry
@@ -93,10 +94,10 @@ def kernel_digest(kernel: np.ndarray | torch.Tensor) -> str:
 
 
 def engine_digest() -> str:
-    """SHA-256 of the sources that turn an ID into frames (geometry, control points, physics,
+    """SHA-256 of the sources that turn an ID into frames (geometry, MLCs, control points, physics,
     fluence and frames)."""
     digest = hashlib.sha256()
-    for module in (geometry, sequences, physics_module, fluence, frames):
+    for module in (geometry, mlc_module, sequences, physics_module, fluence, frames):
         digest.update(Path(module.__file__).read_bytes())
     return digest.hexdigest()
 

@@ -5,10 +5,16 @@ An aperture is open where jaw_1 <= y < jaw_2 and leaf_a[j(y)] <= x < leaf_b[j(y)
 edges rounded down and upper edges rounded up to whole millimetres (openings never shrink; a
 closed pair, leaf_b <= leaf_a, stays closed wherever it closes).
 Positions within ``EDGE_TOLERANCE_MM`` of a whole millimetre count as that millimetre, so that
-float round-off in interpolated positions cannot flip a pixel. Every pixel row lies in one leaf,
-so a row of an aperture is a box [column start, column stop): ``LeafGridBags`` sums the boxes of
-a frame's sub-apertures as weighted bags of rows of a cumulative table (``embedding_bag``).
-A real MLC's fluence (``physics_fluence``) is rendered layer by layer (``frame_positions``).
+float round-off in interpolated positions cannot flip a pixel. Every row of the strips' grid lies
+in one strip, so a row of an aperture is a box [column start, column stop): ``LeafGridBags`` sums
+the boxes of a frame's sub-apertures as weighted bags of rows of a cumulative table
+(``embedding_bag``). A real MLC's fluence (``physics_fluence``) is rendered layer by layer
+(``frame_positions``).
+
+Leaf positions come on the strips of ``epid.synthesis.geometry.StripGrid``, the grid told by their
+count (52 or 104): on the fine strips (2.5 mm) apertures and fluence are rendered on rows of
+0.5 mm and each 1 mm row of the result is the mean of its two (exact coverage of each pixel row
+by each leaf); jaws stay rounded to whole millimetres in the masks.
 """
 
 from __future__ import annotations
@@ -26,9 +32,11 @@ from epid.synthesis.geometry import (
     IMAGER_MARGIN,
     LEAF_GRID_ROWS,
     MLC_Y_MIN_MM,
-    NUM_LEAF_PAIRS,
     ROWS_PER_LEAF,
+    STRIPS,
     SUB_APERTURES,
+    StripGrid,
+    strip_grid,
 )
 from epid.synthesis.physics import Physics
 from epid.synthesis.sequences import ControlPoints
@@ -47,17 +55,19 @@ def rasterize(
     *,
     device: Device = None,
 ) -> torch.Tensor:
-    """Aperture masks (..., 256, 256) float32 in {0, 1} for positions in mm.
+    """Aperture masks (..., 256, 256) float32 for positions in mm: in {0, 1} on the 52 strips; on
+    the 104 fine strips a pixel row over two strips is the mean of their halves.
 
-    leaf_a, leaf_b: (..., 52); jaw_1, jaw_2: (...). Accepts numpy arrays or tensors; the
+    leaf_a, leaf_b: (..., strips); jaw_1, jaw_2: (...). Accepts numpy arrays or tensors; the
     result is on ``device``, else on the device of a tensor input, else on the CPU.
     """
     device = device_of(leaf_a, leaf_b, jaw_1, jaw_2) if device is None else resolve_device(device)
     leaf_a, leaf_b, jaw_1, jaw_2 = (_as_float64(v) for v in (leaf_a, leaf_b, jaw_1, jaw_2))
     batch_shape = np.broadcast_shapes(leaf_a.shape[:-1], leaf_b.shape[:-1], jaw_1.shape, jaw_2.shape)
+    strips = leaf_a.shape[-1]
     edges = _aperture_edges(
-        np.broadcast_to(leaf_a, (*batch_shape, NUM_LEAF_PAIRS)).reshape(-1, 1, NUM_LEAF_PAIRS),
-        np.broadcast_to(leaf_b, (*batch_shape, NUM_LEAF_PAIRS)).reshape(-1, 1, NUM_LEAF_PAIRS),
+        np.broadcast_to(leaf_a, (*batch_shape, strips)).reshape(-1, 1, strips),
+        np.broadcast_to(leaf_b, (*batch_shape, strips)).reshape(-1, 1, strips),
         np.broadcast_to(jaw_1, batch_shape).reshape(-1, 1),
         np.broadcast_to(jaw_2, batch_shape).reshape(-1, 1),
     )
@@ -70,9 +80,9 @@ def rasterize(
 class ApertureEdges:
     """Integer aperture edges of B apertures with S sub-apertures each (numpy or torch int64).
 
-    col_start, col_stop: (B, S, 52) columns [start, stop) open in each leaf's rows, 0..256.
-    row_start, row_stop: (B, S) rows [start, stop) of the leaf grid open between the jaws, 0..260.
-    open_rows: (first, stop) rows of the leaf grid open in any sub-aperture.
+    col_start, col_stop: (B, S, strips) columns [start, stop) open in each strip's rows, 0..256.
+    row_start, row_stop: (B, S) rows [start, stop) of ``grid`` open between the jaws, 0..grid.rows.
+    open_rows: (first, stop) 1 mm rows of the leaf grid (0..260) open in any sub-aperture.
     """
 
     col_start: np.ndarray | torch.Tensor
@@ -80,33 +90,38 @@ class ApertureEdges:
     row_start: np.ndarray | torch.Tensor
     row_stop: np.ndarray | torch.Tensor
     open_rows: tuple[int, int]
+    grid: StripGrid = STRIPS
 
     def to(self, device: torch.device) -> ApertureEdges:
         """The edges as tensors on ``device``."""
         values = (self.col_start, self.col_stop, self.row_start, self.row_stop)
-        return ApertureEdges(*(torch.as_tensor(v).to(device) for v in values), self.open_rows)
+        return ApertureEdges(*(torch.as_tensor(v).to(device) for v in values), self.open_rows, self.grid)
 
 
 class LeafGridBags:
-    """Rows [first_row, stop_row) of the leaf grid as weighted bags of cumulative-table rows.
+    """The 1 mm rows [first_row, stop_row) of the leaf grid as weighted bags of cumulative-table rows.
 
-    Row q lies in leaf q // 5; in sub-aperture s it is the box [start, stop) of that leaf,
-    weighted by the sub-aperture's weight when the row is between its jaws. Through a
-    cumulative table T (257, W) the box becomes T[stop] - T[start], so one row is a bag of
-    2 S table rows with weights +w and -w, summed by ``embedding_bag`` without building the
-    per-sub-aperture images.
+    Row q of the strips' grid lies in strip q // 5; in sub-aperture s it is the box [start, stop)
+    of that strip, weighted by the sub-aperture's weight when the row is between its jaws (on
+    the fine strips, by half of it: a 1 mm row is the sum of two). Through a cumulative table T
+    (257, W) the box becomes T[stop] - T[start], so one row is a bag of table rows with weights
+    +w and -w, summed by ``embedding_bag`` without building the per-sub-aperture images.
     """
 
     def __init__(self, edges: ApertureEdges, weights: torch.Tensor, first_row: int, stop_row: int) -> None:
-        rows = torch.arange(first_row, stop_row, device=weights.device)
+        per_pixel = edges.grid.rows_per_pixel
+        rows = torch.arange(first_row * per_pixel, stop_row * per_pixel, device=weights.device)
+        if per_pixel > 1:
+            weights = weights / per_pixel
         leaf = rows // ROWS_PER_LEAF
         inside = (rows[:, None] >= edges.row_start[:, None, :]) & (rows[:, None] < edges.row_stop[:, None, :])
         row_weight = inside.to(weights.dtype) * weights[:, None, :]
         col_stop = edges.col_stop.transpose(1, 2)[:, leaf]
         col_start = edges.col_start.transpose(1, 2)[:, leaf]
-        self.batch, self.row_count = weights.shape[0], len(rows)
-        self.indices = torch.stack([col_stop, col_start], dim=-1).view(self.batch * self.row_count, -1)
-        self.weights = torch.stack([row_weight, -row_weight], dim=-1).view(self.batch * self.row_count, -1)
+        self.batch, self.row_count = weights.shape[0], stop_row - first_row
+        bags = self.batch * self.row_count
+        self.indices = torch.stack([col_stop, col_start], dim=-1).view(bags, -1)
+        self.weights = torch.stack([row_weight, -row_weight], dim=-1).view(bags, -1)
 
     def rows(self, cumulative: torch.Tensor) -> torch.Tensor:
         """(B, rows, W) weighted sums of boxes through the cumulative table (257, W)."""
@@ -117,7 +132,8 @@ class LeafGridBags:
 
 
 def _aperture_edges(leaf_a: np.ndarray, leaf_b: np.ndarray, jaw_1: np.ndarray, jaw_2: np.ndarray) -> ApertureEdges:
-    """Edges of apertures given in mm: leaves (B, S, 52), jaws (B, S), float64."""
+    """Edges of apertures given in mm: leaves (B, S, strips), jaws (B, S), float64."""
+    grid = strip_grid(leaf_a.shape[-1])
     col_start = np.floor(leaf_a + EDGE_TOLERANCE_MM) - GRID_ORIGIN_MM
     col_stop = np.ceil(leaf_b - EDGE_TOLERANCE_MM) - GRID_ORIGIN_MM
     row_start = np.floor(jaw_1 + EDGE_TOLERANCE_MM) - MLC_Y_MIN_MM
@@ -128,11 +144,12 @@ def _aperture_edges(leaf_a: np.ndarray, leaf_b: np.ndarray, jaw_1: np.ndarray, j
     row_start = np.clip(row_start, 0, LEAF_GRID_ROWS).astype(np.int64)
     row_stop = np.clip(row_stop, row_start, LEAF_GRID_ROWS).astype(np.int64)
     open_rows = (int(row_start.min(initial=LEAF_GRID_ROWS)), int(row_stop.max(initial=0)))
-    return ApertureEdges(col_start, col_stop, row_start, row_stop, open_rows)
+    per_pixel = grid.rows_per_pixel
+    return ApertureEdges(col_start, col_stop, row_start * per_pixel, row_stop * per_pixel, open_rows, grid)
 
 
 def interpolated_positions(control_points: ControlPoints, frames: np.ndarray) -> tuple[np.ndarray, ...]:
-    """leaf_a, leaf_b (F, 7, 52) and jaw_1, jaw_2 (F, 7) of the 7 sub-apertures of each frame,
+    """leaf_a, leaf_b (F, 7, strips) and jaw_1, jaw_2 (F, 7) of the 7 sub-apertures of each frame,
     float64 mm: linear interpolation from CP f - 1 to CP f."""
     return tuple(_sub_apertures(values[frames - 1], values[frames])
                  for values in (getattr(control_points, name) for name in ("leaf_a", "leaf_b", "jaw_1", "jaw_2")))
@@ -150,11 +167,13 @@ def frame_edges(control_points: ControlPoints, frames: np.ndarray) -> ApertureEd
     return _aperture_edges(*interpolated_positions(control_points, frames))
 
 
-def cell_coverage(lower: torch.Tensor, upper: torch.Tensor, centres: torch.Tensor) -> torch.Tensor:
-    """Length (mm) of the opening [lower, upper] inside each 1 mm cell: (..., n) in [0, 1]."""
-    low = torch.maximum(lower.unsqueeze(-1), centres - 0.5)
-    high = torch.minimum(upper.unsqueeze(-1), centres + 0.5)
-    return (high - low).clamp(0.0, 1.0)
+def cell_coverage(lower: torch.Tensor, upper: torch.Tensor, centres: torch.Tensor, width: float = 1.0) -> torch.Tensor:
+    """Share of each cell (``width`` mm, 1 by default) that the opening [lower, upper] covers: (..., n) in [0, 1]."""
+    low = torch.maximum(lower.unsqueeze(-1), centres - width / 2)
+    high = torch.minimum(upper.unsqueeze(-1), centres + width / 2)
+    if width == 1.0:
+        return (high - low).clamp(0.0, 1.0)
+    return (high - low).clamp(0.0, width) / width
 
 
 def aperture_fluence(leaf_a: torch.Tensor, leaf_b: torch.Tensor, jaw_1: torch.Tensor, jaw_2: torch.Tensor,
@@ -165,23 +184,28 @@ def aperture_fluence(leaf_a: torch.Tensor, leaf_b: torch.Tensor, jaw_1: torch.Te
                      interleaf: torch.Tensor | None = None,
                      x_jaws: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """The fluence of B apertures on the leaf grid, (B, 260, 256), y ascending: the sum of the S
-    sub-apertures of each (leaves (B, S, 52), jaws (B, S), mm) weighted by ``weights`` (B, S).
+    sub-apertures of each (leaves (B, S, strips), jaws (B, S), mm) weighted by ``weights`` (B, S),
+    rendered on the rows of the strips' grid (``StripGrid``: 0.5 mm for the fine strips, each 1 mm
+    row the mean of its two).
 
     A cell's fluence is the product of the jaws' and the leaves' transmission of it, each
     t + (1 - t) x its open fraction (exact, not rounded to the grid). Bank A's edges move by
     -``leaf_end_offset_a``, bank B's by +``leaf_end_offset_b`` and the jaws' by
     -/+``jaw_edge_offset`` (mm; positive widens). In the 1 mm rows on either side of a boundary
-    between leaves, the part of the row inside the tongue-and-groove strip (``tongue_groove_mm``
-    wide, centred on the boundary) is open only where both leaves are, and closed leaves transmit
+    between leaves (every strip boundary, or those ``interleaf`` marks), the part of the row inside the
+    tongue-and-groove strip (``tongue_groove_mm``
+    wide, centred on the boundary) is open only where both leaves are (in each column, the smaller of
+    the two leaves' open fractions: exact unless one leaf's bank A edge and its neighbour's bank B
+    edge fall in the same column), and closed leaves transmit
     ``interleaf_leakage`` on top of ``leaf_transmission``. Transmissions are fractions. Serves the
     synthesis (``epid.synthesis.physics`` settings as numbers) and the aperture models (learned tensors).
 
-    A second layer of leaves (``second_layer``: its edges over each strip, (B, S, 52) each) stacks
+    A second layer of leaves (``second_layer``: its edges over each strip, (B, S, strips) each) stacks
     its own transmission on the first's: a cell behind both layers transmits t squared. Where one
     layer alone is open the cell passes the other's transmission: that part, a transmission's share
     of the fluence (0.4 % under the realistic physics), is rendered without gradients for edges and
     jaws (the transmissions keep theirs), which halves a dual layer's forward and backward pass.
-    ``interleaf`` (layers, 51): which boundaries between strips are boundaries between leaves of
+    ``interleaf`` (layers, strips - 1): which boundaries between strips are boundaries between leaves of
     each layer (``MlcGeometry.interleaf``; default every one, in one layer).
 
     ``x_jaws`` (X1, X2: (B, S) mm each, a beam with X jaws, one layer of leaves): jaws along x with
@@ -190,65 +214,75 @@ def aperture_fluence(leaf_a: torch.Tensor, leaf_b: torch.Tensor, jaw_1: torch.Te
     both leave open is their openings' overlap).
     """
     device, batch, sub_apertures = leaf_a.device, leaf_a.shape[0], leaf_a.shape[1]
+    grid = strip_grid(leaf_a.shape[-1])
+    band = grid.rows_per_pixel  # the rows of a strip within 1 mm of its boundary, each side
     columns = torch.arange(GRID_SIZE, device=device, dtype=torch.float32) + (GRID_ORIGIN_MM + 0.5)
-    rows = torch.arange(LEAF_GRID_ROWS, device=device, dtype=torch.float32) + (MLC_Y_MIN_MM + 0.5)
-    jaw_open = cell_coverage(jaw_1 - jaw_edge_offset, jaw_2 + jaw_edge_offset, rows)  # (B, S, 260)
+    rows = torch.arange(grid.rows, device=device, dtype=torch.float32) * grid.row_mm + (MLC_Y_MIN_MM + grid.row_mm / 2)
+    jaw_open = cell_coverage(jaw_1 - jaw_edge_offset, jaw_2 + jaw_edge_offset, rows, grid.row_mm)  # (B, S, rows)
     jaw_fluence = (jaw_transmission + (1.0 - jaw_transmission) * jaw_open) * weights[:, :, None]
-    jaw_fluence = jaw_fluence.view(batch, sub_apertures, NUM_LEAF_PAIRS, ROWS_PER_LEAF).permute(0, 2, 3, 1)
-    strip = None
+    jaw_fluence = jaw_fluence.view(batch, sub_apertures, grid.count, ROWS_PER_LEAF).permute(0, 2, 3, 1)
+    shares = None  # of the k-th row from a boundary inside the tongue-and-groove strip
     if isinstance(tongue_groove_mm, torch.Tensor) or tongue_groove_mm > 0:
-        strip = (torch.as_tensor(tongue_groove_mm, device=device) / 2.0).clamp(0.0, 1.0)  # share of a row
+        half = torch.as_tensor(tongue_groove_mm, device=device) / 2.0
+        shares = [(half - k * grid.row_mm).clamp(0.0, grid.row_mm) / grid.row_mm for k in range(band)]
+    tongue = None if interleaf is None else interleaf.amax(0).view(-1, 1, 1)  # (strips - 1, 1, 1)
 
     def open_sum(lower: torch.Tensor, upper: torch.Tensor, within_x_jaws: bool = False) -> torch.Tensor:
-        """(B, 260, 256) sum over the sub-apertures of jaws x the open fraction of leaf edges (B, S, 52),
+        """(B, rows, 256) sum over the sub-apertures of jaws x the open fraction of leaf edges (B, S, strips),
         or with ``within_x_jaws`` of the part of the opening that the X jaws leave open too."""
         low, high = lower - leaf_end_offset_a, upper + leaf_end_offset_b
         if within_x_jaws:
             low = torch.maximum(low, (x_jaws[0] - jaw_edge_offset)[..., None])
             high = torch.minimum(high, (x_jaws[1] + jaw_edge_offset)[..., None])
-        leaf_open = cell_coverage(low, high, columns).transpose(1, 2)
-        first_open, last_open = leaf_open, leaf_open  # (B, 52, S, 256): of a leaf's first and last rows
-        if strip is not None:
+        leaf_open = cell_coverage(low, high, columns).transpose(1, 2)  # (B, strips, S, 256)
+        first_rows, last_rows = [leaf_open] * band, [leaf_open] * band  # k-th row from the lower / upper boundary
+        if shares is not None:
             both = torch.minimum(leaf_open[:, :-1], leaf_open[:, 1:])
-            first_open = torch.cat([leaf_open[:, :1], leaf_open[:, 1:] + strip * (both - leaf_open[:, 1:])], 1)
-            last_open = torch.cat([leaf_open[:, :-1] + strip * (both - leaf_open[:, :-1]), leaf_open[:, -1:]], 1)
+            for k, share in enumerate(shares):
+                share = share if tongue is None else share * tongue
+                first_rows[k] = torch.cat([leaf_open[:, :1], leaf_open[:, 1:] + share * (both - leaf_open[:, 1:])], 1)
+                last_rows[k] = torch.cat([leaf_open[:, :-1] + share * (both - leaf_open[:, :-1]), leaf_open[:, -1:]], 1)
         return torch.cat([
-            torch.matmul(jaw_fluence[:, :, :1], first_open),
-            torch.matmul(jaw_fluence[:, :, 1:-1], leaf_open),
-            torch.matmul(jaw_fluence[:, :, -1:], last_open),
-        ], 2).view(batch, LEAF_GRID_ROWS, GRID_SIZE)
+            *(torch.matmul(jaw_fluence[:, :, k:k + 1], first_rows[k]) for k in range(band)),
+            torch.matmul(jaw_fluence[:, :, band:-band], leaf_open),
+            *(torch.matmul(jaw_fluence[:, :, -k - 1:ROWS_PER_LEAF - k], last_rows[k]) for k in reversed(range(band))),
+        ], 2).view(batch, grid.rows, GRID_SIZE)
 
     layers = 1 if second_layer is None else 2
     if interleaf is None:
-        interleaf = torch.ones((layers, NUM_LEAF_PAIRS - 1), device=device)
-    boundary = torch.zeros((layers, NUM_LEAF_PAIRS, ROWS_PER_LEAF), device=device)
-    boundary[:, :-1, -1] = interleaf
-    boundary[:, 1:, 0] = interleaf
-    closed = leaf_transmission + interleaf_leakage * boundary.view(layers, LEAF_GRID_ROWS, 1)  # (layers, 260, 1)
-    jaw_sum = jaw_fluence.sum(-1).reshape(batch, LEAF_GRID_ROWS, 1)
+        interleaf = torch.ones((layers, grid.count - 1), device=device)
+    boundary = torch.zeros((layers, grid.count, ROWS_PER_LEAF), device=device)
+    boundary[:, :-1, -band:] = interleaf[..., None]
+    boundary[:, 1:, :band] = interleaf[..., None]
+    closed = leaf_transmission + interleaf_leakage * boundary.view(layers, grid.rows, 1)  # (layers, rows, 1)
+    jaw_sum = jaw_fluence.sum(-1).reshape(batch, grid.rows, 1)
     if x_jaws is not None:
         if second_layer is not None:
             raise ValueError("X jaws are rendered for a single layer of leaves only")
         # a cell passes t_x + (1 - t_x) x its share the X jaws leave open, times the leaves' and Y jaws' own:
         # the leaves' open part splits into the part the X jaws leave open and the rest
         x_open = cell_coverage(x_jaws[0] - jaw_edge_offset, x_jaws[1] + jaw_edge_offset, columns)  # (B, S, 256)
-        x_sum = torch.matmul(jaw_fluence.reshape(batch, LEAF_GRID_ROWS, sub_apertures), x_open)
+        x_sum = torch.matmul(jaw_fluence.reshape(batch, grid.rows, sub_apertures), x_open)
         leaves = jaw_transmission * open_sum(leaf_a, leaf_b) + (1.0 - jaw_transmission) * open_sum(leaf_a, leaf_b,
                                                                                                    True)
-        return leaves * (1.0 - closed[0]) + (jaw_transmission * jaw_sum + (1.0 - jaw_transmission) * x_sum) * closed[0]
-    if second_layer is None:
-        return open_sum(leaf_a, leaf_b) * (1.0 - closed[0]) + jaw_sum * closed[0]
-    first, second = closed
-    with torch.no_grad():
-        only_first, only_second = open_sum(leaf_a, leaf_b), open_sum(*second_layer)
-    return (jaw_sum * (first * second) + only_first * ((1.0 - first) * second) + only_second * (first * (1.0 - second))
-            + open_sum(torch.maximum(leaf_a, second_layer[0]), torch.minimum(leaf_b, second_layer[1]))
-            * ((1.0 - first) * (1.0 - second)))
+        behind = jaw_transmission * jaw_sum + (1.0 - jaw_transmission) * x_sum
+        fluence = leaves * (1.0 - closed[0]) + behind * closed[0]
+    elif second_layer is None:
+        fluence = open_sum(leaf_a, leaf_b) * (1.0 - closed[0]) + jaw_sum * closed[0]
+    else:
+        first, second = closed
+        with torch.no_grad():
+            only_first, only_second = open_sum(leaf_a, leaf_b), open_sum(*second_layer)
+        fluence = (jaw_sum * (first * second) + only_first * ((1.0 - first) * second)
+                   + only_second * (first * (1.0 - second))
+                   + open_sum(torch.maximum(leaf_a, second_layer[0]), torch.minimum(leaf_b, second_layer[1]))
+                   * ((1.0 - first) * (1.0 - second)))
+    return grid.pixel_rows(fluence)
 
 
 def layer_positions(control_points: ControlPoints, frames: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
     """Per layer of the control points' MLC, the edges of its leaves over each strip (leaf_a,
-    leaf_b (F, 7, 52) float64 mm, ``MlcGeometry.layer_edges``) at the 7 sub-apertures of each
+    leaf_b (F, 7, strips) float64 mm, ``MlcGeometry.layer_edges``) at the 7 sub-apertures of each
     frame: each leaf moves linearly from CP f - 1 to CP f."""
     mlc = control_points.mlc
     before = mlc.layer_edges(control_points.leaf_a[frames - 1], control_points.leaf_b[frames - 1])
@@ -260,7 +294,7 @@ def layer_positions(control_points: ControlPoints, frames: np.ndarray) -> list[t
 def frame_positions(control_points: ControlPoints, frames: np.ndarray,
                     device: torch.device) -> tuple[list[torch.Tensor], dict[str, Any]]:
     """The positions of ``frames`` (F,) at their 7 sub-apertures on ``device``: [leaf_a, leaf_b
-    (F, 7, 52), jaw_1, jaw_2 (F, 7)] float32 mm, the leaves those of the first layer of the control
+    (F, 7, strips), jaw_1, jaw_2 (F, 7)] float32 mm, the leaves those of the first layer of the control
     points' MLC, and the rest of its layers as ``aperture_fluence`` takes them (``second_layer``,
     ``interleaf``; none for an MLC whose strips are its leaves). A single layer's leaves are the
     strips' own positions; only a dual layer's are placed per layer (``layer_positions``)."""
@@ -280,7 +314,7 @@ def frame_positions(control_points: ControlPoints, frames: np.ndarray,
 def physics_fluence(leaf_a: torch.Tensor, leaf_b: torch.Tensor, jaw_1: torch.Tensor, jaw_2: torch.Tensor,
                     mu: torch.Tensor, physics: Physics, **layers: Any) -> torch.Tensor:
     """The fluence (B, 260, 256) of B frames with ``physics``: the 7 sub-apertures (leaves
-    (B, 7, 52), jaws (B, 7), mm) of each frame averaged and scaled by its MU (B,); ``layers``: an
+    (B, 7, strips), jaws (B, 7), mm) of each frame averaged and scaled by its MU (B,); ``layers``: an
     MLC's further layers and leaf boundaries (``frame_positions``)."""
     weights = (mu / SUB_APERTURES)[:, None].expand(-1, SUB_APERTURES)
     return aperture_fluence(

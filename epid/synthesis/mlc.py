@@ -5,20 +5,22 @@ DEVICE coordinates: leaves travel along x, leaf pairs stacked along y). ``identi
 plan's MLC from its leaf boundaries (and, for a dual-layer MLC, from the pair counts of its
 layers, never from device names).
 
-The synthesis, the models and the reconstruction see an MLC through its *strips*: the 52 rows of
-5 mm over y in [-130, 130) mm that span the imager (``epid.synthesis.geometry``), each with the
-aperture edges an image of it shows. The legacy grid is the strips themselves (52 pairs of 5 mm,
-every strip its own leaf). An MLC is modelled when every strip lies within one leaf of each
-layer (``strip_leaves``): a 10 mm leaf is two strips that share its position (Millennium 120's
+The synthesis, the models and the reconstruction see an MLC through its *strips*
+(``epid.synthesis.geometry.StripGrid``): the 52 rows of 5 mm over y in [-130, 130) mm that span the
+imager, each with the aperture edges an image of it shows, or for leaves of 2.5 mm (HD120) 104 strips
+of 2.5 mm. An MLC's ``grid`` is the coarsest on which every strip lies within at most one leaf of
+each layer (``strip_leaves``): a 10 mm leaf is two strips that share its position (Millennium 120's
 outer leaves, MLCi2), a leaf outside the strips is beyond the imager (Agility's outer 28 pairs:
-not verifiable from an image), and for a dual-layer MLC (Halcyon) a strip's edges are where both
-layers are open: bank A's edge the larger of its two leaves, bank B's the smaller. HD120's
-2.5 mm leaves are finer than the strips and not modelled.
+not verifiable from an image), a strip beyond a layer's leaves is open in that layer (HD120's
+leaves end at +-110 mm), and for a dual-layer MLC (Halcyon) a strip's edges are where both layers
+are open: bank A's edge the larger of its two leaves, bank B's the smaller. The legacy grid is the
+52 strips themselves. The models take MLCs on the 52 strips whose every strip lies under a leaf
+(``modelled``); HD120 is synthesised on the fine strips.
 
 The synthesis of a real MLC renders each layer's leaves over the strips (``layer_edges``) and
 leaks only at the boundaries between two leaves of a layer (``interleaf``).
 
-``leaves`` takes strip edges (..., 52) to the positions of each layer's leaves (a leaf over
+``leaves`` takes strip edges (..., strips) to the positions of each layer's leaves (a leaf over
 several strips at their mean, rounded to 0.1 mm outwards, or for a dual-layer MLC at the most open
 of its strips' edges), ``strips`` takes those back; ``strips(leaves(x))`` is what the MLC can
 show of edges x, unchanged for the legacy grid, and a second pass changes nothing.
@@ -33,11 +35,19 @@ from typing import Any
 
 import numpy as np
 
-from epid.synthesis.geometry import LEAF_WIDTH_MM, MLC_Y_MIN_MM, NUM_LEAF_PAIRS, TENTHS_PER_MM
+from epid.synthesis.geometry import (
+    LEAF_WIDTH_MM,
+    MLC_Y_MIN_MM,
+    NUM_LEAF_PAIRS,
+    STRIP_GRIDS,
+    STRIPS,
+    TENTHS_PER_MM,
+    StripGrid,
+)
 
 BOUNDARY_MATCH_MM = 1e-3
 """Largest difference between two leaf boundaries taken as the same, mm."""
-STRIP_EDGES_MM = MLC_Y_MIN_MM + LEAF_WIDTH_MM * np.arange(NUM_LEAF_PAIRS + 1)
+STRIP_EDGES_MM = STRIPS.edges_mm
 """Edges of the 52 strips along y, mm."""
 ROUNDING_SLACK = 1e-3
 """Tenths of a mm by which a float32 position may miss its whole tenth and still be taken as on it."""
@@ -95,29 +105,46 @@ class MlcGeometry:
         return order
 
     @property
+    def grid(self) -> StripGrid:
+        """The coarsest strips on which every strip lies within at most one leaf of each layer;
+        ValueError naming the first leaf boundary inside a strip of the finest."""
+        for grid in STRIP_GRIDS:
+            found = _strip_leaves(self.layers, grid)
+            if isinstance(found, tuple):
+                return grid
+        raise ValueError(f"MLC {self.name} ({self.description}): {found}")
+
+    @property
     def modelled(self) -> bool:
-        """Whether every strip lies within one leaf of each layer (``strip_leaves`` succeeds)."""
-        return isinstance(_strip_leaves(self.layers), tuple)
+        """Whether the models can take this MLC: every one of the 52 strips lies under one leaf of each layer."""
+        return not self.unmodelled_reason
 
     @property
     def unmodelled_reason(self) -> str:
-        """Why the strips cannot show this MLC ("" when they can)."""
-        found = _strip_leaves(self.layers)
-        return "" if isinstance(found, tuple) else found
+        """Why the models cannot take this MLC ("" when they can)."""
+        found = _strip_leaves(self.layers, STRIPS)
+        if isinstance(found, str):
+            return found
+        for number, (leaves, boundaries) in enumerate(zip(found, self.layers, strict=True)):
+            if (leaves < 0).any():
+                layer = f"layer {number + 1}'s " if len(self.layers) > 1 else ""
+                return (f"{layer}leaves span y in [{boundaries[0]:g}, {boundaries[-1]:g}] mm, not the imager's "
+                        f"strips [{STRIP_EDGES_MM[0]:g}, {STRIP_EDGES_MM[-1]:g}] mm")
+        return ""
 
     @property
     def strip_leaves(self) -> tuple[np.ndarray, ...]:
-        """Per layer, the leaf (index into that layer's pairs) covering each strip, (52,) int each;
-        ValueError naming the first strip no single leaf covers."""
-        found = _strip_leaves(self.layers)
-        if not isinstance(found, tuple):
-            raise ValueError(f"MLC {self.name} ({self.description}): {found}")
+        """Per layer, the leaf (index into that layer's pairs) over each strip of ``grid``, (strips,)
+        int each, -1 for a strip beyond that layer's leaves."""
+        found = _strip_leaves(self.layers, self.grid)
+        assert isinstance(found, tuple)
         return found
 
     @property
     def identity(self) -> bool:
         """Whether the strips are the leaves (one layer, one strip per leaf: ``strips(leaves(x)) == x``)."""
-        return len(self.layers) == 1 and len(np.unique(self.strip_leaves[0])) == NUM_LEAF_PAIRS
+        leaves = self.strip_leaves[0]
+        return len(self.layers) == 1 and (leaves >= 0).all() and len(np.unique(leaves)) == len(leaves)
 
     @property
     def strip_layout(self) -> tuple[tuple[int, ...], ...]:
@@ -127,13 +154,15 @@ class MlcGeometry:
 
     @property
     def interleaf(self) -> np.ndarray:
-        """(layers, 51) float32: 1 where the boundary between two neighbouring strips is one between
-        two of that layer's leaves (where interleaf leakage passes), 0 where both strips lie in one leaf."""
-        return np.stack([np.diff(leaves) != 0 for leaves in self.strip_leaves]).astype(np.float32)
+        """(layers, strips - 1) float32: 1 where the boundary between two neighbouring strips is one
+        between two of that layer's leaves (where interleaf leakage passes and tongue and groove
+        meet), 0 where both strips lie in one leaf or one is beyond the layer's leaves."""
+        return np.stack([(np.diff(leaves) != 0) & (leaves[:-1] >= 0) & (leaves[1:] >= 0)
+                         for leaves in self.strip_leaves]).astype(np.float32)
 
     def layer_edges(self, leaf_a: np.ndarray, leaf_b: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
-        """Strip edges leaf_a, leaf_b (..., 52) mm -> per layer, the edges (..., 52) of that layer's
-        leaves over each strip: a single layer's are the strip edges; a dual layer's leaves stand
+        """Strip edges leaf_a, leaf_b (..., strips) mm -> per layer, the edges (..., strips) of that
+        layer's leaves over each strip: a single layer's are the strip edges; a dual layer's leaves stand
         at the most open positions their strips allow (``leaves``: the synthetic arcs' own)."""
         if len(self.layers) == 1:
             return [(np.asarray(leaf_a, dtype=np.float64), np.asarray(leaf_b, dtype=np.float64))]
@@ -143,11 +172,11 @@ class MlcGeometry:
     @property
     def hidden_pairs(self) -> int:
         """Leaf pairs (all layers) that cover no strip: beyond the imager, never verifiable from an image."""
-        return sum(self.pairs) - sum(len(np.unique(leaves)) for leaves in self.strip_leaves)
+        return sum(self.pairs) - sum(len(np.unique(leaves[leaves >= 0])) for leaves in self.strip_leaves)
 
     def leaves(self, leaf_a: np.ndarray, leaf_b: np.ndarray,
                tenths: bool = True) -> list[tuple[np.ndarray, np.ndarray]]:
-        """Strip edges leaf_a, leaf_b (..., 52) mm -> per layer, the (bank A, bank B) positions
+        """Strip edges leaf_a, leaf_b (..., strips) mm -> per layer, the (bank A, bank B) positions
         (..., pairs) of its leaves (a single layer's mean rounded outwards to whole tenths of a mm
         when ``tenths``); a leaf that covers no strip closed at the middle of the nearest strip's
         opening."""
@@ -155,6 +184,9 @@ class MlcGeometry:
         dual = len(self.layers) > 1
         result = []
         for pairs, strip_leaf in zip(self.pairs, self.strip_leaves, strict=True):
+            under = strip_leaf >= 0
+            if not under.all():
+                leaf_a, leaf_b, strip_leaf = leaf_a[..., under], leaf_b[..., under], strip_leaf[under]
             covered = np.zeros(pairs, dtype=bool)
             covered[strip_leaf] = True
             counts = np.bincount(strip_leaf, minlength=pairs)
@@ -173,15 +205,17 @@ class MlcGeometry:
 
     def strips(self, layers: Sequence[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
         """Per layer (bank A, bank B) leaf positions (..., pairs) mm -> the strip edges leaf_a,
-        leaf_b (..., 52) an image shows: where every layer is open."""
-        edges = [(np.asarray(a, dtype=np.float64)[..., leaf], np.asarray(b, dtype=np.float64)[..., leaf])
+        leaf_b (..., strips) an image shows: where every layer is open (a strip beyond a layer's
+        leaves open to its travel in that layer)."""
+        edges = [(np.where(leaf >= 0, np.asarray(a, dtype=np.float64)[..., leaf], -self.travel_mm),
+                  np.where(leaf >= 0, np.asarray(b, dtype=np.float64)[..., leaf], self.travel_mm))
                  for (a, b), leaf in zip(layers, self.strip_leaves, strict=True)]
         leaf_a = functools.reduce(np.maximum, [a for a, _ in edges])
         leaf_b = functools.reduce(np.minimum, [b for _, b in edges])
         return leaf_a, np.maximum(leaf_b, leaf_a)
 
     def shown(self, leaf_a: np.ndarray, leaf_b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Strip edges (..., 52) mm as this MLC can show them: ``strips(leaves(...))`` (float32;
+        """Strip edges (..., strips) mm as this MLC can show them: ``strips(leaves(...))`` (float32;
         the same values for the legacy grid)."""
         if self.identity:
             return np.asarray(leaf_a, dtype=np.float32), np.asarray(leaf_b, dtype=np.float32)
@@ -189,7 +223,7 @@ class MlcGeometry:
         return leaf_a.astype(np.float32), leaf_b.astype(np.float32)
 
     def tied(self, leaf_a: np.ndarray, leaf_b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Estimates of the strip edges (..., 52) mm as one estimate per leaf: the strips of a single
+        """Estimates of the strip edges (..., strips) mm as one estimate per leaf: the strips of a single
         layer's leaf at their mean, unrounded (a 10 mm leaf seen in two strips is one leaf); a
         dual-layer MLC's strips are its edges already and stay as they are."""
         if self.identity or len(self.layers) > 1:
@@ -251,37 +285,38 @@ def widths_text(boundaries: np.ndarray) -> str:
 
 
 @functools.lru_cache(maxsize=32)
-def _strip_leaves(layers: tuple[tuple[float, ...], ...]) -> tuple[np.ndarray, ...] | str:
-    """Per layer, the leaf covering each strip, or why a strip has none."""
+def _strip_leaves(layers: tuple[tuple[float, ...], ...], grid: StripGrid) -> tuple[np.ndarray, ...] | str:
+    """Per layer, the leaf over each strip of ``grid`` (-1 beyond the layer's leaves), or why a strip
+    lies over two."""
     found = []
+    strip_edges = grid.edges_mm
     for number, boundaries in enumerate(layers):
         edges = np.asarray(boundaries, dtype=np.float64)
-        lower = np.searchsorted(edges, STRIP_EDGES_MM[:-1] + BOUNDARY_MATCH_MM, side="right") - 1
-        upper = np.searchsorted(edges, STRIP_EDGES_MM[1:] - BOUNDARY_MATCH_MM, side="left") - 1
+        lower = np.searchsorted(edges, strip_edges[:-1] + BOUNDARY_MATCH_MM, side="right") - 1
+        upper = np.searchsorted(edges, strip_edges[1:] - BOUNDARY_MATCH_MM, side="left") - 1
         layer = f"layer {number + 1}'s " if len(layers) > 1 else ""
-        split = np.flatnonzero(lower != upper)
-        if len(split):
-            strip = int(split[0])
-            return (f"{layer}leaves are finer than the models' {LEAF_WIDTH_MM:g} mm strips (leaf boundary at "
-                    f"{edges[lower[strip] + 1]:g} mm inside the strip y in [{STRIP_EDGES_MM[strip]:g}, "
-                    f"{STRIP_EDGES_MM[strip + 1]:g}) mm)")
-        if lower[0] < 0 or upper[-1] >= len(edges) - 1:
-            return (f"{layer}leaves span y in [{edges[0]:g}, {edges[-1]:g}] mm, not the imager's strips "
-                    f"[{STRIP_EDGES_MM[0]:g}, {STRIP_EDGES_MM[-1]:g}] mm")
+        beyond = (lower < 0) | (upper >= len(edges) - 1)
+        split = np.flatnonzero((lower != upper) & ~beyond)
+        if len(split) or (beyond & ~((upper < 0) | (lower >= len(edges) - 1))).any():
+            strip = int(split[0]) if len(split) else int(np.flatnonzero(beyond)[0])
+            inside = edges[(edges > strip_edges[strip]) & (edges < strip_edges[strip + 1])]
+            return (f"{layer}leaves are finer than the models' {grid.strip_mm:g} mm strips (leaf boundary at "
+                    f"{inside[0]:g} mm inside the strip y in [{strip_edges[strip]:g}, {strip_edges[strip + 1]:g}) mm)")
+        lower = np.where(beyond, -1, lower)
         lower.flags.writeable = False
         found.append(lower)
     return tuple(found)
 
 
 def _mean(values: np.ndarray, strip_leaf: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """Mean (..., pairs) of ``values`` (..., 52) over the strips of each leaf (0 where none)."""
+    """Mean (..., pairs) of ``values`` (..., strips) over the strips of each leaf (0 where none)."""
     sums = np.zeros(values.shape[:-1] + (len(counts),))
     np.add.at(sums, (..., strip_leaf), values)
     return sums / np.maximum(counts, 1)
 
 
 def _reduce(operation: np.ufunc, values: np.ndarray, strip_leaf: np.ndarray, pairs: int) -> np.ndarray:
-    """``operation`` (minimum or maximum) of ``values`` (..., 52) over the strips of each leaf."""
+    """``operation`` (minimum or maximum) of ``values`` (..., strips) over the strips of each leaf."""
     start = np.inf if operation is np.minimum else -np.inf
     reduced = np.full(values.shape[:-1] + (pairs,), start)
     operation.at(reduced, (..., strip_leaf), values)

@@ -3,7 +3,10 @@
 Each dataset ID is one synthetic arc of N control points (CPs): positions of 52 MLC leaf
 pairs (bank A ``leaf_a`` <= bank B ``leaf_b``, mm along x), two jaws (``jaw_1`` lower,
 ``jaw_2`` upper, mm along y) and the MU of each CP. The pattern and the random seed follow
-from the ID alone, so the same ID gives the same arc on any machine.
+from the ID alone, so the same ID gives the same arc on any machine. An MLC with leaves of 2.5 mm
+(HD120) has its arcs generated on the 104 strips of 2.5 mm (``epid.synthesis.geometry.StripGrid``)
+with the same limits per millimetre along y (a neighbour step per strip of half the pattern's,
+the leaves copying the band's edge over the same 10 mm), its jaws inside the span of its leaves.
 
 Everything is generated in whole tenths of a millimetre (and of an MU) as integers, so
 every limit holds exactly and the 0.1 rounding of the specification cannot break one.
@@ -25,11 +28,12 @@ at a segment speed. The whole arc is built with array operations, with no loop o
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
 
-from epid.synthesis.geometry import LEAF_WIDTH_MM, MLC_Y_MIN_MM, NUM_LEAF_PAIRS, TENTHS_PER_MM
+from epid.synthesis.geometry import LEAF_WIDTH_MM, MLC_Y_MIN_MM, STRIPS, TENTHS_PER_MM, StripGrid
 from epid.synthesis.mlc import LEGACY_GRID, MlcGeometry
 
 NUM_DATASETS = 640
@@ -61,6 +65,8 @@ class PatternLimits:
     min_leaf_gap_mm: float
     max_neighbour_step_mm: float
     """Largest difference between neighbouring band leaves; 0 means one shared pair."""
+    leaf_jitter: bool = False
+    """Whether each leaf's target jitters on its own (irregular), not only each bank's."""
 
 
 PATTERN_LIMITS = {
@@ -69,7 +75,7 @@ PATTERN_LIMITS = {
         jaw_1_max_mm=120.0, min_jaw_gap_mm=10.0, min_leaf_gap_mm=10.0, max_neighbour_step_mm=10.0
     ),
     "irregular": PatternLimits(
-        jaw_1_max_mm=120.0, min_jaw_gap_mm=10.0, min_leaf_gap_mm=10.0, max_neighbour_step_mm=50.0
+        jaw_1_max_mm=120.0, min_jaw_gap_mm=10.0, min_leaf_gap_mm=10.0, max_neighbour_step_mm=50.0, leaf_jitter=True
     ),
 }
 
@@ -81,10 +87,11 @@ _SEGMENT_PROBABILITY = 1.0 / 30.0
 class ControlPoints:
     """The control points of one synthetic delivery (read-only float32 arrays).
 
-    leaf_a, leaf_b: (N, 52) leaf positions of banks A and B, mm along x.
+    leaf_a, leaf_b: (N, strips) leaf positions of banks A and B, mm along x (52 strips, or 104 on
+    the fine strips of an MLC with 2.5 mm leaves: ``mlc.grid``).
     jaw_1, jaw_2: (N,) lower and upper jaw positions, mm along y.
     mu: (N,) monitor units delivered at each CP.
-    leaf_weight: (N, 52) 1.0 for leaves in [lo - 2, hi + 2) of the open band, else 0.5.
+    leaf_weight: (N, strips) 1.0 for leaves in [lo - 2, hi + 2) of the open band, else 0.5.
     mlc: the MLC whose strips these are (``epid.synthesis.mlc``): its layers and leaf boundaries
     shape the fluence of a real MLC (``epid.synthesis.fluence.physics_fluence``).
     """
@@ -124,19 +131,20 @@ def seed_for(dataset_id: int) -> int:
     return (43 if dataset_id >= 480 else 42) + dataset_id
 
 
-def leaf_band(jaw_1: np.ndarray, jaw_2: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Open band of leaves [lo, hi) between the jaws (mm): lo = ceil((130 + jaw_1) / 5), hi likewise."""
-    lo = np.ceil((np.asarray(jaw_1, dtype=np.float64) - MLC_Y_MIN_MM) / LEAF_WIDTH_MM)
-    hi = np.ceil((np.asarray(jaw_2, dtype=np.float64) - MLC_Y_MIN_MM) / LEAF_WIDTH_MM)
+def leaf_band(jaw_1: np.ndarray, jaw_2: np.ndarray, grid: StripGrid = STRIPS) -> tuple[np.ndarray, np.ndarray]:
+    """Open band of strips [lo, hi) between the jaws (mm): lo = ceil((130 + jaw_1) / 5), hi likewise
+    (strips of ``grid.strip_mm``)."""
+    lo = np.ceil((np.asarray(jaw_1, dtype=np.float64) - MLC_Y_MIN_MM) / grid.strip_mm)
+    hi = np.ceil((np.asarray(jaw_2, dtype=np.float64) - MLC_Y_MIN_MM) / grid.strip_mm)
     return lo.astype(np.int64), hi.astype(np.int64)
 
 
-def leaf_weights(jaw_1: np.ndarray, jaw_2: np.ndarray) -> np.ndarray:
-    """Leaf weights (N, 52) float32 for jaws (N,) in mm: 1.0 for leaves in [lo - 2, hi + 2) of the
-    open band (``leaf_band``), else 0.5."""
-    lo, hi = leaf_band(jaw_1, jaw_2)
-    leaf = np.arange(NUM_LEAF_PAIRS)
-    shaping = (leaf >= lo[:, None] - EDGE_COPY_LEAVES) & (leaf < hi[:, None] + EDGE_COPY_LEAVES)
+def leaf_weights(jaw_1: np.ndarray, jaw_2: np.ndarray, grid: StripGrid = STRIPS) -> np.ndarray:
+    """Leaf weights (N, strips) float32 for jaws (N,) in mm: 1.0 for the strips in [lo - 2, hi + 2)
+    of the open band (``leaf_band``; 10 mm of strips each side on any grid), else 0.5."""
+    lo, hi = leaf_band(jaw_1, jaw_2, grid)
+    leaf, copies = np.arange(grid.count), _edge_copies(grid)
+    shaping = (leaf >= lo[:, None] - copies) & (leaf < hi[:, None] + copies)
     return np.where(shaping, 1.0, 0.5).astype(np.float32)
 
 
@@ -154,13 +162,14 @@ def generate_control_points(dataset_id: int, n_control_points: int = DEFAULT_CON
     if n_control_points < 1:
         raise ValueError(f"n_control_points={n_control_points}: expected at least 1")
     pattern = pattern_for(dataset_id)
-    limits = PATTERN_LIMITS[pattern]
+    grid = mlc.grid
+    limits = _on_grid(PATTERN_LIMITS[pattern], grid)
     rng = np.random.default_rng(seed_for(dataset_id))
     starts = _segment_starts(rng, n_control_points)
-    jaws = _jaw_path(rng, limits, starts, n_control_points)
-    lo, hi = _band_edge_tenths(jaws[:, 0]), _band_edge_tenths(jaws[:, 1])
-    shown = _shown_leaf(lo, hi)
-    field = _leaf_field(_leaf_targets(rng, limits, starts, n_control_points), shown, limits)
+    jaws = _jaw_path(rng, limits, starts, n_control_points, _jaw_span(mlc))
+    lo, hi = _band_edge_tenths(jaws[:, 0], grid), _band_edge_tenths(jaws[:, 1], grid)
+    shown = _shown_leaf(lo, hi, grid)
+    field = _leaf_field(_leaf_targets(rng, limits, starts, n_control_points, grid.count), shown, limits)
     shown_values = np.take_along_axis(field, np.maximum(shown, 0)[:, None, :], axis=2)
     leaves = np.where(shown[:, None, :] >= 0, shown_values, _PARKED[None, :, None])
     mu = rng.integers(round(MU_RANGE[0] * TENTHS_PER_MM), round(MU_RANGE[1] * TENTHS_PER_MM) + 1, size=n_control_points)
@@ -177,7 +186,7 @@ def generate_control_points(dataset_id: int, n_control_points: int = DEFAULT_CON
         jaw_1=jaw_1,
         jaw_2=jaw_2,
         mu=_read_only_mm(mu),
-        leaf_weight=_read_only(leaf_weights(jaw_1, jaw_2)),
+        leaf_weight=_read_only(leaf_weights(jaw_1, jaw_2, grid)),
         dataset_id=int(dataset_id),
         pattern=pattern,
         mlc=mlc,
@@ -202,7 +211,6 @@ def _tenths(mm: float) -> int:
     return round(mm * TENTHS_PER_MM)
 
 
-_LEAF_WIDTH = _tenths(LEAF_WIDTH_MM)
 _MLC_Y_MIN = _tenths(MLC_Y_MIN_MM)
 _PARKED = np.array([_tenths(PARKED_LEAF_A_MM), _tenths(PARKED_LEAF_B_MM)])
 _JAW_STEP = _tenths(MAX_JAW_STEP_MM)
@@ -212,9 +220,31 @@ _NEAR_PARKED = _LEAF_STEP // 2
 """Largest distance from the parked position of a value shown before or after a band move."""
 
 
-def _band_edge_tenths(jaw: np.ndarray) -> np.ndarray:
-    """ceil((jaw - (-130 mm)) / 5 mm) for jaw positions in tenths of a mm (exact integer arithmetic)."""
-    return -((_MLC_Y_MIN - jaw) // _LEAF_WIDTH)
+def _band_edge_tenths(jaw: np.ndarray, grid: StripGrid) -> np.ndarray:
+    """ceil((jaw - (-130 mm)) / strip width) for jaw positions in tenths of a mm (exact integer arithmetic)."""
+    return -((_MLC_Y_MIN - jaw) // _tenths(grid.strip_mm))
+
+
+def _edge_copies(grid: StripGrid) -> int:
+    """Strips each side of the band that copy its edge leaf: ``EDGE_COPY_LEAVES`` strips of 5 mm' worth."""
+    return round(EDGE_COPY_LEAVES * LEAF_WIDTH_MM / grid.strip_mm)
+
+
+def _on_grid(limits: PatternLimits, grid: StripGrid) -> PatternLimits:
+    """A pattern's limits for neighbouring strips of ``grid``: the neighbour step scaled to the strip width."""
+    if grid.strip_mm == LEAF_WIDTH_MM:
+        return limits
+    return dataclasses.replace(limits, max_neighbour_step_mm=limits.max_neighbour_step_mm * grid.strip_mm
+                               / LEAF_WIDTH_MM)
+
+
+def _jaw_span(mlc: MlcGeometry) -> tuple[int, int]:
+    """(lowest, highest) jaw position in tenths: the span of the strips under a leaf of every layer of
+    ``mlc`` (the whole strip span, [-130, 130] mm, for every MLC whose leaves cover it)."""
+    under = np.logical_and.reduce([leaves >= 0 for leaves in mlc.strip_leaves])
+    strips = np.flatnonzero(under)
+    edges = mlc.grid.edges_mm
+    return _tenths(edges[strips[0]]), _tenths(edges[strips[-1] + 1])
 
 
 def _segment_starts(rng: np.random.Generator, n: int) -> np.ndarray:
@@ -240,34 +270,38 @@ def _approach(start: np.ndarray, goals: np.ndarray, speeds: np.ndarray, starts: 
     return path
 
 
-def _jaw_path(rng: np.random.Generator, limits: PatternLimits, starts: np.ndarray, n: int) -> np.ndarray:
-    """Jaws (n, 2) [jaw_1, jaw_2] in tenths: goals in range, steps <= 20 mm, gap >= the minimum."""
-    jaw_1_max, gap = _tenths(limits.jaw_1_max_mm), _tenths(limits.min_jaw_gap_mm)
+def _jaw_path(rng: np.random.Generator, limits: PatternLimits, starts: np.ndarray, n: int,
+              span: tuple[int, int]) -> np.ndarray:
+    """Jaws (n, 2) [jaw_1, jaw_2] in tenths: goals in range (the jaw ranges brought inside ``span``,
+    tenths), steps <= 20 mm, gap >= the minimum."""
+    low, high = span
+    jaw_1_max, gap = _tenths(limits.jaw_1_max_mm) - (_tenths(JAW_2_MAX_MM) - high), _tenths(limits.min_jaw_gap_mm)
     count = len(starts)
-    jaw_1 = rng.integers(_tenths(JAW_1_MIN_MM), jaw_1_max + 1, size=count)
-    jaw_2 = rng.integers(jaw_1 + gap, _tenths(JAW_2_MAX_MM) + 1)
+    jaw_1 = rng.integers(max(_tenths(JAW_1_MIN_MM), low), jaw_1_max + 1, size=count)
+    jaw_2 = rng.integers(jaw_1 + gap, high + 1)
     goals = np.stack([jaw_1, jaw_2], axis=1)
     speeds = rng.integers(10, _JAW_STEP + 1, size=(count, 1))
     path = _approach(goals[0], goals, speeds, starts, n)
-    # both paths step <= 20 mm, so does the larger of jaw_2 and jaw_1 + gap (<= jaw_1_max + gap = 130 mm)
+    # both paths step <= 20 mm, so does the larger of jaw_2 and jaw_1 + gap (<= jaw_1_max + gap <= high)
     path[:, 1] = np.maximum(path[:, 1], path[:, 0] + gap)
     return path
 
 
-def _leaf_targets(rng: np.random.Generator, limits: PatternLimits, starts: np.ndarray, n: int) -> np.ndarray:
-    """Target positions (n, 2, 52) of both banks: segment goals approached at a segment speed, plus jitter.
+def _leaf_targets(rng: np.random.Generator, limits: PatternLimits, starts: np.ndarray, n: int,
+                  strips: int) -> np.ndarray:
+    """Target positions (n, 2, strips) of both banks: segment goals approached at a segment speed, plus jitter.
 
     Goal profiles already respect the pattern: one pair (regular), or centre and width
     profiles that drift by at most a quarter of the neighbour limit per leaf.
     """
     count = len(starts)
-    shape = (count, NUM_LEAF_PAIRS)
+    shape = (count, strips)
     gap = _tenths(limits.min_leaf_gap_mm)
     drift = _tenths(limits.max_neighbour_step_mm) // 4
     centre = rng.integers(-700, 701, size=(count, 1))
     width = rng.integers(gap, 1201, size=(count, 1))
     centre_profile = centre + np.cumsum(rng.integers(-drift, drift + 1, size=shape), axis=1)
-    centre_profile -= centre_profile[:, NUM_LEAF_PAIRS // 2, None] - centre
+    centre_profile -= centre_profile[:, strips // 2, None] - centre
     width_profile = np.maximum(width + np.cumsum(rng.integers(-drift, drift + 1, size=shape), axis=1), gap)
     leaf_a = np.clip(centre_profile - width_profile // 2, _LEAF_MIN, _LEAF_MAX - gap)
     leaf_b = np.clip(leaf_a + width_profile, leaf_a + gap, _LEAF_MAX)
@@ -275,23 +309,23 @@ def _leaf_targets(rng: np.random.Generator, limits: PatternLimits, starts: np.nd
     speeds = rng.integers(20, _LEAF_STEP + 1, size=(count, 1, 1))
     targets = _approach(goals[0], goals, speeds, starts, n)
     targets += np.rint(rng.normal(0.0, 10.0, size=(n, 2, 1))).astype(np.int64)
-    if limits.max_neighbour_step_mm >= PATTERN_LIMITS["irregular"].max_neighbour_step_mm:
-        targets += np.rint(rng.normal(0.0, 10.0, size=(n, 2, NUM_LEAF_PAIRS))).astype(np.int64)
+    if limits.leaf_jitter:
+        targets += np.rint(rng.normal(0.0, 10.0, size=(n, 2, strips))).astype(np.int64)
     return targets
 
 
-def _shown_leaf(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
-    """(n, 52): the band leaf whose value each leaf shows (itself, or the nearest edge for the
-    two leaves each side of the band), or -1 for a parked leaf."""
-    leaf = np.arange(NUM_LEAF_PAIRS)[None, :]
+def _shown_leaf(lo: np.ndarray, hi: np.ndarray, grid: StripGrid) -> np.ndarray:
+    """(n, strips): the band leaf whose value each leaf shows (itself, or the nearest edge for the
+    leaves of the 10 mm each side of the band), or -1 for a parked leaf."""
+    leaf, copies = np.arange(grid.count)[None, :], _edge_copies(grid)
     lo, hi = lo[:, None], hi[:, None]
     shown = np.where((leaf >= lo) & (leaf < hi), leaf, -1)
-    shown = np.where((leaf >= lo - EDGE_COPY_LEAVES) & (leaf < lo), lo, shown)
-    return np.where((leaf >= hi) & (leaf < hi + EDGE_COPY_LEAVES), hi - 1, shown)
+    shown = np.where((leaf >= lo - copies) & (leaf < lo), lo, shown)
+    return np.where((leaf >= hi) & (leaf < hi + copies), hi - 1, shown)
 
 
 def _near_parked_cells(shown: np.ndarray) -> np.ndarray:
-    """(n, 52) cells of the field shown just before or just after a leaf changes what it shows."""
+    """(n, strips) cells of the field shown just before or just after a leaf changes what it shows."""
     cells = np.zeros(shown.shape, dtype=bool)
     before, leaf = np.nonzero(shown[1:] != shown[:-1])
     for cp in (before, before + 1):
@@ -315,7 +349,7 @@ def _lower_envelope(values: np.ndarray, step: int, axis: int) -> np.ndarray:
 
 
 class _FieldLimits:
-    """Min-plus envelopes for fields (n, 52) with steps <= 40 mm between CPs and <= ``neighbour``
+    """Min-plus envelopes for fields (n, strips) with steps <= 40 mm between CPs and <= ``neighbour``
     between leaves: the distance between cells is 400 |dn| + neighbour |dj| (tenths)."""
 
     def __init__(self, neighbour_step: int) -> None:
@@ -338,7 +372,7 @@ class _FieldLimits:
 
 
 def _leaf_field(targets: np.ndarray, shown: np.ndarray, limits: PatternLimits) -> np.ndarray:
-    """Fields (n, 2, 52) of both banks fitted to ``targets``.
+    """Fields (n, 2, strips) of both banks fitted to ``targets``.
 
     Constraints (tenths): step <= 400 between CPs and <= the neighbour limit between leaves
     (the whole field, a stronger form of the band rule), travel in the leaf range, within
