@@ -39,6 +39,7 @@ from epid.data import sharding
 from epid.data.dataset import EpidData
 from epid.data.plans import PlanArc, scan_plans
 from epid.models.families import FAMILIES
+from epid.models.families import LEGACY as LEGACY_FAMILY
 from epid.synthesis.kernel import kernel_from_config
 from epid.synthesis.mlc import LEGACY_GRID, MLC_GEOMETRIES, MlcGeometry
 from epid.synthesis.physics import LIMITS, PRESETS, Physics
@@ -211,6 +212,10 @@ def load_config(environ: Mapping[str, str] | None = None) -> Config:
         ids = sharding.select_dataset_ids(values["dataset_range"], values["dataset_ids_spec"])
     values["dataset_ids"] = tuple(ids)
     values["mlc_geometry"] = _mlc_geometry(values["mlc"], environ, values.get("plan_arcs", ()))
+    if values["model"] == LEGACY_FAMILY and values["mlc_geometry"].design_strips_reason:
+        geometry = values["mlc_geometry"]
+        raise _fail("EPID_MLC", values["mlc"], f"{geometry.description}: {geometry.design_strips_reason}; the legacy "
+                    "model family works on the design's 52 strips of 5 mm", "EPID_MODEL=aperture, or another MLC")
     if len(ids) < world_size:
         name, raw = _selection_variable(values)
         raise _fail(
@@ -268,7 +273,7 @@ def _plan_arcs(folder: str, environ: Mapping[str, str]) -> tuple[PlanArc, ...]:
 def _mlc_geometry(spec: str, environ: Mapping[str, str], plan_arcs: tuple[PlanArc, ...]) -> MlcGeometry:
     """EPID_MLC's geometry: a built-in MLC by name, or the MLC of the first beam of an RT Plan file;
     with EPID_PLANS the plans' MLC, which EPID_MLC, when set, must be. ConfigError for an unknown
-    name, a file that is not a readable plan, or an MLC the models' strips cannot show."""
+    name, a file that is not a readable plan, or an MLC no strips can show."""
     from epid.dicom.plan import read_plan
 
     set_by_user = bool(environ.get("EPID_MLC", "").strip())
@@ -284,7 +289,7 @@ def _mlc_geometry(spec: str, environ: Mapping[str, str], plan_arcs: tuple[PlanAr
                     f"one of {', '.join(MLC_GEOMETRIES)}, or an RT Plan file")
     if not geometry.modelled:
         raise _fail("EPID_MLC", spec, f"{geometry.description}: {geometry.unmodelled_reason}",
-                    "an MLC whose leaves are no finer than the 5 mm strips")
+                    "an MLC whose leaves are no finer than the 2.5 mm strips")
     if plan_arcs:
         plans = read_plan(plan_arcs[0].path, plan_arcs[0].beam_number)[0].geometry
         if set_by_user and plans != geometry:

@@ -60,7 +60,7 @@ from epid.dicom.files import check_sop_class, new_dataset, read_dataset, save_da
 from epid.dicom.mlc_devices import MAX_TRAVEL_MM, MLC_TYPE, read_mlc
 from epid.synthesis.geometry import LEAF_WIDTH_MM, MLC_Y_MIN_MM, NUM_LEAF_PAIRS, TENTHS_PER_MM
 from epid.synthesis.mlc import LEGACY_GRID, MLC_GEOMETRIES, ROUNDING_SLACK, MlcGeometry
-from epid.synthesis.sequences import ControlPoints, leaf_weights
+from epid.synthesis.sequences import ControlPoints, mlc_leaf_weights
 
 RT_PLAN_STORAGE = "1.2.840.10008.5.1.4.1.1.481.5"
 MLC_Y_MAX_MM = MLC_Y_MIN_MM + NUM_LEAF_PAIRS * LEAF_WIDTH_MM
@@ -277,7 +277,7 @@ def _read_beam(path: str, beam: Dataset, metersets: dict[int, float], dataset_id
     jaw_1, jaw_2 = (_tenth(np.clip(jaws["y"][:, side], MLC_Y_MIN_MM, MLC_Y_MAX_MM)) for side in (0, 1))
     control = ControlPoints(
         leaf_a=_tenth(leaf_a), leaf_b=_tenth(leaf_b), jaw_1=jaw_1, jaw_2=jaw_2, mu=_read_only(mu.astype(np.float32)),
-        leaf_weight=_read_only(leaf_weights(jaw_1, jaw_2)), dataset_id=int(dataset_id), pattern="plan",
+        leaf_weight=_read_only(mlc_leaf_weights(jaw_1, jaw_2, geometry)), dataset_id=int(dataset_id), pattern="plan",
         mlc=geometry,
     )
     return PlanBeam(

@@ -23,6 +23,7 @@ from epid.evaluation import plots
 from epid.evaluation.inference import SynthesisSettings, jaw_band, reported_by_mlc
 from epid.reconstruction import estimate as estimate_module
 from epid.synthesis.frames import render_frames
+from epid.synthesis.geometry import strip_grid
 from epid.synthesis.mlc import LEGACY_GRID, MlcGeometry
 from epid.synthesis.sequences import ControlPoints, generate_control_points
 
@@ -164,7 +165,8 @@ def reconstruct_segment(method: str, models: tuple[nn.Module, nn.Module], segmen
                 if progress is not None:
                     progress(end - begin)
             leaf_a, leaf_b, scalars = (torch.cat(part) for part in zip(*parts, strict=True))
-            values = (leaf_a[:, 52:], leaf_b[:, 52:], scalars[:, [2, 4]], scalars[:, 0])
+            strips = leaf_a.shape[-1] // 2
+            values = (leaf_a[:, strips:], leaf_b[:, strips:], scalars[:, [2, 4]], scalars[:, 0])
     leaf_a, leaf_b, jaws, mu = (value.float().cpu() for value in values)
     leaf_a, leaf_b, jaws = reported_by_mlc(leaf_a, leaf_b, jaws, mlc)
     return ArcEstimate(leaf_a, leaf_b, jaws, mu, method=used, from_start=from_start, signal_mu=signal_mu)
@@ -172,7 +174,8 @@ def reconstruct_segment(method: str, models: tuple[nn.Module, nn.Module], segmen
 
 def leaf_errors(estimate: ArcEstimate, segment: ArcSegment) -> LeafErrors:
     """The ``LeafErrors`` of ``estimate`` against the plan of ``segment``."""
-    band = jaw_band(torch.from_numpy(segment.jaw_1), torch.from_numpy(segment.jaw_2)).numpy()
+    grid = strip_grid(segment.leaf_a.shape[-1])
+    band = jaw_band(torch.from_numpy(segment.jaw_1), torch.from_numpy(segment.jaw_2), grid).numpy()
     hidden = np.zeros((2, *band.shape), np.int8) if segment.behind_x_jaws is None else segment.behind_x_jaws
     return LeafErrors({"A": estimate.leaf_a.numpy() - segment.leaf_a, "B": estimate.leaf_b.numpy() - segment.leaf_b},
                       band, hidden)

@@ -53,7 +53,7 @@ from epid.dicom.image import FIELD_LEVEL
 from epid.dicom.plan import PlanBeam
 from epid.dicom.series import MeasuredSeries
 from epid.evaluation import plan_qa, timeline
-from epid.synthesis.mlc import LEGACY_GRID, STRIP_EDGES_MM, MlcGeometry
+from epid.synthesis.mlc import LEGACY_GRID, MlcGeometry
 from epid.synthesis.sequences import PARKED_LEAF_A_MM, PARKED_LEAF_B_MM, ControlPoints
 
 WINDOW = 6
@@ -99,7 +99,7 @@ def field_plan(mu_per_control_point: float = 3.75, mlc: MlcGeometry = LEGACY_GRI
     """The control points of a commissioning plan of static fields (``FIELDS_MM``), 1 + 4 per field,
     ``mu_per_control_point`` MU each (control point 0: none), on the strips of ``mlc``: the pairs a
     square's jaws cover open over its side, the others parked as the synthetic arcs park them."""
-    centres = (STRIP_EDGES_MM[:-1] + STRIP_EDGES_MM[1:]) / 2
+    centres = mlc.grid.centres_mm
     shapes = []
     for side, x, y in FIELDS_MM:
         if side is None:

@@ -36,7 +36,7 @@ from epid.evaluation.gamma import gamma_pass_rate
 from epid.models.families import predict_frames
 from epid.reconstruction import estimate as estimate_module
 from epid.synthesis.frames import render_frames
-from epid.synthesis.geometry import NUM_LEAF_PAIRS
+from epid.synthesis.geometry import STRIPS, StripGrid, strip_grid
 from epid.synthesis.kernel import kernel_from_config
 from epid.synthesis.mlc import LEGACY_GRID, MlcGeometry
 from epid.synthesis.physics import LIMITS, PRESETS, Physics, physics_of
@@ -426,7 +426,8 @@ def predict(
                                    _arc_estimates(forward_model, inverse_model, samples, device), strict=True):
                 outputs[name].append(value)
     values = {name: torch.cat(parts) for name, parts in outputs.items()}
-    for leaves, jaws in ((slice(None, NUM_LEAF_PAIRS), [1, 3]), (slice(NUM_LEAF_PAIRS, None), [2, 4])):
+    strips = values["leaf_a"].shape[-1] // 2
+    for leaves, jaws in ((slice(None, strips), [1, 3]), (slice(strips, None), [2, 4])):
         values["leaf_a"][:, leaves], values["leaf_b"][:, leaves], values["scalars"][:, jaws] = reported_by_mlc(
             values["leaf_a"][:, leaves], values["leaf_b"][:, leaves], values["scalars"][:, jaws], samples.mlc)
     return Predictions(**values, reconstruction=used)
@@ -467,11 +468,11 @@ def _arc_estimates(forward_model: torch.nn.Module, inverse_model: torch.nn.Modul
     return torch.cat(leaf_a), torch.cat(leaf_b), torch.cat(scalars)
 
 
-def jaw_band(jaw_1: Tensor, jaw_2: Tensor) -> Tensor:
-    """Boolean (..., 52) mask of the leaf pairs in the open jaw band ``[lo, hi)`` of
+def jaw_band(jaw_1: Tensor, jaw_2: Tensor, grid: StripGrid = STRIPS) -> Tensor:
+    """Boolean (..., strips) mask of the strips of ``grid`` in the open jaw band ``[lo, hi)`` of
     ``epid.synthesis.sequences.leaf_band`` (jaws in mm, any leading shape)."""
-    lo, hi = leaf_band(jaw_1.detach().cpu().numpy(), jaw_2.detach().cpu().numpy())
-    leaf = np.arange(NUM_LEAF_PAIRS)
+    lo, hi = leaf_band(jaw_1.detach().cpu().numpy(), jaw_2.detach().cpu().numpy(), grid)
+    leaf = np.arange(grid.count)
     return torch.from_numpy((leaf >= lo[..., None]) & (leaf < hi[..., None])).to(jaw_1.device)
 
 
@@ -491,12 +492,14 @@ def sample_metrics(samples: SampleSet, predictions: Predictions, gamma: Tensor) 
     leaf_error = torch.cat([
         (predictions.leaf_a - samples.leaf_a).abs(), (predictions.leaf_b - samples.leaf_b).abs()
     ], dim=1)
+    strips = samples.leaf_a.shape[-1] // 2
+    grid = strip_grid(strips)
     band = torch.cat([
-        jaw_band(samples.scalars[:, 1], samples.scalars[:, 3]),
-        jaw_band(samples.scalars[:, 2], samples.scalars[:, 4]),
+        jaw_band(samples.scalars[:, 1], samples.scalars[:, 3], grid),
+        jaw_band(samples.scalars[:, 2], samples.scalars[:, 4], grid),
     ], dim=1).repeat(1, 2)
     leaf_band = (leaf_error * band).sum(1) / band.sum(1).clamp(min=1)
-    curr = torch.cat([torch.zeros(NUM_LEAF_PAIRS, dtype=torch.bool), torch.ones(NUM_LEAF_PAIRS, dtype=torch.bool)])
+    curr = torch.cat([torch.zeros(strips, dtype=torch.bool), torch.ones(strips, dtype=torch.bool)])
     curr_band = band & curr.repeat(2)
     curr_leaf_band = (leaf_error * curr_band).sum(1) / curr_band.sum(1).clamp(min=1)
     scalar_error = (predictions.scalars - samples.scalars).abs()

@@ -52,8 +52,8 @@ from epid.evaluation import arc_review, delivery_errors, timeline
 from epid.evaluation.gamma import GammaCriteria, gamma_maps, gamma_pass_rates
 from epid.evaluation.timeline import Progress
 from epid.models.aperture import X_JAW_SCALARS
+from epid.models.families import model_strips
 from epid.reconstruction.estimate import Stages
-from epid.synthesis.geometry import LEAF_WIDTH_MM, MLC_Y_MIN_MM, NUM_LEAF_PAIRS
 from epid.synthesis.mlc import LEGACY_GRID, MlcGeometry
 from epid.synthesis.sequences import ControlPoints
 
@@ -90,7 +90,6 @@ SUMMARY_KEYS = (
     "mu_reconstructed", "mu_total_error_percent",
     "criteria", "pass", "delivery_errors",
 )
-LEAF_CENTRES_MM = MLC_Y_MIN_MM + LEAF_WIDTH_MM * (np.arange(NUM_LEAF_PAIRS) + 0.5)
 
 
 # --------------------------------------------------------------------------- prediction
@@ -214,7 +213,8 @@ def calibration_image(forward_model: nn.Module, series: MeasuredSeries, width_mm
     for a series that is not one image."""
     if len(series) != 1:
         raise InputError(f"{series.path}: {len(series)} frames; a calibration image is one image of an open field")
-    predicted = predict_plan_frames(forward_model, timeline.open_field(width_mm, length_mm, mu), device)
+    field = timeline.open_field(width_mm, length_mm, mu, model_strips(forward_model))
+    predicted = predict_plan_frames(forward_model, field, device)
     scale = timeline.calibration_scale(torch.from_numpy(np.array(series.frames)), predicted)
     return {"mode": "image", "method": f"calibration image {series.path}: open field {width_mm:g} x {length_mm:g} mm, "
                                       f"{mu:g} MU (a global MU error of the delivery shows)", "scale": scale}
@@ -381,7 +381,8 @@ def read_x_jaws(forward_model: nn.Module, segment: arc_review.ArcSegment,
 
     points = ControlPoints(from_first(estimate.leaf_a.numpy()), from_first(estimate.leaf_b.numpy()),
                            from_first(jaws[:, 0]), from_first(jaws[:, 1]), np.ones(len(jaws) + 1, dtype=np.float32),
-                           np.ones((len(jaws) + 1, NUM_LEAF_PAIRS), dtype=np.float32), segment.dataset_id, "plan")
+                           np.ones((len(jaws) + 1, estimate.leaf_a.shape[-1]), dtype=np.float32), segment.dataset_id,
+                           "plan")
     leaf_a_inputs, leaf_b_inputs, scalars = frame_inputs(points, from_first(x_jaws))
     parameter = next(forward_model.parameters())
     with torch.inference_mode():
@@ -527,7 +528,7 @@ def leaf_error_rows(qa: PlanQA) -> list[dict[str, Any]]:
     """Per bank and leaf, the reconstructed-minus-planned figures and flags (``delivery_errors.leaf_table``)."""
     points = qa.scored_points()
     return delivery_errors.leaf_table(arc_review.leaf_errors(qa.estimate, qa.segment), points,
-                                      qa.beam.gantry_deg[points], LEAF_CENTRES_MM)
+                                      qa.beam.gantry_deg[points], qa.beam.geometry.grid.centres_mm)
 
 
 def integrated_summary(beam: PlanBeam, measured: str, gamma: FrameGamma) -> dict[str, Any]:

@@ -24,8 +24,7 @@ from matplotlib.patches import Patch
 
 from epid.evaluation.gamma import GammaCriteria
 from epid.evaluation.inference import METRIC_LABELS, Predictions, SampleMetrics, SampleSet, by_pattern
-from epid.synthesis.geometry import GRID_SIZE, NUM_LEAF_PAIRS, PIXEL_MM
-from epid.synthesis.mlc import STRIP_EDGES_MM
+from epid.synthesis.geometry import GRID_SIZE, PIXEL_MM, STRIPS, strip_grid
 
 DPI = 100
 SAMPLE_FIGSIZE = (17.0, 14.0)
@@ -101,9 +100,9 @@ def _column_of(x_mm: float) -> int:
 
 def field_centre(leaf_a: np.ndarray, leaf_b: np.ndarray, jaw_1: float, jaw_2: float) -> tuple[float, float]:
     """(x, y) in mm through which the profiles run: y halfway between the jaws, x halfway
-    between the two banks of the leaf pair at that y (52 leaf positions per bank, mm)."""
+    between the two banks of the strip at that y (one position per strip and bank, mm)."""
     y = (jaw_1 + jaw_2) / 2
-    pair = int(np.clip(np.searchsorted(STRIP_EDGES_MM, y, side="right") - 1, 0, NUM_LEAF_PAIRS - 1))
+    pair = int(np.clip(np.searchsorted(strip_grid(len(leaf_a)).edges_mm, y, side="right") - 1, 0, len(leaf_a) - 1))
     return float((leaf_a[pair] + leaf_b[pair]) / 2), float(y)
 
 
@@ -115,16 +114,17 @@ def _image_axes(axes: Axes, title: str) -> None:
 
 def _mlc_panel(axes: Axes, target: Mapping[str, np.ndarray | float], predicted: Mapping[str, np.ndarray | float],
                title: str) -> None:
-    """Leaf positions as 5 mm steps along y (both banks) and jaws as horizontal lines."""
-    band = (STRIP_EDGES_MM[1:] > target["jaw_1"]) & (STRIP_EDGES_MM[:-1] < target["jaw_2"])
-    edges = np.clip(STRIP_EDGES_MM, target["jaw_1"], target["jaw_2"])
+    """Leaf positions as steps along y, one per strip (both banks), and jaws as horizontal lines."""
+    strip_edges = strip_grid(len(target["leaf_a"])).edges_mm
+    band = (strip_edges[1:] > target["jaw_1"]) & (strip_edges[:-1] < target["jaw_2"])
+    edges = np.clip(strip_edges, target["jaw_1"], target["jaw_2"])
     axes.fill_betweenx(
         np.repeat(edges, 2)[1:-1], np.repeat(target["leaf_a"], 2), np.repeat(target["leaf_b"], 2),
         where=np.repeat(band, 2), color=APERTURE_COLOUR, linewidth=0,
     )
     for values, style in ((target, TARGET_STYLE), (predicted, PREDICTED_STYLE)):
         for bank in ("leaf_a", "leaf_b"):
-            axes.stairs(values[bank], STRIP_EDGES_MM, orientation="horizontal", baseline=None, **style)
+            axes.stairs(values[bank], strip_edges, orientation="horizontal", baseline=None, **style)
     for values, style in ((target, JAW_TARGET_STYLE), (predicted, JAW_PREDICTED_STYLE)):
         for jaw in ("jaw_1", "jaw_2"):
             axes.axhline(values[jaw], **style)
@@ -133,7 +133,7 @@ def _mlc_panel(axes: Axes, target: Mapping[str, np.ndarray | float], predicted: 
     )
     jaws = np.array([values[jaw] for values in (target, predicted) for jaw in ("jaw_1", "jaw_2")])
     axes.set_xlim(*_limits(positions, -HALF_FIELD_MM - MLC_MARGIN_MM, HALF_FIELD_MM + MLC_MARGIN_MM))
-    axes.set_ylim(*_limits(jaws, STRIP_EDGES_MM[0], STRIP_EDGES_MM[-1]))
+    axes.set_ylim(*_limits(jaws, strip_edges[0], strip_edges[-1]))
     axes.set_aspect("equal")
     axes.set_title(title, fontsize=11)
     axes.set_xlabel("x (mm)")
@@ -150,7 +150,8 @@ def _limits(values: np.ndarray, low: float, high: float) -> tuple[float, float]:
 
 def _cp_values(leaf_a: np.ndarray, leaf_b: np.ndarray, scalars: np.ndarray, half: int) -> dict[str, np.ndarray | float]:
     """Leaves and jaws of the prev (``half`` 0) or curr (1) control point of one sample."""
-    leaves = slice(half * NUM_LEAF_PAIRS, (half + 1) * NUM_LEAF_PAIRS)
+    strips = len(leaf_a) // 2
+    leaves = slice(half * strips, (half + 1) * strips)
     return {
         "leaf_a": leaf_a[leaves], "leaf_b": leaf_b[leaves],
         "jaw_1": float(scalars[1 + half]), "jaw_2": float(scalars[3 + half]),
@@ -261,10 +262,11 @@ def _legend_handles() -> list[Line2D | Patch]:
 
 
 def _weights_panel(axes: Axes, leaf_weight: np.ndarray) -> None:
-    """Loss weight of each leaf pair (104 values: prev 52, curr 52) as steps along y."""
+    """Loss weight of each strip (2 x strips values: prev, curr) as steps along y."""
+    strips = len(leaf_weight) // 2
     for half, style in ((0, PREV_WEIGHT_STYLE), (1, CURR_WEIGHT_STYLE)):
-        weights = leaf_weight[half * NUM_LEAF_PAIRS:(half + 1) * NUM_LEAF_PAIRS]
-        axes.stairs(weights, STRIP_EDGES_MM, orientation="horizontal", baseline=None,
+        weights = leaf_weight[half * strips:(half + 1) * strips]
+        axes.stairs(weights, strip_grid(strips).edges_mm, orientation="horizontal", baseline=None,
                     label=("prev", "curr")[half], **style)
     axes.set_xlim(0, 1.1)
     axes.set_xticks([0, 0.5, 1])
@@ -427,7 +429,7 @@ def arc_figure(control_points: np.ndarray, true: Mapping[str, np.ndarray], recon
     figure = new_figure(ARC_FIGSIZE)
     figure.suptitle(title, fontsize=13)
     grid = figure.subplots(3, 2, height_ratios=(1.3, 1.0, 0.8))
-    extent = (control_points[0] - 0.5, control_points[-1] + 0.5, STRIP_EDGES_MM[0], STRIP_EDGES_MM[-1])
+    extent = (control_points[0] - 0.5, control_points[-1] + 0.5, *STRIPS.edges_mm[[0, -1]])  # every grid's span
     colours = colormaps["RdBu_r"].with_extremes(bad="0.8")
     for column, bank in enumerate(("leaf_a", "leaf_b")):
         error = np.where(band, reconstructed[bank] - true[bank], np.nan)

@@ -31,7 +31,6 @@ from epid.dicom.plan import PlanBeam
 from epid.evaluation import arc_review, delivery_errors, plots
 from epid.evaluation.plan_qa import (
     GAMMA_CRITERIA,
-    LEAF_CENTRES_MM,
     TG218_ACTION_PERCENT,
     TG218_CRITERION,
     TG218_TOLERANCE_PERCENT,
@@ -41,7 +40,6 @@ from epid.evaluation.plan_qa import (
     summarise,
 )
 from epid.evaluation.plots import Draw
-from epid.synthesis.geometry import NUM_LEAF_PAIRS
 
 FRAME_COLUMNS = (
     "control_point", "gantry_deg", "mu_planned", "mu_reconstructed", "gamma_3_2mm_percent", "gamma_2_2mm_percent",
@@ -99,6 +97,7 @@ def write_leaves_csv(path: Path, qa: PlanQA) -> None:
     segment, estimate = qa.segment, qa.estimate
     errors = arc_review.leaf_errors(estimate, segment)
     band, hidden = errors.band, dict(zip("AB", errors.behind_x_jaws, strict=True))
+    centres = qa.beam.geometry.grid.centres_mm
     with open(path, "w", newline="") as handle:
         writer = csv.writer(handle)
         writer.writerow(LEAF_COLUMNS)
@@ -107,9 +106,9 @@ def write_leaves_csv(path: Path, qa: PlanQA) -> None:
             for bank, planned, reconstructed in (("A", segment.leaf_a, estimate.leaf_a), ("B", segment.leaf_b,
                                                                                           estimate.leaf_b)):
                 values = reconstructed[row].numpy()
-                for leaf in range(NUM_LEAF_PAIRS):
+                for leaf, centre in enumerate(centres):
                     plan_mm, rec_mm = float(planned[row, leaf]), float(values[leaf])
-                    writer.writerow([point, gantry, bank, leaf, f"{LEAF_CENTRES_MM[leaf]:g}", int(band[row, leaf]),
+                    writer.writerow([point, gantry, bank, leaf, f"{centre:g}", int(band[row, leaf]),
                                      ("", "X1", "X2")[hidden[bank][row, leaf]], f"{plan_mm:.6g}", f"{rec_mm:.6g}",
                                      f"{rec_mm - plan_mm:.6g}"])
 

@@ -30,7 +30,7 @@ from torch import Tensor
 from epid.core.tables import format_table
 from epid.evaluation.gamma import GammaCriteria, gamma_pass_rates
 from epid.evaluation.inference import Predictions, SampleSet, jaw_band
-from epid.synthesis.geometry import NUM_LEAF_PAIRS
+from epid.synthesis.geometry import strip_grid
 from epid.synthesis.sequences import PATTERNS
 
 ALL = "all"
@@ -94,12 +94,13 @@ def leaf_errors(predicted_a: Tensor, predicted_b: Tensor, target_a: Tensor, targ
                 jaw_2: Tensor, point: str) -> tuple[Tensor, Tensor]:
     """Signed errors (mm) of one control point's leaves, both banks, and their in-band mask.
 
-    Leaves (S, 104) in the sample layout [prev 52, curr 52]; jaw_1, jaw_2 (S,) mm of that control
-    point (``point``, "curr" or "prev"). Returns errors and mask, each (S, 2, 52) [bank A, bank B].
+    Leaves (S, 2 x strips) in the sample layout [prev, curr]; jaw_1, jaw_2 (S,) mm of that control
+    point (``point``, "curr" or "prev"). Returns errors and mask, each (S, 2, strips) [bank A, bank B].
     """
-    half = slice(NUM_LEAF_PAIRS, None) if point == "curr" else slice(None, NUM_LEAF_PAIRS)
+    strips = predicted_a.shape[-1] // 2
+    half = slice(strips, None) if point == "curr" else slice(None, strips)
     errors = torch.stack([predicted_a[:, half] - target_a[:, half], predicted_b[:, half] - target_b[:, half]], 1)
-    return errors, jaw_band(jaw_1, jaw_2).unsqueeze(1).expand_as(errors)
+    return errors, jaw_band(jaw_1, jaw_2, strip_grid(strips)).unsqueeze(1).expand_as(errors)
 
 
 def _jaw_columns(point: str) -> tuple[int, int]:

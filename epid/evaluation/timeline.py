@@ -52,8 +52,8 @@ from epid.dicom.plan import PlanBeam
 from epid.dicom.series import MeasuredSeries
 from epid.models.families import predict_frames
 from epid.models.panel import shift_frames
-from epid.synthesis.geometry import FRAME_SHAPE, LEAF_WIDTH_MM, MLC_Y_MIN_MM, NUM_LEAF_PAIRS, SUB_APERTURES
-from epid.synthesis.sequences import ControlPoints, leaf_weights
+from epid.synthesis.geometry import FRAME_SHAPE, STRIPS, SUB_APERTURES, StripGrid
+from epid.synthesis.sequences import ControlPoints, leaf_weights, mlc_leaf_weights
 
 GAP_FACTOR = 1.6
 """A step between consecutive frames above this many typical steps is a dropped frame."""
@@ -302,7 +302,8 @@ def resample(beam: PlanBeam, boundaries: np.ndarray) -> PlanBeam:
     jaw_1, jaw_2 = frozen(values["jaw_1"]), frozen(values["jaw_2"])
     control_points = ControlPoints(
         leaf_a=frozen(values["leaf_a"]), leaf_b=frozen(values["leaf_b"]), jaw_1=jaw_1, jaw_2=jaw_2, mu=frozen(mu),
-        leaf_weight=frozen(leaf_weights(jaw_1, jaw_2)), dataset_id=beam.control_points.dataset_id, pattern="plan",
+        leaf_weight=frozen(mlc_leaf_weights(jaw_1, jaw_2, beam.control_points.mlc)),
+        dataset_id=beam.control_points.dataset_id, pattern="plan",
         mlc=beam.control_points.mlc,
     )
     return replace(beam, gantry_deg=frozen(values["gantry_deg"]), control_points=control_points,
@@ -451,17 +452,16 @@ def calibration_scale(measured: Tensor, predicted: Tensor, level: float = FIELD_
     return float((m * p).sum()) / denominator
 
 
-def open_field(width_mm: float, length_mm: float, mu: float) -> ControlPoints:
+def open_field(width_mm: float, length_mm: float, mu: float, grid: StripGrid = STRIPS) -> ControlPoints:
     """A static open field centred on the beam axis, ``width_mm`` along the leaves' travel by
-    ``length_mm`` across them (jaws at +-length / 2; the leaf pairs whose rows lie inside open
-    +-width / 2, the others closed at the axis), ``mu`` delivered from control point 0 to 1: the
-    reference field of a calibration image."""
-    centres = MLC_Y_MIN_MM + LEAF_WIDTH_MM * (np.arange(NUM_LEAF_PAIRS) + 0.5)
-    inside = np.abs(centres) < length_mm / 2
+    ``length_mm`` across them (jaws at +-length / 2; the strips of ``grid`` whose rows lie inside
+    open +-width / 2, the others closed at the axis), ``mu`` delivered from control point 0 to 1:
+    the reference field of a calibration image."""
+    inside = np.abs(grid.centres_mm) < length_mm / 2
     leaf_a = np.tile(np.where(inside, -width_mm / 2, 0.0), (2, 1)).astype(np.float32)
     leaf_b = np.tile(np.where(inside, width_mm / 2, 0.0), (2, 1)).astype(np.float32)
     jaw_1 = np.full(2, -length_mm / 2, np.float32)
     jaw_2 = np.full(2, length_mm / 2, np.float32)
     return ControlPoints(leaf_a=leaf_a, leaf_b=leaf_b, jaw_1=jaw_1, jaw_2=jaw_2,
-                         mu=np.array([0.0, mu], np.float32), leaf_weight=leaf_weights(jaw_1, jaw_2), dataset_id=0,
+                         mu=np.array([0.0, mu], np.float32), leaf_weight=leaf_weights(jaw_1, jaw_2, grid), dataset_id=0,
                          pattern="plan")

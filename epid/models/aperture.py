@@ -33,6 +33,11 @@ the predicted aperture (learned in-field weights per row and column account for 
 reaching past the imager). The curr frame's lag (a learned share of the prev frame) is taken out
 first. Latent: the predicted aperture's fluence pooled to 4 mm.
 
+Both models work on the strips of their MLC (``epid.synthesis.geometry.StripGrid``, told by the
+length of ``strip_leaves``): the 52 strips of 5 mm, or for leaves of 2.5 mm (HD120) 104 strips of
+2.5 mm, for which the inverse model's CNN and row deblur see the frames on rows of 0.5 mm (each
+pixel row twice) and a strip beyond the MLC's leaves is rendered open (the jaws close it).
+
 The inverse model returns the network's estimate; ``epid.reconstruction.estimate`` refines it by tracking the leaf
 edges through the measured frames with the forward model's physics (``epid.reconstruction.leaves``: pair or arc).
 """
@@ -46,18 +51,20 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from epid.models.legacy import LATENT_SIZE, NUM_LEAVES, NUM_SCALARS, _check_vector, as_frame_batch
+from epid.models.legacy import LATENT_SIZE, NUM_SCALARS, _check_vector, as_frame_batch
 from epid.models.panel import COMMISSIONING_PARAMETERS, BeamProfile, sag_shift
 from epid.models.response import DetectorResponse, to_imager, to_leaf_grid
 from epid.synthesis.fluence import aperture_fluence
 from epid.synthesis.geometry import (
     GRID_SIZE,
     LEAF_GRID_ROWS,
-    LEAF_WIDTH_MM,
     MLC_Y_MIN_MM,
-    NUM_LEAF_PAIRS,
     ROWS_PER_LEAF,
+    STRIP_GRIDS,
+    STRIPS,
     SUB_APERTURES,
+    StripGrid,
+    strip_grid,
 )
 
 LATENT_POOL = GRID_SIZE // LATENT_SIZE
@@ -68,6 +75,8 @@ X_JAW_SCALARS = 4
 MIN_EXPECTED_SUM = 1.0
 """Added to the expected frame sum per MU (pixels), so that MU stays finite for a closed aperture."""
 MAX_MU = 200.0
+BEYOND_LEAVES_MM = float(GRID_SIZE)
+"""Where a strip beyond an MLC's leaves is rendered open to: bank A at -256 mm, bank B at +256 mm."""
 
 
 def column_centres(device: torch.device | None = None) -> Tensor:
@@ -96,18 +105,25 @@ def frame_sub_apertures(points: Tensor) -> Tensor:
 
 
 StripLeaves = tuple[tuple[int, ...], ...]
-"""Per layer of an MLC, the leaf covering each of the 52 strips (``MlcGeometry.strip_layout``); empty
-when the strips are the leaves."""
+"""Per layer of an MLC, the leaf covering each strip, -1 beyond the layer's leaves
+(``MlcGeometry.strip_layout``); empty when the 52 strips are the leaves."""
 
 
 def strip_leaves_value(values: object) -> StripLeaves:
-    """A stored ``strip_leaves`` (lists or tuples) as tuples of ints; ValueError unless each layer
-    names a leaf for each of the 52 strips."""
+    """A stored ``strip_leaves`` (lists or tuples) as tuples of ints; ValueError unless there are at
+    most two layers, each naming a leaf for every strip of one grid (52 or 104)."""
     layers = tuple(tuple(int(leaf) for leaf in layer) for layer in values)
-    if len(layers) > 2 or any(len(layer) != NUM_LEAF_PAIRS for layer in layers):
-        raise ValueError(f"strip_leaves: expected at most 2 layers of {NUM_LEAF_PAIRS} leaf indices, "
+    counts = {len(layer) for layer in layers}
+    if len(layers) > 2 or len(counts) > 1 or not counts <= {grid.count for grid in STRIP_GRIDS}:
+        raise ValueError(f"strip_leaves: expected at most 2 layers of "
+                         f"{' or '.join(str(grid.count) for grid in STRIP_GRIDS)} leaf indices, "
                          f"got {[len(layer) for layer in layers]}")
     return layers
+
+
+def layout_grid(strip_leaves: StripLeaves) -> StripGrid:
+    """The strips a model of this ``strip_leaves`` works on (the 52 of 5 mm when empty)."""
+    return strip_grid(len(strip_leaves[0])) if strip_leaves else STRIPS
 
 
 class ApertureFluence(nn.Module):
@@ -131,17 +147,32 @@ class ApertureFluence(nn.Module):
         self.interleaf_leakage_percent = nn.Parameter(torch.zeros(()))
         self.tongue_groove_mm = nn.Parameter(torch.zeros(()))
         self.layers = len(strip_leaves)
+        self.grid = layout_grid(strip_leaves)
+        beyond = None  # (layers, strips): the strips beyond each layer's leaves, where any are
         if self.layers:
             leaves = torch.tensor(strip_leaves, dtype=torch.long)
-            self.register_buffer("same_leaf", (leaves[:, :, None] == leaves[:, None, :]).float(), persistent=False)
-            self.register_buffer("interleaf", (leaves[:, 1:] != leaves[:, :-1]).float(), persistent=False)
+            under = leaves >= 0
+            self.register_buffer("same_leaf", ((leaves[:, :, None] == leaves[:, None, :]) & under[:, None, :]).float(),
+                                 persistent=False)
+            between = (leaves[:, 1:] != leaves[:, :-1]) & under[:, 1:] & under[:, :-1]
+            self.register_buffer("interleaf", between.float(), persistent=False)
+            beyond = None if under.all() else ~under
+        self.register_buffer("beyond", beyond, persistent=False)
 
     def layer_edges(self, leaf_a: Tensor, leaf_b: Tensor, layer: int) -> tuple[Tensor, Tensor]:
-        """Strip edges (..., 52) mm -> the edges (..., 52) of ``layer``'s leaves over each strip: bank A
-        at the smallest of its strips' edges, bank B at the largest (``MlcGeometry.layer_edges``)."""
+        """Strip edges (..., strips) mm -> the edges (..., strips) of ``layer``'s leaves over each
+        strip: bank A at the smallest of its strips' edges, bank B at the largest
+        (``MlcGeometry.layer_edges``), open beyond the layer's leaves."""
         same = self.same_leaf[layer] > 0
-        return (torch.where(same, leaf_a[..., None, :], torch.inf).amin(-1),
-                torch.where(same, leaf_b[..., None, :], -torch.inf).amax(-1))
+        return self.opened(torch.where(same, leaf_a[..., None, :], torch.inf).amin(-1),
+                           torch.where(same, leaf_b[..., None, :], -torch.inf).amax(-1), layer)
+
+    def opened(self, leaf_a: Tensor, leaf_b: Tensor, layer: int = 0) -> tuple[Tensor, Tensor]:
+        """Edges (..., strips) with the strips beyond ``layer``'s leaves open (``BEYOND_LEAVES_MM``)."""
+        if self.beyond is None:
+            return leaf_a, leaf_b
+        beyond = self.beyond[layer]
+        return (torch.where(beyond, -BEYOND_LEAVES_MM, leaf_a), torch.where(beyond, BEYOND_LEAVES_MM, leaf_b))
 
     @property
     def tongue_groove_width(self) -> Tensor:
@@ -153,9 +184,9 @@ class ApertureFluence(nn.Module):
         return width + (width.clamp_min(0.0) - width).detach()
 
     def forward(self, leaf_a: Tensor, leaf_b: Tensor, scalars: Tensor) -> Tensor:
-        """The fluence (B, 260, 256) of leaves (B, 104) and scalars (B, 5), or (B, 9) with the X jaws'
-        [X1 prev, X1 curr, X2 prev, X2 curr] appended (``X_JAW_SCALARS``), rendered with the Y jaws'
-        edge offset and transmission."""
+        """The fluence (B, 260, 256) of leaves (B, 2 x strips) [prev, curr] and scalars (B, 5), or
+        (B, 9) with the X jaws' [X1 prev, X1 curr, X2 prev, X2 curr] appended (``X_JAW_SCALARS``),
+        rendered with the Y jaws' edge offset and transmission."""
         batch = leaf_a.shape[0]
         jaw_1 = sub_aperture_positions(scalars[:, 1], scalars[:, 2])  # (B, 7)
         jaw_2 = sub_aperture_positions(scalars[:, 3], scalars[:, 4])
@@ -166,9 +197,12 @@ class ApertureFluence(nn.Module):
         if self.layers:
             layers["interleaf"] = self.interleaf
         if self.layers > 1:
-            strips = (leaf_a.unflatten(1, (2, NUM_LEAF_PAIRS)), leaf_b.unflatten(1, (2, NUM_LEAF_PAIRS)))
+            strips = (leaf_a.unflatten(1, (2, self.grid.count)), leaf_b.unflatten(1, (2, self.grid.count)))
             layers["second_layer"] = self.moving_leaves(*(e.flatten(1) for e in self.layer_edges(*strips, 1)))
             leaf_a, leaf_b = (e.flatten(1) for e in self.layer_edges(*strips, 0))
+        elif self.beyond is not None:
+            strips = self.opened(leaf_a.unflatten(1, (2, self.grid.count)), leaf_b.unflatten(1, (2, self.grid.count)))
+            leaf_a, leaf_b = (e.flatten(1) for e in strips)
         a, b = self.moving_leaves(leaf_a, leaf_b)
         weights = leaf_a.new_full((batch, SUB_APERTURES), 1.0 / SUB_APERTURES)
         return aperture_fluence(
@@ -183,8 +217,9 @@ class ApertureFluence(nn.Module):
 
     @staticmethod
     def moving_leaves(leaf_a: Tensor, leaf_b: Tensor) -> tuple[Tensor, Tensor]:
-        """Edges (B, 104) at prev and curr -> (B, 7, 52) each at the frame's sub-apertures."""
-        return tuple(sub_aperture_positions(edges[:, :NUM_LEAF_PAIRS], edges[:, NUM_LEAF_PAIRS:]).transpose(1, 2)
+        """Edges (B, 2 x strips) at prev and curr -> (B, 7, strips) each at the frame's sub-apertures."""
+        half = leaf_a.shape[-1] // 2
+        return tuple(sub_aperture_positions(edges[:, :half], edges[:, half:]).transpose(1, 2)
                      for edges in (leaf_a, leaf_b))
 
 
@@ -257,14 +292,14 @@ class ApertureForwardModel(nn.Module):
 
     def forward(self, leaf_a: Tensor, leaf_b: Tensor, scalars: Tensor,
                 epid_prev: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """Predict ``(epid (B,1,256,256), latent (B,1,64,64))`` from leaves (B,104) mm and scalars (B,5),
+        """Predict ``(epid (B,1,256,256), latent (B,1,64,64))`` from leaves (B, 2 x strips) mm and scalars (B,5),
         or (B,9) with a beam's X jaws appended (``ApertureFluence.forward``).
 
         With the recorded previous frame ``epid_prev`` (B,1,256,256), the prediction is the
         recorded frame (1 - lag) x signal + lag x ``epid_prev`` (learned lag, starting at 0);
         without it, the signal alone."""
-        _check_vector("leaf_a", leaf_a, NUM_LEAVES)
-        _check_vector("leaf_b", leaf_b, NUM_LEAVES)
+        _check_vector("leaf_a", leaf_a, 2 * self.aperture.grid.count)
+        _check_vector("leaf_b", leaf_b, 2 * self.aperture.grid.count)
         if scalars.shape[-1] != NUM_SCALARS + X_JAW_SCALARS:
             _check_vector("scalars", scalars, NUM_SCALARS)
         per_mu, fluence = self.render(leaf_a, leaf_b, scalars)
@@ -285,7 +320,7 @@ def fluence_latent(fluence: Tensor) -> Tensor:
 
 class RowBlock(nn.Module):
     """Residual block on the (leaf row, x) grid: a conv along x, ReLU, a conv over neighbouring leaf
-    rows and x, the shortcut, ReLU. (B, C, 52, W) -> same."""
+    rows and x, the shortcut, ReLU. (B, C, strips, W) -> same."""
 
     def __init__(self, channels: int, width: int) -> None:
         super().__init__()
@@ -327,18 +362,19 @@ def edge_moments(density: Tensor, window: Tensor, positions: Tensor, floor: floa
     return centre, spread, (density * window).sum(-1)
 
 
-def row_visibility(jaw_1: tuple[Tensor, Tensor], jaw_2: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
-    """How each of the 52 leaf rows is open between moving jaws during a frame.
+def row_visibility(jaw_1: tuple[Tensor, Tensor], jaw_2: tuple[Tensor, Tensor],
+                   grid: StripGrid = STRIPS) -> tuple[Tensor, Tensor]:
+    """How each strip of ``grid`` is open between moving jaws during a frame.
 
-    jaw_1, jaw_2: (start, end) positions (B,) mm. Returns (open fraction of the row averaged
-    over the 7 sub-apertures, mean time t of its opening), each (B, 52).
+    jaw_1, jaw_2: (start, end) positions (B,) mm. Returns (open fraction of the strip averaged
+    over the 7 sub-apertures, mean time t of its opening), each (B, strips).
     """
     device = jaw_1[0].device
-    leaf_lower_mm = torch.arange(NUM_LEAF_PAIRS, device=device) * LEAF_WIDTH_MM + MLC_Y_MIN_MM
+    leaf_lower_mm = torch.arange(grid.count, device=device) * grid.strip_mm + MLC_Y_MIN_MM
     t = torch.linspace(0.0, 1.0, SUB_APERTURES, device=device)
     low = torch.maximum(sub_aperture_positions(*jaw_1)[:, :, None], leaf_lower_mm)
-    high = torch.minimum(sub_aperture_positions(*jaw_2)[:, :, None], leaf_lower_mm + LEAF_WIDTH_MM)
-    open_fraction = ((high - low) / LEAF_WIDTH_MM).clamp(0.0, 1.0)  # (B, 7, 52)
+    high = torch.minimum(sub_aperture_positions(*jaw_2)[:, :, None], leaf_lower_mm + grid.strip_mm)
+    open_fraction = ((high - low) / grid.strip_mm).clamp(0.0, 1.0)  # (B, 7, strips)
     mean_time = (open_fraction * t[None, :, None]).sum(1) / (open_fraction.sum(1) + 1e-3)
     return open_fraction.mean(1), mean_time
 
@@ -424,6 +460,7 @@ class LeafEdgeInverseModel(nn.Module):
         super().__init__()
         self.config = config = config or LeafEdgeInverseConfig()
         c = config.channels
+        self.grid = layout_grid(config.strip_leaves)
         self.stem = nn.Conv2d(2, c, (9, 7), stride=(ROWS_PER_LEAF, 1), padding=(2, 3))
         self.blocks = nn.Sequential(*(RowBlock(c, 7) for _ in range(config.depth)))
         self.to_coarse = nn.Conv2d(c, config.coarse_channels, 1)
@@ -431,7 +468,7 @@ class LeafEdgeInverseModel(nn.Module):
         self.from_coarse = nn.Conv2d(config.coarse_channels, c, 1)
         self.refine = RowBlock(c, 7)
         self.window_head = nn.Conv2d(c, 4, (1, 7), padding=(0, 3))  # bank A prev, curr; bank B prev, curr
-        reach = config.deblur_reach_rows
+        reach = config.deblur_reach_rows * self.grid.rows_per_pixel
         self.row_deblur = nn.Conv2d(1, 1, (ROWS_PER_LEAF + 2 * reach, 1), stride=(ROWS_PER_LEAF, 1),
                                     padding=(reach, 0), bias=False)
         with torch.no_grad():
@@ -455,8 +492,8 @@ class LeafEdgeInverseModel(nn.Module):
         return [([p for p in self.parameters() if id(p) not in ids], 1.0), (physical, PHYSICS_LR_FACTOR)]
 
     def forward(self, epid_prev: Tensor, epid_curr: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """The network's estimate ``(leaf_a (B,104) mm, leaf_b (B,104) mm, scalars (B,5), latent
-        (B,1,64,64))``; ``epid.reconstruction.estimate.pair_estimate`` refines it with the forward model."""
+        """The network's estimate ``(leaf_a (B, 2 x strips) mm, leaf_b (B, 2 x strips) mm, scalars (B,5),
+        latent (B,1,64,64))``; ``epid.reconstruction.estimate.pair_estimate`` refines it with the forward model."""
         frames = torch.cat([as_frame_batch("epid_prev", epid_prev), as_frame_batch("epid_curr", epid_curr)], 1)
         frames = remove_lag(frames.float(), self.lag_percent / 100.0)
         leaf_a, leaf_b, jaws = self.estimate(frames)
@@ -465,8 +502,9 @@ class LeafEdgeInverseModel(nn.Module):
         return leaf_a, leaf_b, scalars, fluence_latent(self.aperture(leaf_a, leaf_b, scalars))
 
     def estimate(self, frames: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """The network's estimate from frames (B, 2, 256, 256) [prev, curr]: leaf_a, leaf_b (B, 104)
-        and jaws (B, 4) [jaw_1 prev, jaw_1 curr, jaw_2 prev, jaw_2 curr], mm."""
+        """The network's estimate from frames (B, 2, 256, 256) [prev, curr]: leaf_a, leaf_b (B, 2 x
+        strips) and jaws (B, 4) [jaw_1 prev, jaw_1 curr, jaw_2 prev, jaw_2 curr], mm. The jaws are read
+        on the 1 mm rows, the leaves on the strips' rows (each pixel row repeated on the fine strips)."""
         batch = frames.shape[0]
         peak = frames.amax(dim=(-2, -1), keepdim=True).clamp_min(1e-6)
         leaf_grid = to_leaf_grid(frames / peak)  # (B, 2, 260, 256)
@@ -474,13 +512,14 @@ class LeafEdgeInverseModel(nn.Module):
             leaf_grid = leaf_grid.contiguous(memory_format=torch.channels_last)
         jaws = self.jaws(leaf_grid)
         jaw_now = jaws.detach()
-        curr_open = row_visibility((jaw_now[:, 0], jaw_now[:, 1]), (jaw_now[:, 2], jaw_now[:, 3]))
+        curr_open = row_visibility((jaw_now[:, 0], jaw_now[:, 1]), (jaw_now[:, 2], jaw_now[:, 3]), self.grid)
         prev_open = row_visibility((2 * jaw_now[:, 0] - jaw_now[:, 1], jaw_now[:, 0]),
-                                   (2 * jaw_now[:, 2] - jaw_now[:, 3], jaw_now[:, 2]))
-        visibility = torch.stack([*prev_open, *curr_open], -1)  # (B, 52, 4)
-        windows = boundary_softmax(self.window_logits(leaf_grid))  # (B, 4, 52, 255)
-        profiles = self.row_deblur(leaf_grid.reshape(batch * 2, 1, LEAF_GRID_ROWS, GRID_SIZE))
-        step = torch.diff(profiles.reshape(batch, 2, NUM_LEAF_PAIRS, GRID_SIZE), dim=-1)
+                                   (2 * jaw_now[:, 2] - jaw_now[:, 3], jaw_now[:, 2]), self.grid)
+        visibility = torch.stack([*prev_open, *curr_open], -1)  # (B, strips, 4)
+        strip_rows = self.grid.strip_rows(leaf_grid)  # (B, 2, grid rows, 256)
+        windows = boundary_softmax(self.window_logits(strip_rows))  # (B, 4, strips, 255)
+        profiles = self.row_deblur(strip_rows.reshape(batch * 2, 1, self.grid.rows, GRID_SIZE))
+        step = torch.diff(profiles.reshape(batch, 2, self.grid.count, GRID_SIZE), dim=-1)
         boundaries = column_centres(frames.device)[1:] - 0.5
         banks = []
         for bank, density in enumerate((F.relu(step), F.relu(-step))):
@@ -490,7 +529,7 @@ class LeafEdgeInverseModel(nn.Module):
         return banks[0], banks[1], jaws
 
     def window_logits(self, leaf_grid: Tensor) -> Tensor:
-        """The CNN on both frames' leaf grids -> window logits (B, 4, 52, 256)."""
+        """The CNN on both frames' rows of the strips (B, 2, grid rows, 256) -> window logits (B, 4, strips, 256)."""
         pool = self.config.coarse_pool
         h = self.blocks(F.relu(self.stem(leaf_grid)))
         coarse = self.coarse(F.avg_pool2d(self.to_coarse(h), (1, pool)))

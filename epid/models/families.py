@@ -24,6 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from epid.models import aperture, legacy
+from epid.synthesis.geometry import STRIPS, StripGrid
 from epid.synthesis.mlc import LEGACY_GRID, MlcGeometry
 
 LEGACY = "legacy"
@@ -130,6 +131,13 @@ def _plain(config: Any) -> dict[str, Any]:
     """A config dataclass as a dict of plain values (tuples as lists)."""
     values = dataclasses.asdict(config)
     return {key: list(value) if isinstance(value, tuple) else value for key, value in values.items()}
+
+
+def model_strips(model: nn.Module) -> StripGrid:
+    """The strips a built model works on: its aperture's (``epid.models.aperture.layout_grid``), or the
+    design's 52 for a model without one (the legacy family)."""
+    aperture_module = getattr(model, "aperture", None)
+    return aperture_module.grid if aperture_module is not None else STRIPS
 
 
 def build_models(size: str = "full", family_name: str = DEFAULT_FAMILY,

@@ -36,7 +36,6 @@ from torch import Tensor
 
 from epid.core.devices import autocast
 from epid.models.legacy import LEAF_SCALE_MM, SCALAR_SCALE
-from epid.synthesis.geometry import NUM_LEAF_PAIRS
 
 LOSS_TERMS = ("total", "forward", "leaf_a", "leaf_b", "scalars", "ordering", "consistency", "latent")
 LOSS_WEIGHTS = {
@@ -98,9 +97,10 @@ def consistency_loss(leaf_banks: Sequence[Tensor], weight_banks: Sequence[Tensor
     if leaf_banks[0].shape[0] < 2:
         return total
     for leaves, weights in zip(leaf_banks, weight_banks, strict=True):
-        curr = leaves[:-1, NUM_LEAF_PAIRS:]
-        next_prev = leaves[1:, :NUM_LEAF_PAIRS]
-        total = total + weighted_mse(curr, next_prev, weights[:-1, NUM_LEAF_PAIRS:])
+        strips = leaves.shape[-1] // 2
+        curr = leaves[:-1, strips:]
+        next_prev = leaves[1:, :strips]
+        total = total + weighted_mse(curr, next_prev, weights[:-1, strips:])
     return total
 
 

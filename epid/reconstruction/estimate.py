@@ -33,11 +33,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from epid.models.families import model_strips
 from epid.reconstruction.descent import descend
 from epid.reconstruction.fallback import BATCH_FRAMES, ControlPointRun, Kept, keep_better, render_run, uncrossed
 from epid.reconstruction.leaves import track_leaves
 from epid.reconstruction.rows import RowDomain
-from epid.synthesis.geometry import NUM_LEAF_PAIRS
+from epid.synthesis.geometry import STRIPS
 
 METHODS = ("network", "pair", "arc")
 """Reconstructions: the inverse network's estimate, refined per frame pair (``pair_estimate``),
@@ -94,8 +95,11 @@ def stages_of(inverse_model: nn.Module) -> Stages:
 
 def can_refine(forward_model: nn.Module, inverse_model: nn.Module) -> bool:
     """Whether the pair can refine the network's estimate: a forward model that renders
-    (``render``, ``response``, ``aperture``) and an inverse model with tracking stages."""
-    return hasattr(forward_model, "render") and bool(stages_of(inverse_model))
+    (``render``, ``response``, ``aperture``) on the design's 52 strips (the tracking's row domain
+    has their 5 pixel rows to a strip; the 2.5 mm strips of HD120 get the network's estimate) and
+    an inverse model with tracking stages."""
+    return (hasattr(forward_model, "render") and model_strips(forward_model) is STRIPS
+            and bool(stages_of(inverse_model)))
 
 
 def method_used(forward_model: nn.Module, inverse_model: nn.Module, method: str) -> str:
@@ -119,7 +123,7 @@ def pair_estimate(forward_model: nn.Module, inverse_model: nn.Module, epid_prev:
     frames = torch.cat([epid_prev, epid_curr], 1).float()
     lag = forward_model.lag_fraction.detach()
     signals = torch.stack([frames[:, 0], (frames[:, 1] - lag * frames[:, 0]) / (1.0 - lag)], 1)
-    half = NUM_LEAF_PAIRS
+    half = leaf_a.shape[-1] // 2
     jaws = scalars[:, 1:].view(-1, 2, 2).transpose(1, 2)  # (B, 2 [prev, curr], 2 [jaw_1, jaw_2])
 
     def with_start(prev: Tensor, curr: Tensor) -> Tensor:
@@ -242,14 +246,14 @@ def _network_lag(inverse_model: nn.Module) -> Tensor | float:
 
 def _pair_estimates(inverse_model: nn.Module, recorded: Tensor, batch_frames: int, first_pair: bool,
                     step: int = 1) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Control points 0..N (leaf_a, leaf_b (N + 1, 52), jaws (N + 1, 2)) and each frame's MU (N,)
+    """Control points 0..N (leaf_a, leaf_b (N + 1, strips), jaws (N + 1, 2)) and each frame's MU (N,)
     from the network's estimates of the pairs of ``recorded`` (N + 1 frames, the first the frame
     before the arc's first): each point the mean of the estimates that contain it. Without the
     ``first_pair``, control point 0 is extrapolated and the first frame's MU is NaN. ``step``: the
     pairs estimated begin every ``step`` frames (and the last pair), so that with 2 each point
     has one estimate and the frames between the pairs keep their MU NaN."""
     count = len(recorded) - 1
-    half = NUM_LEAF_PAIRS
+    half = model_strips(inverse_model).count
     sums = recorded.new_zeros(count + 1, 2 * half + 2)
     weights = recorded.new_zeros(count + 1, 1)
     mu = recorded.new_full((count,), math.nan)

@@ -60,6 +60,23 @@ class StripGrid:
         """(count + 1,) edges of the strips along y, mm."""
         return MLC_Y_MIN_MM + self.strip_mm * np.arange(self.count + 1)
 
+    def row_centres(self, device: torch.device | str | None = None) -> torch.Tensor:
+        """(rows,) y of this grid's rows' centres, ascending, mm (float32)."""
+        return torch.arange(self.rows, device=device, dtype=torch.float32) * self.row_mm + (
+            MLC_Y_MIN_MM + self.row_mm / 2)
+
+    @property
+    def centres_mm(self) -> np.ndarray:
+        """(count,) centres of the strips along y, mm."""
+        return MLC_Y_MIN_MM + self.strip_mm * (np.arange(self.count) + 0.5)
+
+    def strip_rows(self, leaf_grid: torch.Tensor) -> torch.Tensor:
+        """(..., 260, W) on the 1 mm rows -> (..., rows, W) on this grid's rows, each 1 mm row
+        repeated (the same tensor on a grid of 1 mm rows)."""
+        if self.rows_per_pixel == 1:
+            return leaf_grid
+        return leaf_grid.repeat_interleave(self.rows_per_pixel, dim=-2)
+
     def pixel_rows(self, fluence: torch.Tensor) -> torch.Tensor:
         """(..., rows, W) on this grid's rows -> (..., 260, W) on the 1 mm rows: the mean of the
         rows in each (the same tensor on a grid of 1 mm rows)."""

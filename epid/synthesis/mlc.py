@@ -116,12 +116,25 @@ class MlcGeometry:
 
     @property
     def modelled(self) -> bool:
-        """Whether the models can take this MLC: every one of the 52 strips lies under one leaf of each layer."""
+        """Whether the aperture models can take this MLC: its strips (``grid``) exist."""
         return not self.unmodelled_reason
 
     @property
     def unmodelled_reason(self) -> str:
-        """Why the models cannot take this MLC ("" when they can)."""
+        """Why no strips can show this MLC ("" when some can)."""
+        found = _strip_leaves(self.layers, STRIP_GRIDS[-1])
+        return found if isinstance(found, str) else ""
+
+    @property
+    def under_leaves(self) -> np.ndarray:
+        """(strips,) bool: the strips of ``grid`` under a leaf of every layer (the others are open
+        wherever the jaws are: nothing there to estimate)."""
+        return np.logical_and.reduce([leaves >= 0 for leaves in self.strip_leaves])
+
+    @property
+    def design_strips_reason(self) -> str:
+        """Why this MLC is not on the design's 52 strips with every strip under a leaf of each layer,
+        as the legacy model family needs ("" when it is)."""
         found = _strip_leaves(self.layers, STRIPS)
         if isinstance(found, str):
             return found

@@ -91,7 +91,8 @@ class ControlPoints:
     the fine strips of an MLC with 2.5 mm leaves: ``mlc.grid``).
     jaw_1, jaw_2: (N,) lower and upper jaw positions, mm along y.
     mu: (N,) monitor units delivered at each CP.
-    leaf_weight: (N, strips) 1.0 for leaves in [lo - 2, hi + 2) of the open band, else 0.5.
+    leaf_weight: (N, strips) 1.0 for leaves in [lo - 2, hi + 2) of the open band, else 0.5; 0 for
+    a strip beyond the MLC's leaves (``MlcGeometry.under_leaves``: open, nothing to estimate).
     mlc: the MLC whose strips these are (``epid.synthesis.mlc``): its layers and leaf boundaries
     shape the fluence of a real MLC (``epid.synthesis.fluence.physics_fluence``).
     """
@@ -148,6 +149,12 @@ def leaf_weights(jaw_1: np.ndarray, jaw_2: np.ndarray, grid: StripGrid = STRIPS)
     return np.where(shaping, 1.0, 0.5).astype(np.float32)
 
 
+def mlc_leaf_weights(jaw_1: np.ndarray, jaw_2: np.ndarray, mlc: MlcGeometry) -> np.ndarray:
+    """``leaf_weights`` on the strips of ``mlc`` (``mlc.grid``), 0 for a strip beyond its leaves
+    (``MlcGeometry.under_leaves``: open, nothing to estimate)."""
+    return leaf_weights(jaw_1, jaw_2, mlc.grid) * mlc.under_leaves
+
+
 def generate_control_points(dataset_id: int, n_control_points: int = DEFAULT_CONTROL_POINTS,
                             mlc: MlcGeometry = LEGACY_GRID) -> ControlPoints:
     """The N control points of a dataset ID on the strips of ``mlc`` (``epid.synthesis.mlc``),
@@ -186,7 +193,7 @@ def generate_control_points(dataset_id: int, n_control_points: int = DEFAULT_CON
         jaw_1=jaw_1,
         jaw_2=jaw_2,
         mu=_read_only_mm(mu),
-        leaf_weight=_read_only(leaf_weights(jaw_1, jaw_2, grid)),
+        leaf_weight=_read_only(mlc_leaf_weights(jaw_1, jaw_2, mlc)),
         dataset_id=int(dataset_id),
         pattern=pattern,
         mlc=mlc,
@@ -241,8 +248,7 @@ def _on_grid(limits: PatternLimits, grid: StripGrid) -> PatternLimits:
 def _jaw_span(mlc: MlcGeometry) -> tuple[int, int]:
     """(lowest, highest) jaw position in tenths: the span of the strips under a leaf of every layer of
     ``mlc`` (the whole strip span, [-130, 130] mm, for every MLC whose leaves cover it)."""
-    under = np.logical_and.reduce([leaves >= 0 for leaves in mlc.strip_leaves])
-    strips = np.flatnonzero(under)
+    strips = np.flatnonzero(mlc.under_leaves)
     edges = mlc.grid.edges_mm
     return _tenths(edges[strips[0]]), _tenths(edges[strips[-1] + 1])
 

@@ -157,7 +157,7 @@ def bad_values(tmp_path):
         "EPID_DRY_RUN": ("2", "1/0, true/false or yes/no"),
         "EPID_CONTROL_POINTS": ("3", "an integer >= 4"),
         "EPID_KERNEL": (str(tmp_path / "missing.mat"), "no file"),
-        "EPID_MLC": ("hd120", "leaves are finer than the models' 5 mm strips"),
+        "EPID_MLC": ("hd121", "no built-in MLC of that name and no such file"),
         "EPID_NOISE_STD": ("-0.1", "a number >= 0"),
         "EPID_PHYSICS": ("real", "ideal or realistic"),
         "EPID_LEAF_TRANSMISSION_PERCENT": ("25", "a number in 0..20"),
@@ -354,6 +354,17 @@ def test_an_unknown_mlc_or_a_file_that_is_no_plan_is_refused(tmp_path, value, fr
     with pytest.raises(ConfigError) as caught:
         load_config({"EPID_MLC": value.format(file=a_file)})
     assert str(caught.value).startswith("EPID_MLC=") and fragment in str(caught.value)
+
+
+def test_hd120_takes_the_aperture_family_and_the_legacy_family_is_refused_in_one_line():
+    hd120 = load_config({"EPID_MLC": "hd120"})
+    assert hd120.mlc_geometry is MLC_GEOMETRIES["hd120"] and hd120.mlc_geometry.grid.count == 104
+    with pytest.raises(ConfigError) as caught:
+        load_config({"EPID_MLC": "hd120", "EPID_MODEL": "legacy"})
+    message = str(caught.value)
+    assert message.startswith("EPID_MLC='hd120': Varian HD120") and "\n" not in message
+    assert "the legacy model family works on the design's 52 strips of 5 mm" in message
+    assert "expected EPID_MODEL=aperture" in message
 
 
 def test_the_mlc_is_a_built_in_one_by_name_or_a_plans_own_and_survives_a_round_trip(tmp_path):

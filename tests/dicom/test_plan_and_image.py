@@ -277,13 +277,40 @@ def test_millennium_like_plan_maps_5_mm_leaves_one_to_one_and_10_mm_leaves_to_tw
                            "no_jaws.dcm"))[0].behind_x_jaws() is None
 
 
-def test_hd120_like_plan_is_refused_naming_the_device_and_its_boundaries(tmp_path):
+def test_hd120_plan_maps_each_2_5_mm_leaf_to_a_fine_strip_and_is_written_back(tmp_path):
+    """HD120 on the 104 strips of 2.5 mm: a 2.5 mm leaf is one strip, a 5 mm leaf two, the strips
+    beyond its leaves (|y| > 110 mm) open; written and read back unchanged, pymedphys reads it."""
+    from epid.synthesis.mlc import MLC_GEOMETRIES
+
     leaf_a, leaf_b = random_leaves(np.random.default_rng(3), 3, 60)
     path = saved(tmp_path, hand_plan(hd120_boundaries(), leaf_a, leaf_b, jaws_y=np.array([[-50.0, 50.0]] * 3)))
+    (beam,) = read_plan(path)
+    assert beam.geometry is MLC_GEOMETRIES["hd120"]
+    assert beam.mlc == "MLCX (hd120) 60 leaf pairs: 14 x 5 mm, 32 x 2.5 mm, 14 x 5 mm"
+    strips = np.concatenate([np.repeat(np.arange(14), 2), np.arange(14, 46), np.repeat(np.arange(46, 60), 2)])
+    inside = slice(8, 96)  # y in [-110, 110) mm
+    np.testing.assert_allclose(beam.control_points.leaf_a[:, inside], leaf_a[:, strips], atol=1e-4)
+    np.testing.assert_allclose(beam.control_points.leaf_b[:, inside], leaf_b[:, strips], atol=1e-4)
+    assert np.all(beam.control_points.leaf_a[:, :8] == -200) and np.all(beam.control_points.leaf_b[:, 96:] == 200)
+    assert beam.control_points.leaf_weight.shape == (3, 104) and np.all(beam.control_points.leaf_weight[:, :8] == 0)
+    written = tmp_path / "written.dcm"
+    write_plan(written, beam.control_points, mlc=beam.geometry)
+    (again,) = read_plan(written)
+    np.testing.assert_array_equal(again.control_points.leaf_a, beam.control_points.leaf_a)
+    np.testing.assert_array_equal(again.control_points.leaf_b, beam.control_points.leaf_b)
+    pymedphys = pytest.importorskip("pymedphys")
+    mlc = np.asarray(pymedphys.Delivery.from_dicom(written).mlc)[:, ::-1]
+    np.testing.assert_allclose(-mlc[:, strips, 1], beam.control_points.leaf_a[:, inside], atol=1e-4)
+
+
+def test_an_mlc_finer_than_every_strip_grid_is_refused_naming_the_device_and_its_boundaries(tmp_path):
+    boundaries = np.concatenate([np.arange(-100, -20, 5), np.arange(-20, 20, 1.25), np.arange(20, 101, 5)])
+    leaf_a, leaf_b = random_leaves(np.random.default_rng(3), 3, len(boundaries) - 1)
+    path = saved(tmp_path, hand_plan(boundaries, leaf_a, leaf_b, jaws_y=np.array([[-50.0, 50.0]] * 3)))
     with pytest.raises(PlanError) as error:
         read_plan(path)
-    assert_one_line(error, str(path), "beam 1", "unsupported MLC", "MLCX", "hd120", "14 x 5 mm, 32 x 2.5 mm, 14 x 5 mm",
-                    "-37.5")
+    assert_one_line(error, str(path), "beam 1", "unsupported MLC", "MLCX", "32 x 1.25 mm",
+                    "finer than the models' 2.5 mm strips", "-18.75")
 
 
 def test_mlci2_plan_maps_each_10_mm_leaf_to_two_rows(tmp_path):

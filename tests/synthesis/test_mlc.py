@@ -86,7 +86,8 @@ def test_hd120_masks_show_its_2_5_mm_leaves_half_a_pixel_row_each():
     from epid.synthesis.fluence import rasterize
 
     hd120 = MLC_GEOMETRIES["hd120"]
-    assert hd120.grid.count == 104 and not hd120.modelled
+    assert hd120.grid.count == 104 and hd120.modelled and "finer than the models' 5 mm strips" in \
+        hd120.design_strips_reason
     layers = random_layers(hd120, np.random.default_rng(11))
     leaf_a, leaf_b = hd120.strips(layers)
     assert leaf_a.shape == (104,) and np.all(leaf_a[:8] == -200.0)  # beyond the leaves (|y| > 110 mm): open
@@ -174,9 +175,7 @@ def test_arcs_on_an_mlc_are_what_its_leaves_can_show(name):
 def test_leaves_of_strips_round_trip_and_are_stored_by_name():
     rng = np.random.default_rng(3)
     for geometry in MLC_GEOMETRIES.values():
-        assert geometry.modelled == (geometry.name != "hd120")
-        if not geometry.modelled:
-            assert "finer than the models' 5 mm strips" in geometry.unmodelled_reason
+        assert geometry.modelled and bool(geometry.design_strips_reason) == (geometry.name == "hd120")
         assert type(geometry).from_dict(geometry.to_dict()) is geometry
         strips = geometry.grid.count
         leaf_a = rng.integers(-600, 0, size=(4, strips)) / 10
