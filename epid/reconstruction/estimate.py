@@ -95,11 +95,8 @@ def stages_of(inverse_model: nn.Module) -> Stages:
 
 def can_refine(forward_model: nn.Module, inverse_model: nn.Module) -> bool:
     """Whether the pair can refine the network's estimate: a forward model that renders
-    (``render``, ``response``, ``aperture``) on the design's 52 strips (the tracking's row domain
-    has their 5 pixel rows to a strip; the 2.5 mm strips of HD120 get the network's estimate) and
-    an inverse model with tracking stages."""
-    return (hasattr(forward_model, "render") and model_strips(forward_model) is STRIPS
-            and bool(stages_of(inverse_model)))
+    (``render``, ``response``, ``aperture``) and an inverse model with tracking stages."""
+    return hasattr(forward_model, "render") and bool(stages_of(inverse_model))
 
 
 def method_used(forward_model: nn.Module, inverse_model: nn.Module, method: str) -> str:
@@ -188,7 +185,8 @@ def _tracked_from(forward_model: nn.Module, signals: Tensor, start: ControlPoint
     the start's rows plus the filtered residuals of the forward model's rendering of the start
     (``epid.reconstruction.leaves``); under a broad response a second pass reads them relative to the
     first pass's fit (``RELINEARISED_STAGES``) and Gauss-Newton steps on the forward model's own
-    misfit follow (``epid.reconstruction.descent``); for a ``cine`` series the fit's points are
+    misfit follow (``epid.reconstruction.descent``, on the 52 strips: the fine strips of HD120 take
+    the two passes alone); for a ``cine`` series the fit's points are
     taken ``between_frames``. Neither the start nor the fit has a pair whose leaves cross (``uncrossed``);
     the fit is kept only where the frames agree with it better (``epid.reconstruction.fallback``)."""
     domain = RowDomain.of(forward_model, signals.device)
@@ -205,7 +203,8 @@ def _tracked_from(forward_model: nn.Module, signals: Tensor, start: ControlPoint
                                chunk_frames=batch_frames, jaw_stages=(), start_mu=again.mu)
         del again
         fit = ControlPointRun(tracked.leaf_a, tracked.leaf_b, tracked.jaws)
-        fit, rendering = descend(forward_model, domain, signals, fit, batch_frames=batch_frames)
+        if domain.grid is STRIPS:
+            fit, rendering = descend(forward_model, domain, signals, fit, batch_frames=batch_frames)
     if cine:
         fit, rendering = between_frames(fit), None
     crossed = uncrossed(fit)

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from epid.synthesis.geometry import GRID_SIZE, LEAF_WIDTH_MM, MLC_Y_MIN_MM, NUM_LEAF_PAIRS, PIXEL_MM
+from epid.models.families import model_strips
+from epid.synthesis.geometry import GRID_SIZE, MLC_Y_MIN_MM, PIXEL_MM, STRIPS, StripGrid
 
 BATCH_FRAMES = 64
 """Frames the network estimates, and the forward model renders, at once (here and in
@@ -68,10 +69,21 @@ def uncrossed(run: ControlPointRun) -> ControlPointRun:
                            run.jaws)
 
 
-def imager_row_leaves(device: torch.device | str | None = None) -> Tensor:
-    """(256,) the leaf whose rows each imager row lies in (row 0 = most positive y)."""
-    y_mm = (GRID_SIZE / 2 - 0.5 - torch.arange(GRID_SIZE, device=device, dtype=torch.float64)) * PIXEL_MM
-    return ((y_mm - MLC_Y_MIN_MM) / LEAF_WIDTH_MM).floor().long().clamp(0, NUM_LEAF_PAIRS - 1)
+def imager_row_leaves(grid: StripGrid = STRIPS, device: torch.device | str | None = None) -> Tensor:
+    """(256 x rows per pixel,) the strip of ``grid`` each row of the imager's rows lies in (row 0 =
+    most positive y; on the fine strips each imager row's two rows, the upper first)."""
+    rows = GRID_SIZE * grid.rows_per_pixel
+    y_mm = (GRID_SIZE / 2 - (torch.arange(rows, device=device, dtype=torch.float64) + 0.5) * grid.row_mm) * PIXEL_MM
+    return ((y_mm - MLC_Y_MIN_MM) / grid.strip_mm).floor().long().clamp(0, grid.count - 1)
+
+
+def strip_misfits(rows: Tensor, grid: StripGrid) -> Tensor:
+    """Misfits of the imager rows (K, 256) -> of the strips (K, strips): each row's to the strip it
+    lies in (on the fine strips, half of it to each of its two rows' strips)."""
+    per_pixel = grid.rows_per_pixel
+    if per_pixel > 1:
+        rows = rows.repeat_interleave(per_pixel, -1) / per_pixel
+    return rows.new_zeros(len(rows), grid.count).index_add_(1, imager_row_leaves(grid, rows.device), rows)
 
 
 @dataclass(frozen=True)
@@ -93,7 +105,8 @@ def render_run(forward_model: nn.Module, signals: Tensor, points: ControlPointRu
     """The ``Rendering`` of ``points`` against ``signals`` (B, F, 256, 256), ``batch_frames`` frames at
     a time, with the ``residuals`` when asked for."""
     runs, frames = signals.shape[:2]
-    misfits = signals.new_zeros(runs, frames, NUM_LEAF_PAIRS)
+    strips = model_strips(forward_model).count
+    misfits = signals.new_zeros(runs, frames, strips)
     mu, signal_mu = signals.new_zeros(runs, frames), signals.new_zeros(runs, frames)
     left = torch.empty_like(signals) if residuals else None
     for begin in range(0, frames, batch_frames):
@@ -102,7 +115,7 @@ def render_run(forward_model: nn.Module, signals: Tensor, points: ControlPointRu
                  for value in (points.leaf_a, points.leaf_b, points.jaws)]  # (B x chunk, 2, ...)
         measured = signals[:, chunk].flatten(0, 1)
         chunk_misfits, chunk_mu, chunk_signal_mu, chunk_left = _render_pairs(forward_model, *pairs, measured)
-        misfits[:, chunk] = chunk_misfits.view(runs, -1, NUM_LEAF_PAIRS)
+        misfits[:, chunk] = chunk_misfits.view(runs, -1, strips)
         mu[:, chunk], signal_mu[:, chunk] = chunk_mu.view(runs, -1), chunk_signal_mu.view(runs, -1)
         if residuals:
             left[:, chunk] = chunk_left.view(runs, -1, *chunk_left.shape[1:])
@@ -128,16 +141,17 @@ def rerender(forward_model: nn.Module, signals: Tensor, points: ControlPointRun,
 
 def _render_pairs(forward_model: nn.Module, leaf_a: Tensor, leaf_b: Tensor, jaws: Tensor,
                   measured: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Frames (K, 256, 256) against the motions leaf_a, leaf_b (K, 2, 52), jaws (K, 2, 2) [prev,
+    """Frames (K, 256, 256) against the motions leaf_a, leaf_b (K, 2, strips), jaws (K, 2, 2) [prev,
     curr]: ``frame_misfits``."""
     scalars = torch.cat([jaws.new_ones(len(jaws), 1), jaws[:, :, 0], jaws[:, :, 1]], 1).float()
     rendered = forward_model.render(leaf_a.flatten(1).float(), leaf_b.flatten(1).float(), scalars)[0]
-    return frame_misfits(rendered, measured)
+    return frame_misfits(rendered, measured, model_strips(forward_model))
 
 
-def frame_misfits(rendered: Tensor, measured: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Renderings per MU and frames (K, 256, 256): the per-leaf misfits (K, 52) at the least-squares
-    MU (K,), the signal MU (K,) and the residuals (K, 256, 256).
+def frame_misfits(rendered: Tensor, measured: Tensor,
+                  grid: StripGrid = STRIPS) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Renderings per MU and frames (K, 256, 256): the per-strip misfits (K, strips of ``grid``,
+    ``strip_misfits``) at the least-squares MU (K,), the signal MU (K,) and the residuals (K, 256, 256).
 
     The least-squares MU weighs each pixel by the rendering, so it rests on the field, where a
     model's response and output shape matter most; the signal MU, the frame's whole signal over the
@@ -154,9 +168,7 @@ def frame_misfits(rendered: Tensor, measured: Tensor) -> tuple[Tensor, Tensor, T
     mu = (rendered * measured).sum((-2, -1)) / (rendered * rendered).sum((-2, -1)).clamp_min(1e-12)
     signal_mu = measured.sum((-2, -1)) / rendered.sum((-2, -1)).clamp_min(1e-12)
     residuals = measured - mu[:, None, None] * rendered
-    rows = residuals.square().sum(-1)  # (K, 256)
-    per_leaf = rows.new_zeros(len(rows), NUM_LEAF_PAIRS).index_add_(1, imager_row_leaves(rows.device), rows)
-    return per_leaf, mu, signal_mu, residuals
+    return strip_misfits(residuals.square().sum(-1), grid), mu, signal_mu, residuals
 
 
 def keep_better(forward_model: nn.Module, signals: Tensor, start: ControlPointRun, fit: ControlPointRun,
@@ -186,15 +198,15 @@ def keep_better(forward_model: nn.Module, signals: Tensor, start: ControlPointRu
                                for name in ("leaf_a", "leaf_b", "jaws")))
     mu, signal_mu = (torch.stack([getattr(rendering, name) for rendering in renderings])[choice, runs]
                      for name in ("mu", "signal_mu"))
-    open_rows = open_leaves(points.jaws)
+    open_rows = open_leaves(points.jaws, model_strips(forward_model))
     share = float(masks[open_rows].float().mean()) if bool(open_rows.any()) else 0.0
     return Kept(points, masks, share, mu, signal_mu)
 
 
-def open_leaves(jaws: Tensor) -> Tensor:
-    """(..., 52) mask of the leaves whose rows the jaws (..., 2) [jaw_1, jaw_2] mm leave open."""
-    lower = MLC_Y_MIN_MM + LEAF_WIDTH_MM * torch.arange(NUM_LEAF_PAIRS, device=jaws.device, dtype=jaws.dtype)
-    return (lower + LEAF_WIDTH_MM > jaws[..., :1]) & (lower < jaws[..., 1:])
+def open_leaves(jaws: Tensor, grid: StripGrid = STRIPS) -> Tensor:
+    """(..., strips) mask of the strips of ``grid`` whose rows the jaws (..., 2) [jaw_1, jaw_2] mm leave open."""
+    lower = MLC_Y_MIN_MM + grid.strip_mm * torch.arange(grid.count, device=jaws.device, dtype=jaws.dtype)
+    return (lower + grid.strip_mm > jaws[..., :1]) & (lower < jaws[..., 1:])
 
 
 def _point_costs(misfits: Tensor) -> Tensor:

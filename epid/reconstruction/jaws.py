@@ -43,7 +43,6 @@ from epid.synthesis.geometry import (
     IMAGER_MARGIN,
     LEAF_GRID_ROWS,
     MLC_Y_MIN_MM,
-    NUM_LEAF_PAIRS,
     ROWS_PER_LEAF,
     SUB_APERTURES,
 )
@@ -75,27 +74,35 @@ HALF_IMAGER_MM = GRID_SIZE / 2
 
 
 def leaf_row_fluence(domain: RowDomain, leaf_a: Tensor, leaf_b: Tensor) -> Tensor:
-    """Leaves (B, N + 1, 52) at the control points -> R (B, N, 7, 260): each leaf-grid row's fluence
-    summed along the imager's x at each sub-aperture of each frame, per MU, with the jaws open."""
+    """Leaves (B, N + 1, strips) at the control points -> R (B, N, 7, rows): each row's fluence of
+    the strips' grid summed along the imager's x at each sub-aperture of each frame, per MU, with
+    the jaws open."""
+    band = domain.grid.rows_per_pixel
     low = (frame_sub_apertures(leaf_a.float()) - domain.offset_a).clamp(-HALF_IMAGER_MM, HALF_IMAGER_MM)
     high = (frame_sub_apertures(leaf_b.float()) + domain.offset_b).clamp(-HALF_IMAGER_MM, HALF_IMAGER_MM)
-    own = (high - low).clamp_min(0.0)  # (B, N, 7, 52)
+    own = (high - low).clamp_min(0.0)  # (B, N, 7, strips)
     both = (torch.minimum(high[..., :-1], high[..., 1:]) - torch.maximum(low[..., :-1], low[..., 1:])).clamp_min(0.0)
-    share = domain.groove_share
-    rows = own[..., None].repeat_interleave(ROWS_PER_LEAF, -1)  # (B, N, 7, 52, 5)
-    rows[..., :-1, -1] = (1 - share) * own[..., :-1] + share * both  # last row of each leaf but the last
-    rows[..., 1:, 0] = (1 - share) * own[..., 1:] + share * both  # first row of each leaf but the first
-    closed = torch.full((NUM_LEAF_PAIRS, ROWS_PER_LEAF), domain.leaf_transmission, device=leaf_a.device)
-    closed[:-1, -1] += domain.interleaf_leakage
-    closed[1:, 0] += domain.interleaf_leakage
+    rows = own[..., None].repeat_interleave(ROWS_PER_LEAF, -1)  # (B, N, 7, strips, 5)
+    for k, share in enumerate(domain.groove_rows):  # the k-th row from a boundary
+        rows[..., :-1, -1 - k] = (1 - share) * own[..., :-1] + share * both  # of each strip but the last
+        rows[..., 1:, k] = (1 - share) * own[..., 1:] + share * both  # of each strip but the first
+    closed = torch.full((domain.grid.count, ROWS_PER_LEAF), domain.leaf_transmission, device=leaf_a.device)
+    closed[:-1, -band:] += domain.interleaf_leakage
+    closed[1:, :band] += domain.interleaf_leakage
     return (rows * (1 - closed) + GRID_SIZE * closed).flatten(-2)
 
 
 def jaw_passes(domain: RowDomain, jaws: Tensor) -> Tensor:
-    """Jaws (..., N + 1, 2) at the control points -> (..., N, 7, 260): the share of each leaf-grid
-    row the jaws pass at each sub-aperture of each frame (``RowDomain.jaw_openings``, with the
-    learned jaw transmission)."""
+    """Jaws (..., N + 1, 2) at the control points -> (..., N, 7, rows): the share of each row of
+    the strips' grid the jaws pass at each sub-aperture of each frame (``RowDomain.jaw_openings``,
+    with the learned jaw transmission)."""
     return domain.jaw_transmission + (1 - domain.jaw_transmission) * domain.jaw_openings(jaws).flatten(-2)
+
+
+def _pixel_rows(domain: RowDomain, rows: Tensor) -> Tensor:
+    """(..., rows) on the strips' grid -> (..., 260) on the 1 mm rows (the mean of each pixel's rows)."""
+    per_pixel = domain.grid.rows_per_pixel
+    return rows if per_pixel == 1 else rows.unflatten(-1, (LEAF_GRID_ROWS, per_pixel)).mean(-1)
 
 
 def start_row_sums(domain: RowDomain, banks: list[Tensor], jaws: Tensor) -> Tensor:
@@ -105,9 +112,10 @@ def start_row_sums(domain: RowDomain, banks: list[Tensor], jaws: Tensor) -> Tens
 
 
 def _seen_row_sums(domain: RowDomain, passes: Tensor, fluence: Tensor) -> Tensor:
-    """Row sums per MU (..., F, 260) seen through T: the jaws' ``passes`` (..., F, 7, 260) of the
-    leaves' row fluence (..., F, 7, 260), averaged over the sub-apertures, blurred along y."""
-    return _blur_rows(domain, (passes * fluence).mean(-2))
+    """Row sums per MU (..., F, 260) seen through T: the jaws' ``passes`` (..., F, 7, rows) of the
+    leaves' row fluence (..., F, 7, rows), averaged over the sub-apertures and each pixel's rows,
+    blurred along y."""
+    return _blur_rows(domain, _pixel_rows(domain, (passes * fluence).mean(-2)))
 
 
 def imager_rows(device: torch.device | str) -> Tensor:
@@ -169,11 +177,12 @@ def _frame_costs(domain: RowDomain, measured: Tensor, fluence: Tensor, candidate
     candidate's jaws (S, B, N + 1, 2), each frame's MU and a constant (a background that rises
     steadily along y) the least-squares ones, over the counted rows."""
     frames = measured.shape[1]
-    per_chunk = max(1, CHUNK_ELEMENTS // (candidates.shape[0] * candidates.shape[1] * SUB_APERTURES * LEAF_GRID_ROWS))
+    per_chunk = max(1, CHUNK_ELEMENTS // (candidates.shape[0] * candidates.shape[1] * SUB_APERTURES
+                                          * domain.grid.rows))
     costs = []
     for k in range(0, frames, per_chunk):
         stop = min(k + per_chunk, frames)
-        passes = jaw_passes(domain, candidates[:, :, k:stop + 1])  # (S, B, F, 7, 260)
+        passes = jaw_passes(domain, candidates[:, :, k:stop + 1])  # (S, B, F, 7, rows)
         seen = torch.diff(_seen_row_sums(domain, passes, fluence[:, k:stop]), dim=-1) * weights  # (S, B, F, 259)
         seen = seen - (seen.sum(-1, keepdim=True) / weights.sum()) * weights  # the constant projected out
         cross = (seen * measured[:, k:stop]).sum(-1)
@@ -188,7 +197,7 @@ def _travel(domain: RowDomain, fluence: Tensor, candidates: Tensor, jaw: int, mu
     motion = (candidates[..., 1:, jaw] - candidates[..., :-1, jaw]).abs()  # (S, B, N)
     start = candidates[0, :, :-1, jaw] - MLC_Y_MIN_MM  # (B, N): the first candidate's, mm above the leaf grid
     row = (start.floor().long() - jaw).clamp(0, LEAF_GRID_ROWS - 1)  # jaw_1: the row above it, jaw_2: below
-    step = fluence[..., 0, :].gather(-1, row[..., None])[..., 0]  # (B, N)
+    step = _pixel_rows(domain, fluence[..., 0, :]).gather(-1, row[..., None])[..., 0]  # (B, N)
     energy = (step * mu.float()).square() * domain.gram[2 * domain.reach]
     return JAW_TRAVEL_COST * energy * motion
 

@@ -95,8 +95,6 @@ from epid.reconstruction.rows import (
 )
 from epid.synthesis.geometry import (
     GRID_SIZE,
-    LEAF_WIDTH_MM,
-    NUM_LEAF_PAIRS,
     SUB_APERTURES,
 )
 
@@ -250,13 +248,14 @@ def _model(domain: RowDomain, coupling: tuple[Tensor, Tensor], banks: list[Tenso
     if domain.groove_share > 0:
         parts += [(strip_a, groove, 1.0), (strip_b, groove, -1.0)]
     chosen = slice(None) if rows is None else rows
+    count = domain.grid.count
     positions, weights = [], []
     for edge, coupling_of, sign in parts:
         sources = coupling_of.shape[-1]
-        first = (sources - 1 - (edge.shape[-1] - NUM_LEAF_PAIRS)) // 2  # sources before leaf / boundary 0
-        padded = F.pad(edge, (first, sources - 1 - first + NUM_LEAF_PAIRS - edge.shape[-1]))
+        first = (sources - 1 - (edge.shape[-1] - count)) // 2  # sources before leaf / boundary 0
+        padded = F.pad(edge, (first, sources - 1 - first + count - edge.shape[-1]))
         # (B, F, L, 7 x sources): the edges of leaf (or boundary) j + source seen in leaf j's profile
-        positions.append(padded.unfold(-1, NUM_LEAF_PAIRS, 1).permute(0, 1, 4, 2, 3)[:, :, chosen].flatten(-2))
+        positions.append(padded.unfold(-1, count, 1).permute(0, 1, 4, 2, 3)[:, :, chosen].flatten(-2))
         weights.append(sign * coupling_of.permute(0, 1, 3, 2, 4)[:, :, chosen].flatten(-2))
     return domain.blur(domain.splat(torch.cat(positions, -1), torch.cat(weights, -1))) / SUB_APERTURES
 
@@ -268,13 +267,13 @@ def _best_mu(profiles: Tensor, model: Tensor) -> Tensor:
 
 def leaf_groups(domain: RowDomain, device: torch.device | str) -> list[Tensor]:
     """The leaves (indices) moved together in each step of a stage: every ``n``-th leaf, ``n`` the
-    fewest whose leaves, ``n`` x 5 mm apart, see each other's edges through T along y at no more
+    fewest whose strips, ``n`` strip widths apart, see each other's edges through T along y at no more
     than ``GROUP_COUPLING`` of the centre tap (one group, all 52 leaves, through a Gaussian of
     2 mm; three groups through one of 4-6 mm)."""
     spacing = 1
-    while math.exp(-0.5 * (spacing * LEAF_WIDTH_MM / domain.target_sigma_mm) ** 2) > GROUP_COUPLING:
+    while math.exp(-0.5 * (spacing * domain.grid.strip_mm / domain.target_sigma_mm) ** 2) > GROUP_COUPLING:
         spacing += 1
-    leaves = torch.arange(NUM_LEAF_PAIRS, device=device)
+    leaves = torch.arange(domain.grid.count, device=device)
     return [leaves[first::spacing] for first in range(spacing)]
 
 

@@ -13,6 +13,12 @@ forward model's physics in the form the tracking needs: the filter, each leaf ro
 along x (its pixel rows averaged, weighted by ``ROW_WEIGHTS`` and the jaws' open share), the
 coupling of neighbouring rows through T, and the products of blurred steps (``step_products``)
 that the tracking's costs are made of.
+
+On the fine strips of HD120 (``epid.synthesis.geometry.FINE_STRIPS``: 2.5 mm, five rows of 0.5 mm)
+each row is read as the pixel row it lies in, and the coupling between a row of one strip and a row
+of another is T along y between their pixel rows, halved (a pixel row's fluence is the mean of its
+two rows): it depends on whether the strip starts on a whole millimetre, so the taps come in two
+phases.
 """
 
 from __future__ import annotations
@@ -26,15 +32,16 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from epid.core.fft import cropped_irfft2, padded_rfft2
-from epid.models.aperture import frame_sub_apertures, leaf_grid_centres
+from epid.models.aperture import frame_sub_apertures
 from epid.synthesis.fluence import cell_coverage
 from epid.synthesis.geometry import (
     GRID_SIZE,
     IMAGER_MARGIN,
     LEAF_GRID_ROWS,
-    NUM_LEAF_PAIRS,
     ROWS_PER_LEAF,
+    STRIPS,
     SUB_APERTURES,
+    StripGrid,
 )
 
 MIN_TARGET_SIGMA_MM = 2.0
@@ -97,15 +104,18 @@ class RowDomain:
 
     wiener: (H, W // 2 + 1) complex spectrum mapping a leaf-grid frame to D (padded FFT shape
     ``fft_shape``); taps: t on offsets -reach..reach (sum 1); gram: G(k) = sum_n t(n) t(n + k)
-    for k = -2 reach..2 reach; row_taps: (2 R + 1, 5, 5) the taps between pixel row r of leaf j and
-    pixel row r' of leaf j + o, M_o[r, r'] (o = -R..R); edge offsets of banks A and B and of the jaws (mm,
-    positive widens); leaf, jaw and interleaf transmission (fractions); interleaf: (51,) 1 where
-    the boundary between two strips is one between two leaves of a layer (where leakage passes), 0
-    inside a leaf (``ApertureFluence``; a dual layer's leaves seen as one); groove_share: the share
-    of each 1 mm row beside a boundary between leaves that the tongue-and-groove strip covers;
+    for k = -2 reach..2 reach; row_taps: (phases, 2 R + 1, 5, 5) the taps between row r of strip j
+    and row r' of strip j + o, M_o[r, r'] (o = -R..R; one phase on the 52 strips, two on the fine
+    strips, strip j taking phase j mod 2); edge offsets of banks A and B and of the jaws (mm,
+    positive widens); leaf, jaw and interleaf transmission (fractions); interleaf: (strips - 1,) 1
+    where the boundary between two strips is one between two leaves of a layer (where leakage passes
+    and tongue and groove meet), 0 inside a leaf or beyond the leaves (``ApertureFluence``; a dual
+    layer's leaves seen as one); groove_share: the share of each 1 mm row beside a boundary between
+    leaves that the tongue-and-groove strip covers;
     phase_corners: (PHASES x 2 M, 4) the cell-phase part of the step products (``step_products``)
     by table cell, its four corners; target_sigma_mm: the width of T (``target_sigma``);
-    blur_matrix: (lattice, 255) t applied along the lattice of ``splat`` (``blur``, ``correlate``).
+    blur_matrix: (lattice, 255) t applied along the lattice of ``splat`` (``blur``, ``correlate``);
+    grid: the forward model's strips (``epid.synthesis.geometry.StripGrid``).
     """
 
     wiener: Tensor
@@ -124,6 +134,14 @@ class RowDomain:
     groove_share: float
     target_sigma_mm: float
     blur_matrix: Tensor
+    grid: StripGrid = STRIPS
+
+    @property
+    def groove_rows(self) -> list[float]:
+        """The share of each of the strip rows within 1 mm of a boundary between leaves (nearest
+        first) that the tongue-and-groove strip covers: ``groove_share`` on rows of 1 mm."""
+        row = self.grid.row_mm
+        return [min(max(self.groove_share - k * row, 0.0), row) / row for k in range(self.grid.rows_per_pixel)]
 
     @property
     def broad(self) -> bool:
@@ -154,19 +172,20 @@ class RowDomain:
             wiener = _wiener(spectrum, _target_spectrum(sigma_mm, tuple(response.fft_shape)))
             shift = float(aperture.edge_shift)
             offset_a, offset_b = (shift + float(v) for v in aperture.leaf_end_offset)
+            grid = aperture.grid
             return cls(
                 wiener=wiener.to(device, torch.complex64), fft_shape=tuple(response.fft_shape),
                 taps=taps.float().to(device), gram=gram.float().to(device),
-                row_taps=_row_taps(taps).float().to(device),
+                row_taps=_row_taps(taps, grid).float().to(device),
                 phase_corners=_phase_corners(sigma_mm).to(device),
                 offset_a=offset_a, offset_b=offset_b, jaw_offset=shift,
                 leaf_transmission=float(aperture.leaf_transmission_percent) / 100.0,
                 jaw_transmission=float(aperture.jaw_transmission_percent) / 100.0,
                 interleaf_leakage=float(aperture.interleaf_leakage_percent) / 100.0,
                 interleaf=(aperture.interleaf.amax(0) if aperture.layers
-                           else torch.ones(NUM_LEAF_PAIRS - 1)).float().to(device),
+                           else torch.ones(grid.count - 1)).float().to(device),
                 groove_share=min(float(aperture.tongue_groove_width) / 2.0, 1.0),
-                target_sigma_mm=sigma_mm, blur_matrix=_blur_matrix(taps.float()).to(device),
+                target_sigma_mm=sigma_mm, blur_matrix=_blur_matrix(taps.float()).to(device), grid=grid,
             )
 
     def filtered_rows(self, signals: Tensor) -> Tensor:
@@ -181,61 +200,68 @@ class RowDomain:
         return cropped_irfft2(padded_rfft2(padded, self.fft_shape) * self.wiener, self.fft_shape,
                               slice(first, first + LEAF_GRID_ROWS), slice(EDGE_PAD, EDGE_PAD + GRID_SIZE))
 
-    @staticmethod
-    def leaf_profiles(rows: Tensor, row_weights: Tensor) -> Tensor:
-        """``filtered_rows`` (..., 260, 256) -> differenced leaf-row profiles (..., 52, 255), each
-        leaf's pixel rows weighted by ``row_weights`` (..., 52, 5): entry c is profile(c + 1) -
-        profile(c), at the boundary x = c - 127 mm."""
-        rows = rows.unflatten(-2, (NUM_LEAF_PAIRS, ROWS_PER_LEAF))
+    def leaf_profiles(self, rows: Tensor, row_weights: Tensor) -> Tensor:
+        """``filtered_rows`` (..., 260, 256) -> differenced strip-row profiles (..., strips, 255), each
+        strip's rows (on the fine strips, the pixel row each lies in) weighted by ``row_weights``
+        (..., strips, 5): entry c is profile(c + 1) - profile(c), at the boundary x = c - 127 mm."""
+        rows = self.grid.strip_rows(rows).unflatten(-2, (self.grid.count, ROWS_PER_LEAF))
         return torch.diff((rows * row_weights[..., None]).sum(-2), dim=-1)
 
     def profiles(self, signals: Tensor, row_weights: Tensor) -> Tensor:
-        """Lag-free frames (..., 256, 256) -> differenced leaf-row profiles (..., 52, 255) of D
+        """Lag-free frames (..., 256, 256) -> differenced strip-row profiles (..., strips, 255) of D
         (``filtered_rows``, ``leaf_profiles``)."""
         return self.leaf_profiles(self.filtered_rows(signals), row_weights)
 
     def jaw_openings(self, jaws: Tensor) -> Tensor:
-        """Jaws (..., P, 2) at P control points -> (..., P - 1, 7, 52, 5): the open share of each
-        pixel row of each leaf at each sub-aperture of each frame (learned jaw offset applied)."""
+        """Jaws (..., P, 2) at P control points -> (..., P - 1, 7, strips, 5): the open share of each
+        row of each strip at each sub-aperture of each frame (learned jaw offset applied)."""
         moving = frame_sub_apertures(jaws)
-        rows = leaf_grid_centres(jaws.device)
-        opening = cell_coverage(moving[..., 0] - self.jaw_offset, moving[..., 1] + self.jaw_offset, rows)
-        return opening.unflatten(-1, (NUM_LEAF_PAIRS, ROWS_PER_LEAF))
+        rows = self.grid.row_centres(jaws.device)
+        opening = cell_coverage(moving[..., 0] - self.jaw_offset, moving[..., 1] + self.jaw_offset, rows,
+                                self.grid.row_mm)
+        return opening.unflatten(-1, (self.grid.count, ROWS_PER_LEAF))
 
     @staticmethod
     def row_weights(openings: Tensor) -> Tensor:
-        """``jaw_openings`` (..., F, 7, 52, 5) -> the weights (..., F, 52, 5) of each leaf's pixel
+        """``jaw_openings`` (..., F, 7, strips, 5) -> the weights (..., F, strips, 5) of each strip's
         rows in its profile in each frame: ``ROW_WEIGHTS`` x the row's mean open share, summing to
-        1 (all 0 where the jaws close the leaf)."""
+        1 (all 0 where the jaws close the strip)."""
         weights = openings.mean(-3) * torch.tensor(ROW_WEIGHTS, device=openings.device)
         return weights / weights.sum(-1, keepdim=True).clamp_min(1e-6)
 
     def coupling(self, openings: Tensor, row_weights: Tensor) -> tuple[Tensor, Tensor]:
-        """``jaw_openings`` (..., F, 7, 52, 5) and ``row_weights`` (..., F, 52, 5) -> the weights
-        in leaf j's profile at each sub-aperture of each frame of the edges of leaf j + o, (...,
-        F, 7, 52, 2 R + 1) for o = -R..R, and of the tongue-and-groove edges of the boundary
-        between leaves j + q and j + q + 1, (..., F, 7, 52, 2 R + 2) for q = -R - 1..R: the jaws'
-        and the leaves' transmission of each source row seen through t along y, the rows beside
-        a boundary shared between the leaf's own edge and the strip's."""
+        """``jaw_openings`` (..., F, 7, strips, 5) and ``row_weights`` (..., F, strips, 5) -> the
+        weights in strip j's profile at each sub-aperture of each frame of the edges of strip j + o,
+        (..., F, 7, strips, 2 R + 1) for o = -R..R, and of the tongue-and-groove edges of the
+        boundary between strips j + q and j + q + 1, (..., F, 7, strips, 2 R + 2) for q = -R - 1..R:
+        the jaws' and the leaves' transmission of each source row seen through t along y, the rows
+        beside a boundary shared between the strip's own edge and the groove's."""
+        count, band = self.grid.count, self.grid.rows_per_pixel
         passed = self.jaw_transmission + (1 - self.jaw_transmission) * openings
-        strip = torch.zeros(NUM_LEAF_PAIRS, ROWS_PER_LEAF, device=openings.device)
-        strip[:-1, -1] = 1.0  # the last row of every leaf but the last, the first of every leaf but the first
-        strip[1:, 0] = 1.0
-        leaking = torch.zeros_like(strip)  # those rows where the boundary is one between two leaves
-        leaking[:-1, -1] = self.interleaf
-        leaking[1:, 0] = self.interleaf
+        lower = torch.zeros(count, ROWS_PER_LEAF, device=openings.device)  # groove share of the boundary below
+        upper = torch.zeros_like(lower)  # and of the boundary above each row
+        for k, share in enumerate(self.groove_rows):
+            lower[1:, k] = share  # the k-th row of every strip but the first
+            upper[:-1, -1 - k] = share  # the k-th row from the top of every strip but the last
+        leaking = torch.zeros_like(lower)  # the rows within 1 mm of a boundary between two leaves
+        leaking[:-1, -band:] = self.interleaf[:, None]
+        leaking[1:, :band] = self.interleaf[:, None]
         source = passed * (1 - self.leaf_transmission - self.interleaf_leakage * leaking)
-        reach = (self.row_taps.shape[0] - 1) // 2
-        padded = F.pad(source, (0, 0, reach, reach))  # leaves -R..51+R
-        strips = F.pad(strip, (0, 0, reach, reach))
+        reach = (self.row_taps.shape[1] - 1) // 2
+        padded = F.pad(source, (0, 0, reach, reach))  # strips -R..count - 1 + R
+        lowers, uppers = (F.pad(shares, (0, 0, reach, reach)) for shares in (lower, upper))
+        phase = torch.arange(count, device=openings.device) % self.row_taps.shape[0]
         own, groove = [], [0.0] * (2 * reach + 2)
         for o in range(2 * reach + 1):
-            through = torch.einsum("...jr,rs->...js", row_weights, self.row_taps[o])
-            seen = through[..., None, :, :] * padded[..., o:o + NUM_LEAF_PAIRS, :]  # (..., F, 7, 52, 5)
-            rows = strips[o:o + NUM_LEAF_PAIRS]
-            own.append((seen * (1 - self.groove_share * rows)).sum(-1))
-            groove[o + 1] = groove[o + 1] + self.groove_share * seen[..., -1] * rows[:, -1]  # boundary below j + o
-            groove[o] = groove[o] + self.groove_share * seen[..., 0] * rows[:, 0]  # boundary above j + o
+            if self.row_taps.shape[0] == 1:
+                through = torch.einsum("...jr,rs->...js", row_weights, self.row_taps[0, o])
+            else:
+                through = torch.einsum("...jr,jrs->...js", row_weights, self.row_taps[phase, o])
+            seen = through[..., None, :, :] * padded[..., o:o + count, :]  # (..., F, 7, strips, 5)
+            below, above = lowers[o:o + count], uppers[o:o + count]
+            own.append((seen * (1 - below - above)).sum(-1))
+            groove[o + 1] = groove[o + 1] + (seen * above).sum(-1)  # the boundary above j + o
+            groove[o] = groove[o] + (seen * below).sum(-1)  # the boundary below j + o
         return torch.stack(own, -1), torch.stack(groove, -1)
 
     def splat(self, positions: Tensor, weights: Tensor) -> Tensor:
@@ -314,17 +340,28 @@ def _blur_matrix(taps: Tensor) -> Tensor:
     return F.conv1d(identity[:, None], taps[None, None])[:, 0].contiguous()
 
 
-def _row_taps(taps: Tensor) -> Tensor:
-    """M_o[r, r'] (2 R + 1, 5, 5): the vertical taps between pixel row r of a leaf and pixel row
-    r' of the leaf o rows on (offsets -reach..reach; R leaves the taps reach)."""
+def _row_taps(taps: Tensor, grid: StripGrid = STRIPS) -> Tensor:
+    """M_o[r, r'] (phases, 2 R + 1, 5, 5): the vertical taps between row r of a strip and row r' of
+    the strip o on (o = -R..R; R strips reach as far as the taps, ``reach`` pixel rows). On rows of
+    1 mm, one phase: the taps at the rows' offset. On the fine strips, the rows read as the pixel
+    rows they lie in and each source row is half a pixel row's fluence: t(p - p') / 2 between
+    their pixel rows p, p', which depends on whether the strip starts on a whole millimetre (phase
+    0, even strips) or half way (phase 1)."""
     reach = (len(taps) - 1) // 2
-    leaves = math.ceil((reach + ROWS_PER_LEAF - 1) / ROWS_PER_LEAF)
+    per_pixel = grid.rows_per_pixel
+    strips = math.ceil((per_pixel * (reach + 1) - 1 + ROWS_PER_LEAF - 1) / ROWS_PER_LEAF)
     rows = torch.arange(ROWS_PER_LEAF)
-    matrices = []
-    for o in range(-leaves, leaves + 1):
-        offset = rows[:, None] - rows[None, :] - ROWS_PER_LEAF * o
-        matrices.append(torch.where(offset.abs() <= reach, taps[(offset + reach).clamp(0, 2 * reach)], 0.0))
-    return torch.stack(matrices)
+    phases = []
+    for phase in range(per_pixel):
+        matrices = []
+        for o in range(-strips, strips + 1):
+            first = phase * ROWS_PER_LEAF  # the strip's first row, counted from a whole millimetre
+            offset = ((first + rows[:, None]) // per_pixel
+                      - (first + ROWS_PER_LEAF * o + rows[None, :]).div(per_pixel, rounding_mode="floor"))
+            matrices.append(torch.where(offset.abs() <= reach, taps[(offset + reach).clamp(0, 2 * reach)], 0.0)
+                            / per_pixel)
+        phases.append(torch.stack(matrices))
+    return torch.stack(phases)
 
 
 def step_products(gram: Tensor, reach: int, first: Tensor, second: Tensor) -> Tensor:

@@ -18,16 +18,17 @@ from epid.reconstruction import estimate as estimate_module
 from epid.reconstruction import leaves
 from epid.reconstruction import rows as rows_module
 from epid.reconstruction.estimate import reconstruct_arc
+from epid.synthesis.mlc import MLC_GEOMETRIES
 
 JAWS = (-40.0, 45.0)
 """jaw_1, jaw_2 (mm) of every control point: rows 18..34 open."""
 OPEN_ROWS = slice(19, 34)
 
 
-def forward_with_2mm_response(lag_percent: float = 0.0) -> nn.Module:
-    """The tiny aperture forward model, every Gaussian of its response 2 mm wide, with a lag."""
+def forward_with_2mm_response(lag_percent: float = 0.0, mlc: str = "legacy") -> nn.Module:
+    """The tiny aperture forward model of ``mlc``, every Gaussian of its response 2 mm wide, with a lag."""
     torch.manual_seed(0)
-    forward, _ = build_models("tiny", "aperture")
+    forward, _ = build_models("tiny", "aperture", MLC_GEOMETRIES[mlc])
     with torch.no_grad():
         forward.response.profile_x.log_width.fill_(np.log(2.0))
         forward.response.profile_y.log_width.fill_(np.log(2.0))
@@ -133,25 +134,35 @@ def test_pair_costs_are_the_misfit_of_the_rendered_steps():
     torch.testing.assert_close(costs[0, 1, 7] - costs[0, 1, 7, 0, 0], expected, atol=tolerance, rtol=0.0)
 
 
-def test_row_model_is_the_rendered_frame_seen_through_the_wiener_filter():
+def mlc_leaves(mlc: str, leaf_a: torch.Tensor, leaf_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Strip edges (..., strips) as the MLC ``mlc`` shows them: HD120's 5 mm leaves tied over their
+    two fine strips (unrounded)."""
+    tied = MLC_GEOMETRIES[mlc].tied(leaf_a.numpy(), leaf_b.numpy())
+    return tuple(torch.from_numpy(np.asarray(value, dtype=np.float32)) for value in tied)
+
+
+@pytest.mark.parametrize("mlc", ["legacy", "hd120"])
+def test_row_model_is_the_rendered_frame_seen_through_the_wiener_filter(mlc):
     """The differenced profiles ``_model`` predicts are those of the forward model's own rendering
     after the Wiener filter, with a real MLC's physics (transmission, rounded leaf ends, interleaf
     leakage, a tongue-and-groove strip between leaves that differ by mm) and rows the moving jaws
-    leave partly open."""
-    forward = with_real_mlc(forward_with_2mm_response())
+    leave partly open; on the 52 strips of 5 mm and on HD120's 104 of 2.5 mm (rows of 0.5 mm)."""
+    forward = with_real_mlc(forward_with_2mm_response(mlc=mlc))
+    count = forward.aperture.grid.count
     gen = torch.Generator().manual_seed(0)
-    leaf_a = -20.3 + (torch.randn(3, 52, generator=gen) * 3).cumsum(0) + 4 * torch.randn(52, generator=gen)
-    leaf_b = leaf_a + 25.0 + 4 * torch.randn(52, generator=gen)
-    jaws = torch.tensor([[-41.3, 43.6], [-40.2, 44.9], [-38.7, 47.2]])  # edges inside rows 17 and 34
+    leaf_a = -20.3 + (torch.randn(3, count, generator=gen) * 3).cumsum(0) + 4 * torch.randn(count, generator=gen)
+    leaf_a, leaf_b = mlc_leaves(mlc, leaf_a, leaf_a + 25.0 + 4 * torch.randn(count, generator=gen))
+    jaws = torch.tensor([[-41.3, 43.6], [-40.2, 44.9], [-38.7, 47.2]])  # edges inside rows 17 and 34 (of 5 mm)
     domain = rows_module.RowDomain.of(forward)
     openings = domain.jaw_openings(jaws[None])
     row_weights = domain.row_weights(openings)
-    assert 0.0 < float(openings[0, :, :, 17].mean()) < 0.5 and 0.0 < float(openings[0, :, :, 34].mean()) < 0.95
+    first, last = (17, 34) if count == 52 else (35, 69)
+    assert 0.0 < float(openings[0, :, :, first].mean()) < 0.5 and 0.0 < float(openings[0, :, :, last].mean()) < 0.95
     profiles = domain.profiles(render(forward, leaf_a, leaf_b, jaws)[None], row_weights)
     coupling = domain.coupling(openings, row_weights)
     model = leaves._model(domain, coupling, [leaf_a[None], leaf_b[None]])
     torch.testing.assert_close(profiles, model, atol=0.01 * float(model.abs().max()), rtol=0.0)
-    every_third = torch.arange(1, 52, 3)  # a group step's leaves: their profiles alone, the same values
+    every_third = torch.arange(1, count, 3)  # a group step's leaves: their profiles alone, the same values
     some = leaves._model(domain, coupling, [leaf_a[None], leaf_b[None]], rows=every_third)
     torch.testing.assert_close(some, model[:, :, every_third], atol=1e-6 * float(model.abs().max()), rtol=0.0)
 
@@ -177,27 +188,31 @@ def test_travel_cost_settles_a_zigzag_the_frames_hardly_see():
     assert error(leaves.TRAVEL_COST).max() < 0.05
 
 
-def test_tracking_recovers_rendered_motions_from_a_rough_start():
-    forward = forward_with_2mm_response()
+@pytest.mark.parametrize("mlc, rows, mean_mm, max_mm", [("legacy", slice(21, 32), 0.1, 0.5),
+                                                         ("hd120", slice(42, 64), 0.3, 2.5)])
+def test_tracking_recovers_rendered_motions_from_a_rough_start(mlc, rows, mean_mm, max_mm):
+    """Leaves started 2 mm off (std) come back to the rendered ones, each frame's MU with them; on
+    HD120's 2.5 mm strips, which see their neighbours far more through a 2 mm response, less closely."""
+    forward = forward_with_2mm_response(mlc=mlc)
     with torch.no_grad():
         forward.aperture.edge_shift.fill_(0.3)
+    count = forward.aperture.grid.count
     gen = torch.Generator().manual_seed(0)
     points = 12
-    leaf_a = -20.3 + 0.7 * (torch.arange(52) % 5) + (torch.randn(points, 52, generator=gen) * 3).cumsum(0)
-    leaf_b = leaf_a + 25.0 + 5.0 * torch.rand(points, 52, generator=gen)
+    leaf_a = -20.3 + 0.7 * (torch.arange(count) % 5) + (torch.randn(points, count, generator=gen) * 3).cumsum(0)
+    leaf_a, leaf_b = mlc_leaves(mlc, leaf_a, leaf_a + 25.0 + 5.0 * torch.rand(points, count, generator=gen))
     jaws = torch.tensor(JAWS).repeat(points, 1) + torch.randn(points, 2, generator=gen).cumsum(0)
     mu = 5.0 + 10.0 * torch.rand(points - 1, generator=gen)
     frames = record(forward, leaf_a, leaf_b, jaws, mu, torch.zeros(256, 256))
-    start_a = leaf_a + 2.0 * torch.randn(points, 52, generator=gen)
-    start_b = leaf_b + 2.0 * torch.randn(points, 52, generator=gen)
+    start_a = leaf_a + 2.0 * torch.randn(points, count, generator=gen)
+    start_b = leaf_b + 2.0 * torch.randn(points, count, generator=gen)
     tracked = track(forward, frames, start_a, start_b, jaws, LeafEdgeInverseConfig().track_stages)
-    rows = slice(21, 32)  # open at every control point
     for fitted, truth, start in ((tracked.leaf_a[0], leaf_a, start_a), (tracked.leaf_b[0], leaf_b, start_b)):
-        assert (start - truth)[:, rows].abs().mean() > 1.0
+        assert (start - truth)[:, rows].abs().mean() > 1.0  # rows open at every control point
         error = (fitted - truth)[:, rows].abs()
-        assert error.mean() < 0.1 and error.max() < 0.5, (error.mean(), error.max())
+        assert error.mean() < mean_mm and error.max() < max_mm, (error.mean(), error.max())
     torch.testing.assert_close(tracked.mu[0], mu, rtol=0.01, atol=0.0)
-    closed = slice(0, 10)  # no jaw opens these rows: they keep their start
+    closed = slice(0, 2 * count // 10)  # no jaw opens these rows: they keep their start
     torch.testing.assert_close(tracked.leaf_a[0][:, closed], start_a[:, closed])
 
 

@@ -54,3 +54,18 @@ def test_crossed_pairs_close_at_their_midpoint_never_further_from_positions_that
     after = (fixed.leaf_a - truth_a).square() + (fixed.leaf_b - truth_b).square()
     assert bool((after <= before + 1e-4).all()) and float(after.sum()) < float(before.sum())
     assert uncrossed(fixed) is fixed
+
+
+def test_strip_misfits_give_a_pixel_row_over_two_fine_strips_half_to_each():
+    from epid.reconstruction.fallback import strip_misfits
+    from epid.synthesis.geometry import FINE_STRIPS, STRIPS
+
+    rows = torch.zeros(2, 256)
+    rows[0, 165] = 4.0  # y in [-38, -37) mm: strips [-40, -37.5) and [-37.5, -35) of 2.5 mm, one strip of 5 mm
+    rows[1] = torch.arange(256.0)
+    fine, coarse = strip_misfits(rows, FINE_STRIPS), strip_misfits(rows, STRIPS)
+    assert fine.shape == (2, 104) and coarse.shape == (2, 52)
+    assert fine[0, 36] == 2.0 and fine[0, 37] == 2.0 and fine[0].sum() == 4.0
+    assert coarse[0, 18] == 4.0 and coarse[0].sum() == 4.0
+    torch.testing.assert_close(fine[1].sum(), rows[1].sum())
+    torch.testing.assert_close(fine[1].view(52, 2).sum(-1), coarse[1])  # two fine strips make a 5 mm one
