@@ -153,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             seconds = time.perf_counter() - started
-            figures = {**arc_errors(estimate, segment), "frames_per_second": count / seconds, "seconds": seconds}
+            figures = {**arc_errors(estimate, segment, settings.mlc.narrow_strips),
+                       "frames_per_second": count / seconds, "seconds": seconds}
             results.setdefault(method, {})[f"{dataset_id} {segment.pattern}"] = figures
             print(f"  arc {dataset_id} ({segment.pattern}), {estimate.method}: {figures['frames_per_second']:.2f} "
                   f"frames/s, leaf MAE {figures['leaf_mae_mm']:.3f} mm, within 1 mm {figures['within_1mm']:.2f} %, "
@@ -174,6 +175,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{method:8} {row['frames_per_second']:9.2f} {row['leaf_mae_mm']:8.3f}  {row['leaf_rms_mm']:6.2f} "
               f"{row['within_0.5mm']:7.1f}% {row['within_1mm']:7.2f}% {row['jaw_mae_mm']:8.3f} "
               f"{row['mu_error_percent']:6.2f}% {row['from_start_percent']:5.2f}%")
+        if "narrow_leaves" in row:
+            print(f"{'':8} leaves narrower than 5 mm alone: leaf MAE {row['narrow_leaf_mae_mm']:.3f} mm, within 1 mm "
+                  f"{row['narrow_within_1mm']:.2f} % ({row['narrow_leaves']} positions)")
     print("forward model, frames from the plan alone: gamma 2 %/2 mm "
           f"{summary['forward']['gamma_2_2mm_percent']:.2f} % (mean over arcs)")
     results["forward"] = forward

@@ -5,8 +5,8 @@ IEC 61217 X1 side; bank B the second half, X2). A dual-layer MLC is two devices 
 with ``MLCX`` (Halcyon's ``MLCX1`` and ``MLCX2``); which is which is found from the pair counts
 and boundaries of each (``epid.synthesis.mlc.identify``), never from the names. An MLC that is not
 a built-in one is taken from the plan as it is (``from_boundaries``). Either way every strip of
-the models' grid must lie within one leaf of each layer (``MlcGeometry.strip_leaves``), or the
-beam is refused naming the MLC and the first strip that cannot be shown.
+one of the strip grids (5 or 2.5 mm, ``MlcGeometry.grid``) must lie within at most one leaf of each
+layer, or the beam is refused naming the MLC and the first strip that cannot be shown.
 """
 
 from __future__ import annotations

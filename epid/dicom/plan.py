@@ -9,10 +9,11 @@ Reading (``read_plan``), per treatment beam:
 - MLC (``epid.dicom.mlc_devices``): an ``MLCX`` device, or the two layers of a dual-layer MLC
   (Halcyon's ``MLCX1``, ``MLCX2``), bank A the first N of its ``LeafJawPositions``, bank B the
   next N, leaf pair i spanning y in [``LeafPositionBoundaries[i]``, ``LeafPositionBoundaries[i + 1]``).
-  Its geometry (``PlanBeam.geometry``: a built-in MLC, or the plan's own) gives each of the
-  project's 52 strips of 5 mm over y in [-130, 130) its edges (``MlcGeometry.strips``: Agility's
-  central 52 pairs, Millennium 120's 10 mm leaves two strips each, a dual layer's edges where
-  both layers are open). An MLC whose leaves are finer than the strips (HD120's 2.5 mm) is refused.
+  Its geometry (``PlanBeam.geometry``: a built-in MLC, or the plan's own) gives each of its
+  strips over y in [-130, 130) its edges (``MlcGeometry.strips``): the project's 52 strips of 5 mm
+  (Agility's central 52 pairs, Millennium 120's 10 mm leaves two strips each, a dual layer's edges
+  where both layers are open), or for leaves of 2.5 mm (HD120) 104 strips of 2.5 mm, those beyond
+  its leaves open. An MLC whose leaves are finer than 2.5 mm is refused.
 - Jaws: ``ASYMY`` or ``Y`` give jaw_1, jaw_2 (clipped to [-130, 130] mm); ``ASYMX`` or ``X``
   are folded into the leaves (no leaf opens past an X jaw).
 - Positions are rounded to 0.1 mm, as the synthetic arcs are; MU are kept as the plan gives

@@ -76,9 +76,11 @@ class LeafErrors:
         """Per bank, the (N, 52) positions scored as leaves: in the band, not behind an X jaw."""
         return {bank: self.band & (hidden == 0) for bank, hidden in zip(self.banks, self.behind_x_jaws, strict=True)}
 
-    def scored_errors(self) -> np.ndarray:
-        """The errors of every scored leaf position, bank A's then bank B's (1-D)."""
-        return np.concatenate([self.banks[bank][mask] for bank, mask in self.scored().items()])
+    def scored_errors(self, strips: np.ndarray | None = None) -> np.ndarray:
+        """The errors of every scored leaf position, bank A's then bank B's (1-D); of the strips
+        ``strips`` (strips,) bool alone when given."""
+        return np.concatenate([self.banks[bank][mask if strips is None else mask & strips]
+                               for bank, mask in self.scored().items()])
 
     def x_jaws(self) -> dict[str, np.ndarray]:
         """Per X jaw ("X1", "X2"), the errors of the in-band leaf positions of both banks it hides
@@ -181,14 +183,23 @@ def leaf_errors(estimate: ArcEstimate, segment: ArcSegment) -> LeafErrors:
                       band, hidden)
 
 
-def arc_errors(estimate: ArcEstimate, segment: ArcSegment) -> dict[str, float]:
+def arc_errors(estimate: ArcEstimate, segment: ArcSegment, narrow: np.ndarray | None = None) -> dict[str, float]:
     """Leaf MAE, RMS and share within 0.5 mm and 1 mm (%) over the scored leaves of both banks
     (``LeafErrors.scored``), jaw MAE (mm), MU relative error (%, mean over frames) and ``leaves``
-    (how many scored)."""
-    leaf = torch.from_numpy(leaf_errors(estimate, segment).scored_errors()).abs()
+    (how many scored); with ``narrow`` (strips,) bool (``MlcGeometry.narrow_strips``) where any is
+    set, the leaf MAE and share within 1 mm of those strips' leaves too (``narrow_leaf_mae_mm``,
+    ``narrow_within_1mm``, ``narrow_leaves``)."""
+    errors = leaf_errors(estimate, segment)
+    leaf = torch.from_numpy(errors.scored_errors()).abs()
     jaws = torch.from_numpy(np.stack([segment.jaw_1, segment.jaw_2], 1))
     mu = torch.from_numpy(segment.mu)
-    return {
+    figures = {}
+    if narrow is not None and narrow.any():
+        fine = np.abs(errors.scored_errors(narrow))
+        figures = {"narrow_leaf_mae_mm": float(fine.mean()) if fine.size else math.nan,
+                   "narrow_within_1mm": float(100 * (fine <= 1).mean()) if fine.size else math.nan,
+                   "narrow_leaves": int(fine.size)}
+    return figures | {
         "leaf_mae_mm": float(leaf.mean()), "leaf_rms_mm": float(leaf.square().mean().sqrt()),
         "within_0.5mm": float(100 * (leaf <= 0.5).float().mean()),
         "within_1mm": float(100 * (leaf <= 1).float().mean()),
@@ -204,6 +215,12 @@ def pooled_errors(per_arc: Sequence[Mapping[str, float]]) -> dict[str, float]:
     leaves = sum(errors["leaves"] for errors in per_arc)
     pooled = {key: sum(errors[key] * errors["leaves"] for errors in per_arc) / leaves
               for key in ("leaf_mae_mm", "within_0.5mm", "within_1mm")}
+    narrow = sum(errors.get("narrow_leaves", 0) for errors in per_arc)
+    if narrow:
+        for key in ("narrow_leaf_mae_mm", "narrow_within_1mm"):
+            pooled[key] = sum(errors[key] * errors["narrow_leaves"] for errors in per_arc
+                              if errors.get("narrow_leaves")) / narrow
+        pooled["narrow_leaves"] = narrow
     pooled["leaf_rms_mm"] = math.sqrt(sum(errors["leaf_rms_mm"] ** 2 * errors["leaves"] for errors in per_arc) / leaves)
     for key in ("jaw_mae_mm", "mu_error_percent", "from_start_percent"):
         pooled[key] = float(np.mean([errors[key] for errors in per_arc]))

@@ -8,7 +8,9 @@ Inverse model, for the curr and the prev control point: the errors (predicted mi
 of the leaves inside that control point's jaw band (leaf pairs whose rows its jaws leave open,
 ``epid.synthesis.sequences.leaf_band``), both banks pooled over all samples: MAE, bias, RMS and the share
 within 0.5 mm and 1 mm (AAPM TG-142 MLC tolerance: 1 mm); the jaw MAE (jaw_1 and jaw_2); and
-the MU relative error of the curr control point, mean over samples in percent.
+the MU relative error of the curr control point, mean over samples in percent. On an MLC with
+leaves narrower than 5 mm (HD120's 2.5 mm), the leaf figures of those leaves alone as well
+(``narrow``: ``MlcGeometry.narrow_strips``).
 
 ``assess`` computes them from a ``SampleSet`` and its ``Predictions`` (``epid.evaluation.inference``);
 ``QualityReport`` holds them per group ("all" and each pattern) and writes JSON and tables.
@@ -72,12 +74,16 @@ def _metrics() -> tuple[Metric, ...]:
             Metric(f"{point}_leaf_within_0.5mm", f"{point} leaves within 0.5 mm", "%", True),
             Metric(f"{point}_leaf_within_1mm", f"{point} leaves within 1 mm", "%", True),
             Metric(f"{point}_jaw_mae_mm", f"{point} jaw MAE", "mm", False),
+            Metric(f"{point}_narrow_leaf_mae_mm", f"{point} leaf MAE in band, 2.5 mm leaves", "mm", False),
+            Metric(f"{point}_narrow_leaf_within_1mm", f"{point} leaves within 1 mm, 2.5 mm leaves", "%", True),
         ]
     items.append(Metric("mu_error_percent", "MU relative error", "%", False))
     return tuple(items)
 
 
 METRICS = _metrics()
+NARROW_KEYS = frozenset(metric.key for metric in METRICS if "_narrow_" in metric.key)
+"""The figures only an MLC with leaves narrower than 5 mm has (``MlcGeometry.narrow_strips``)."""
 METRIC_BY_KEY = {metric.key: metric for metric in METRICS}
 
 
@@ -138,6 +144,11 @@ def _group_metrics(samples: SampleSet, predictions: Predictions, rates: Mapping[
         statistics = leaf_statistics(errors[band].numpy())
         for name, value in statistics.items():
             values[f"{point}_leaf_{name}"] = value
+        narrow = torch.from_numpy(samples.mlc.narrow_strips)
+        if bool(narrow.any()):
+            statistics = leaf_statistics(errors[band & narrow].numpy())
+            values[f"{point}_narrow_leaf_mae_mm"] = statistics["mae_mm"]
+            values[f"{point}_narrow_leaf_within_1mm"] = statistics["within_1mm"]
         jaw_error = (predicted[:, [first, second]] - target[:, [first, second]]).abs()
         values[f"{point}_jaw_mae_mm"] = float(jaw_error.mean()) if len(rows) else math.nan
     mu_error = (predicted[:, 0] - target[:, 0]).abs() / target[:, 0].clamp_min(1e-6)

@@ -132,6 +132,14 @@ class MlcGeometry:
         return np.logical_and.reduce([leaves >= 0 for leaves in self.strip_leaves])
 
     @property
+    def narrow_strips(self) -> np.ndarray:
+        """(strips,) bool: the strips under a leaf narrower than 5 mm in every layer (HD120's 2.5 mm
+        leaves; none on the 52 strips)."""
+        narrow = [np.append(np.diff(np.asarray(boundaries)) < LEAF_WIDTH_MM - BOUNDARY_MATCH_MM, False)[leaves]
+                  for boundaries, leaves in zip(self.layers, self.strip_leaves, strict=True)]
+        return np.logical_and.reduce(narrow) & self.under_leaves
+
+    @property
     def design_strips_reason(self) -> str:
         """Why this MLC is not on the design's 52 strips with every strip under a leaf of each layer,
         as the legacy model family needs ("" when it is)."""

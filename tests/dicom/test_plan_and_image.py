@@ -813,7 +813,7 @@ def test_an_arc_with_x_jaws_is_written_with_asymx_jaws_and_read_back_folded_into
         assert not lines, lines
 
 
-@pytest.mark.parametrize("name", ["agility", "millennium120", "mlci2", "halcyon"])
+@pytest.mark.parametrize("name", ["agility", "millennium120", "mlci2", "halcyon", "hd120"])
 def test_an_arc_on_each_mlc_is_written_on_its_own_leaves_and_read_back_the_same(tmp_path, name):
     from epid.synthesis.mlc import MLC_GEOMETRIES
 

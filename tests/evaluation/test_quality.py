@@ -125,10 +125,35 @@ def test_table_and_json_carry_every_figure(tmp_path):
     report = quality.assess(samples, exact(samples))
     table = report.table()
     for metric in quality.METRICS:
-        assert metric.label in table
+        assert (metric.label in table) == (metric.key not in quality.NARROW_KEYS)  # the legacy grid: no 2.5 mm leaves
     path = tmp_path / "quality.json"
     report.write_json(path, budget_minutes=20.0, device="cpu")
     written = json.loads(path.read_text())
     assert written["budget_minutes"] == 20.0 and written["device"] == "cpu"
     assert set(written["groups"]) == {"all", "regular", "irregular"}
-    assert set(written["groups"]["all"]) == {m.key for m in quality.METRICS} | {"samples"}
+    assert set(written["groups"]["all"]) == {m.key for m in quality.METRICS} - quality.NARROW_KEYS | {"samples"}
+
+
+def test_hd120_reports_its_2_5_mm_leaves_apart():
+    """On HD120's 104 fine strips (jaws at -60 / 60 mm: strips 28..75 in the band, 2.5 mm leaves over
+    strips 36..67), a 0.8 mm error on the 2.5 mm leaves of bank A shows in their own figures as half
+    their positions off, and diluted by the 5 mm leaves' in the band's."""
+    from epid.synthesis.mlc import MLC_GEOMETRIES
+
+    hd120 = MLC_GEOMETRIES["hd120"]
+    base = sample_set(["regular", "irregular"])
+    leaf_a = -30.0 + 5.0 * torch.rand(2, 208, generator=torch.Generator().manual_seed(1))
+    weights = torch.ones(2, 208)
+    scalars = base.scalars.clone()
+    scalars[:, 1:] = torch.tensor([-60.0, -60.0, 60.0, 60.0])
+    samples = SampleSet(base.refs, leaf_a, leaf_a + 40.0, scalars, weights, weights, base.epid_prev,
+                        base.epid_curr, mlc=hd120)
+    predicted = exact(samples)
+    narrow = torch.from_numpy(hd120.narrow_strips)
+    predicted.leaf_a[:, 104:][:, narrow] += 0.8
+    figures = quality.assess(samples, predicted, criteria=()).groups["all"]
+    assert figures["curr_narrow_leaf_mae_mm"] == pytest.approx(0.4, abs=1e-5)
+    assert figures["curr_narrow_leaf_within_1mm"] == pytest.approx(100.0)
+    assert figures["curr_leaf_mae_mm"] == pytest.approx(0.8 * 32 / (2 * 48), abs=1e-5)
+    assert figures["prev_narrow_leaf_mae_mm"] == 0.0
+    assert "curr leaf MAE in band, 2.5 mm leaves" in quality.QualityReport({"all": figures}).table()

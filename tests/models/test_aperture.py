@@ -221,12 +221,14 @@ def realistic_aperture(strip_leaves) -> aperture_module.ApertureFluence:
     return fluence
 
 
-@pytest.mark.parametrize(("name", "one_layer_miss"), [("halcyon", 0.1), ("mlci2", 1e-3), ("millennium120", 0.0)])
+@pytest.mark.parametrize(("name", "one_layer_miss"), [("halcyon", 0.1), ("mlci2", 1e-3), ("millennium120", 0.0),
+                                                      ("hd120", None)])
 def test_a_real_mlcs_aperture_renders_its_layers_as_the_synthesis_does(name, one_layer_miss):
     """The models' aperture of a real MLC (each layer's leaves placed from the strips' edges at each
-    control point in torch) against the synthesis's frames of an irregular arc (placed per layer in
-    numpy, ``frame_positions``): the same fluence. The strips rendered as one layer miss by more than
-    ``one_layer_miss`` of an open cell (Millennium 120's 10 mm leaves lie beyond the jaws here)."""
+    control point in torch; HD120 on its 104 strips of 2.5 mm, those beyond its leaves open) against
+    the synthesis's frames of an irregular arc (placed per layer in numpy, ``frame_positions``): the
+    same fluence. The 52 strips rendered as one layer miss by more than ``one_layer_miss`` of an open
+    cell (Millennium 120's 10 mm leaves lie beyond the jaws here)."""
     mlc = MLC_GEOMETRIES[name]
     control_points = generate_control_points(162, 40, mlc)
     frames = np.arange(1, 40)
@@ -239,9 +241,11 @@ def test_a_real_mlcs_aperture_renders_its_layers_as_the_synthesis_does(name, one
     scalars = torch.from_numpy(np.stack([np.ones(len(frames)), *jaws], 1)).float()
     with torch.no_grad():
         layered = realistic_aperture(mlc.strip_layout)(*pair, scalars)
-        one_layer = realistic_aperture(())(*pair, scalars)
     torch.testing.assert_close(layered, expected, atol=1e-5, rtol=0)
-    assert float((one_layer - expected).abs().max()) > one_layer_miss
+    if one_layer_miss is not None:
+        with torch.no_grad():
+            one_layer = realistic_aperture(())(*pair, scalars)
+        assert float((one_layer - expected).abs().max()) > one_layer_miss
 
 
 def test_a_pair_built_for_an_mlc_keeps_it_through_a_checkpoint():
