@@ -36,7 +36,7 @@ from epid.core.devices import cpu_features, cpu_model
 from epid.dicom.plan import read_plan, write_plan
 from epid.models.checkpoint import build_models_from_checkpoint, load_checkpoint
 from epid.models.families import DEFAULT_FAMILY, build_models
-from epid.synthesis.mlc import LEGACY_GRID, MLC_GEOMETRIES
+from epid.synthesis.mlc import LEGACY_GRID, MLC_GEOMETRIES, MlcGeometry
 from epid.synthesis.sequences import (
     DEFAULT_CONTROL_POINTS,
     NUM_DATASETS,
@@ -88,13 +88,16 @@ def predict_frames(forward_model: torch.nn.Module, inputs: tuple[torch.Tensor, .
     return torch.cat(frames)
 
 
-def forward_model_of(checkpoint: str) -> tuple[torch.nn.Module, str]:
-    """The forward model on the CPU in eval mode, and where it came from."""
+def forward_model_of(checkpoint: str) -> tuple[torch.nn.Module, str, MlcGeometry]:
+    """The forward model on the CPU in eval mode, where it came from and its MLC (the checkpoint's)."""
     if checkpoint:
-        forward_model, _ = build_models_from_checkpoint(load_checkpoint(checkpoint), "cpu")
-        return forward_model, f"checkpoint {checkpoint}"
+        loaded = load_checkpoint(checkpoint)
+        forward_model, _ = build_models_from_checkpoint(loaded, "cpu")
+        stored = loaded.get("config", {}).get("mlc_geometry")
+        return forward_model, f"checkpoint {checkpoint}", MlcGeometry.from_dict(stored) if stored else LEGACY_GRID
     forward_model, _ = build_models()
-    return forward_model.eval(), f"a freshly built default model ({DEFAULT_FAMILY}, full size; no --checkpoint given)"
+    return (forward_model.eval(), f"a freshly built default model ({DEFAULT_FAMILY}, full size; no --checkpoint given)",
+            LEGACY_GRID)
 
 
 def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
@@ -125,12 +128,12 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     print(f"CPU: {cpu_model()} ({cpu_features().text()}), {os.cpu_count()} logical cores; torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads, OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}", flush=True)
-    forward_model, source = forward_model_of(args.checkpoint)
-    arc = generate_control_points(args.dataset_id, DEFAULT_CONTROL_POINTS)
+    forward_model, source, mlc = forward_model_of(args.checkpoint)
+    arc = generate_control_points(args.dataset_id, DEFAULT_CONTROL_POINTS, mlc)
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "arc.dcm"
         started = time.perf_counter()
-        write_plan(path, arc)
+        write_plan(path, arc, mlc=mlc)
         written = time.perf_counter() - started
         size = path.stat().st_size
         print(f"plan: dataset {args.dataset_id} ({pattern_for(args.dataset_id)}), {len(arc)} control points, "
