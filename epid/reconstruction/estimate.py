@@ -71,7 +71,7 @@ each): leaf MAE 0.093 / 0.115 / 0.364 / 0.138 / 0.171 mm with every pair, 0.091 
 
 @dataclass(frozen=True)
 class ArcReconstruction:
-    """Control points reconstructed from N consecutive frames: leaf_a, leaf_b (N + 1, 52) and jaws
+    """Control points reconstructed from N consecutive frames: leaf_a, leaf_b (N + 1, strips) and jaws
     (N + 1, 2) [jaw_1, jaw_2] mm at control points 0..N (frame k integrates k - 1 -> k), mu (N,)
     of each frame, ``method`` ("network" or "arc tracking") and ``from_start``: the share of the
     leaf positions the jaws leave open for which the network's estimate was kept over the fit

@@ -35,7 +35,7 @@ hardly see (behind a jaw, parked) differs between the two by noise and keeps the
 
 @dataclass(frozen=True)
 class ControlPointRun:
-    """Control points of B runs of F frames: leaf_a, leaf_b (B, F + 1, 52) mm and jaws (B, F + 1, 2)
+    """Control points of B runs of F frames: leaf_a, leaf_b (B, F + 1, strips) mm and jaws (B, F + 1, 2)
     [jaw_1, jaw_2] mm; frame k of a run integrates point k -> k + 1."""
 
     leaf_a: Tensor
@@ -45,7 +45,7 @@ class ControlPointRun:
 
 @dataclass(frozen=True)
 class Kept:
-    """The control points returned (``ControlPointRun``), the (B, F + 1, 52) mask of the leaf
+    """The control points returned (``ControlPointRun``), the (B, F + 1, strips) mask of the leaf
     positions taken from the start, ``from_start``: their share among the leaves the jaws leave
     open (0 when the whole fit is kept, 1 when the whole start is), and each frame's least-squares
     ``mu`` and ``signal_mu`` (B, F) at the returned points (``Rendering``)."""
@@ -89,7 +89,7 @@ def strip_misfits(rows: Tensor, grid: StripGrid) -> Tensor:
 @dataclass(frozen=True)
 class Rendering:
     """What the forward model makes of B runs of F lag-free frames at given control points: the
-    squared residual summed over each leaf's imager rows, ``misfits`` (B, F, 52), each frame's
+    squared residual summed over each leaf's imager rows, ``misfits`` (B, F, strips), each frame's
     least-squares ``mu`` (B, F), its ``signal_mu`` (B, F): the frame's whole signal over the
     rendering's per MU (``frame_misfits``), and, when asked for, the frames less ``mu`` x the
     rendering, ``residuals`` (B, F, 256, 256)."""
@@ -181,7 +181,7 @@ def keep_better(forward_model: nn.Module, signals: Tensor, start: ControlPointRu
                   fit_rendering or render_run(forward_model, signals, fit, batch_frames)]
     start_misfit, fit_misfit = (rendering.misfits for rendering in renderings)
     start_rows, fit_rows = _point_costs(start_misfit), _point_costs(fit_misfit)
-    leaves_from_start = start_rows < KEEP_START_BELOW * fit_rows  # (B, F + 1, 52)
+    leaves_from_start = start_rows < KEEP_START_BELOW * fit_rows  # (B, F + 1, strips)
     jaws_from_start = start_rows.sum(-1) < KEEP_START_BELOW * fit_rows.sum(-1)  # (B, F + 1)
     merged = ControlPointRun(torch.where(leaves_from_start, start.leaf_a, fit.leaf_a),
                              torch.where(leaves_from_start, start.leaf_b, fit.leaf_b),
@@ -210,7 +210,7 @@ def open_leaves(jaws: Tensor, grid: StripGrid = STRIPS) -> Tensor:
 
 
 def _point_costs(misfits: Tensor) -> Tensor:
-    """(B, F, 52) per frame -> (B, F + 1, 52) per control point: the misfits of the frame ending at
+    """(B, F, strips) per frame -> (B, F + 1, strips) per control point: the misfits of the frame ending at
     the point and of the frame starting there."""
     padded = torch.nn.functional.pad(misfits, (0, 0, 1, 1))
     return padded[:, :-1] + padded[:, 1:]

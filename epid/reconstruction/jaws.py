@@ -107,7 +107,7 @@ def _pixel_rows(domain: RowDomain, rows: Tensor) -> Tensor:
 
 def start_row_sums(domain: RowDomain, banks: list[Tensor], jaws: Tensor) -> Tensor:
     """Row sums per MU (B, N, 260) of frames seen through T at control points (leaf banks (B, N +
-    1, 52), jaws (B, N + 1, 2) mm): what ``track_jaws`` models them as."""
+    1, strips), jaws (B, N + 1, 2) mm): what ``track_jaws`` models them as."""
     return _seen_row_sums(domain, jaw_passes(domain, jaws), leaf_row_fluence(domain, *banks))
 
 
@@ -129,7 +129,7 @@ def track_jaws(domain: RowDomain, row_sums: Tensor, leaf_a: Tensor, leaf_b: Tens
                stages: tuple[tuple[float, float], ...] = JAW_STAGES) -> Tensor:
     """Refined jaws (B, N + 1, 2) of B runs of N frames from their start ``jaws`` (B, N + 1, 2) mm:
     ``row_sums`` (B, N, 260) the frames' filtered row sums (``RowDomain.filtered_rows`` summed along
-    x), leaves (B, N + 1, 52) mm at the control points, ``mu`` (B, N) each frame's MU (for the
+    x), leaves (B, N + 1, strips) mm at the control points, ``mu`` (B, N) each frame's MU (for the
     travel cost); see the module docstring."""
     fluence = leaf_row_fluence(domain, leaf_a, leaf_b)
     weights = imager_rows(row_sums.device)[1:]

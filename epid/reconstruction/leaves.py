@@ -141,7 +141,7 @@ EPYC, 2**19 against 2**23: 24.1 and 27.6 against 18.2 and 19.7 frames/s (built-i
 
 @dataclass(frozen=True)
 class Tracked:
-    """Leaf edges tracked through B runs of N frames: leaf_a, leaf_b (B, N + 1, 52) and jaws (B, N +
+    """Leaf edges tracked through B runs of N frames: leaf_a, leaf_b (B, N + 1, strips) and jaws (B, N +
     1, 2) mm at the control points and mu (B, N) of each frame (least squares on the differenced
     profiles)."""
 
@@ -155,7 +155,7 @@ def track_leaves(domain: RowDomain, signals: Tensor, leaf_a: Tensor, leaf_b: Ten
                  stages: tuple[tuple[float, float], ...], chunk_frames: int = 64,
                  jaw_stages: tuple[tuple[float, float], ...] = JAW_STAGES, start_mu: Tensor | None = None) -> Tracked:
     """Track the leaf edges of B runs of N lag-free frames ``signals`` (B, N, 256, 256) from their
-    start (leaf_a, leaf_b (B, N + 1, 52), jaws (B, N + 1, 2) mm) through ``stages`` ((range, grid
+    start (leaf_a, leaf_b (B, N + 1, strips), jaws (B, N + 1, 2) mm) through ``stages`` ((range, grid
     step) mm each); see the module docstring. After the first stage the jaws are refined with the
     leaves found (``epid.reconstruction.jaws``, ``jaw_stages``; none: the jaws as given). ``chunk_frames``
     bounds the frames filtered at once. With ``start_mu`` (B, N), ``signals`` are the residuals of the
@@ -188,7 +188,7 @@ def track_leaves(domain: RowDomain, signals: Tensor, leaf_a: Tensor, leaf_b: Ten
 
 @dataclass(frozen=True)
 class _Start:
-    """Where residual frames were rendered: both banks (B, N + 1, 52) and jaws (B, N + 1, 2) mm at
+    """Where residual frames were rendered: both banks (B, N + 1, strips) and jaws (B, N + 1, 2) mm at
     the control points, and each frame's MU (B, N)."""
 
     banks: list[Tensor]
@@ -199,7 +199,7 @@ class _Start:
 @dataclass(frozen=True)
 class _Observed:
     """What tracking reads of B runs of N frames under given jaws: the differenced leaf-row profiles
-    (B, N, 52, 255), the ``RowDomain.coupling`` pair, ``seen`` (B, N, 52) (the leaf's rows open in
+    (B, N, strips, 255), the ``RowDomain.coupling`` pair, ``seen`` (B, N, strips) (the leaf's rows open in
     the frame) and, when asked for, the filtered frames' row sums (B, N, 260)."""
 
     profiles: Tensor
@@ -210,7 +210,7 @@ class _Observed:
     @classmethod
     def of(cls, domain: RowDomain, signals: Tensor, jaws: Tensor, chunk_frames: int, row_sums: bool,
            start: _Start | None = None) -> _Observed:
-        openings = domain.jaw_openings(jaws)  # (B, N, 7, 52, 5)
+        openings = domain.jaw_openings(jaws)  # (B, N, 7, strips, 5)
         row_weights = domain.row_weights(openings)
         profiles, sums = [], []
         for k in range(0, signals.shape[1], chunk_frames):
@@ -236,12 +236,12 @@ def _edges(domain: RowDomain, positions: Tensor, bank: int) -> Tensor:
 
 def _model(domain: RowDomain, coupling: tuple[Tensor, Tensor], banks: list[Tensor],
            rows: Tensor | None = None) -> Tensor:
-    """Differenced profiles per MU (B, F, 52, 255) of both banks' control points (B, F + 1, 52),
+    """Differenced profiles per MU (B, F, strips, 255) of both banks' control points (B, F + 1, strips),
     ``coupling`` as ``RowDomain.coupling``: every leaf's edges and, where both leaves beside a
     boundary are open, the tongue-and-groove strip's (bank A's at the larger of the two, bank
     B's at the smaller). With ``rows`` (L,), the profiles of those leaves only (B, F, L, 255)."""
     own, groove = coupling
-    edges = [_edges(domain, frame_sub_apertures(banks[bank]), bank) for bank in (0, 1)]  # (B, F, 7, 52)
+    edges = [_edges(domain, frame_sub_apertures(banks[bank]), bank) for bank in (0, 1)]  # (B, F, 7, strips)
     strip_a = torch.maximum(edges[0][..., :-1], edges[0][..., 1:])  # (B, F, 7, 51): boundaries 0..50
     strip_b = torch.maximum(strip_a, torch.minimum(edges[1][..., :-1], edges[1][..., 1:]))
     parts = [(edges[0], own, 1.0), (edges[1], own, -1.0)]
@@ -279,9 +279,9 @@ def leaf_groups(domain: RowDomain, device: torch.device | str) -> list[Tensor]:
 
 def _track_bank(domain: RowDomain, profiles: Tensor, coupling: tuple[Tensor, Tensor], seen: Tensor,
                 banks: list[Tensor], bank: int, offsets: Tensor, travel_scale: float, moving: Tensor) -> Tensor:
-    """One bank's control points (B, N + 1, 52) with those of the leaves ``moving`` (L,) moved to
+    """One bank's control points (B, N + 1, strips) with those of the leaves ``moving`` (L,) moved to
     the positions of least misfit plus travel (``TRAVEL_COST`` x ``travel_scale``, in the frames
-    where ``seen`` (B, N, 52), the leaf's rows open) within ``offsets`` (S,) of where they are,
+    where ``seen`` (B, N, strips), the leaf's rows open) within ``offsets`` (S,) of where they are,
     every other edge held, never beyond the other bank's edge of its leaf (``CROSSING_COST``), and each
     frame's MU refitted (the Viterbi recursion).
 
@@ -339,7 +339,7 @@ def _track_bank(domain: RowDomain, profiles: Tensor, coupling: tuple[Tensor, Ten
 
 
 def _own_weights(domain: RowDomain, coupling: tuple[Tensor, Tensor], points: Tensor, bank: int) -> Tensor:
-    """Per MU, the weight (B, F, 7, 52) of each edge of ``bank`` (control points (B, F + 1, 52)) in
+    """Per MU, the weight (B, F, 7, strips) of each edge of ``bank`` (control points (B, F + 1, strips)) in
     its own leaf's profile at each sub-aperture: its own coupling, plus the tongue-and-groove
     strip's on each side where the edge is the strip's (bank A's the larger of the two leaves',
     bank B's the smaller) at its current position."""
@@ -358,20 +358,20 @@ def _own_weights(domain: RowDomain, coupling: tuple[Tensor, Tensor], points: Ten
 
 def _pair_costs(domain: RowDomain, correlation: Tensor, weights: Tensor, points: Tensor, offsets: Tensor,
                 bank: int) -> Tensor:
-    """cost(u, v) (B, F, 52, S, S) of each frame moving each edge from points[k] + offsets[i] to
-    points[k + 1] + offsets[i'] (module docstring). correlation: (B, F, 52, lattice) Y; weights:
-    (B, F, 52, 7) the a_t; points (B, F + 1, 52); offsets (S,) evenly spaced."""
+    """cost(u, v) (B, F, strips, S, S) of each frame moving each edge from points[k] + offsets[i] to
+    points[k + 1] + offsets[i'] (module docstring). correlation: (B, F, strips, lattice) Y; weights:
+    (B, F, strips, 7) the a_t; points (B, F + 1, strips); offsets (S,) evenly spaced."""
     states = len(offsets)
     step = float(offsets[1] - offsets[0]) if states > 1 else 1.0
     last = SUB_APERTURES - 1
-    prev = _edges(domain, points[:, :-1] + offsets[0], bank)  # (B, F, 52): state 0
+    prev = _edges(domain, points[:, :-1] + offsets[0], bank)  # (B, F, strips): state 0
     curr = _edges(domain, points[:, 1:] + offsets[0], bank)
     t = torch.arange(SUB_APERTURES, device=points.device) / last
     # the positions of sub-aperture t over all (i, i') lie on base_t + (step / 6) m, m = (6 - t) i + t i'
     steps = last * (states - 1) + 1
-    base = prev[..., None] + (curr - prev)[..., None] * t  # (B, F, 52, 7)
+    base = prev[..., None] + (curr - prev)[..., None] * t  # (B, F, strips, 7)
     positions = base[..., None] + step / last * torch.arange(steps, device=points.device)
-    values = _interpolate(correlation, positions.flatten(-2)).view(positions.shape)  # (B, F, 52, 7, steps)
+    values = _interpolate(correlation, positions.flatten(-2)).view(positions.shape)  # (B, F, strips, 7, steps)
     linear = 0.0
     for sub in range(SUB_APERTURES):
         column = values[..., sub, :].contiguous()
@@ -380,14 +380,14 @@ def _pair_costs(domain: RowDomain, correlation: Tensor, weights: Tensor, points:
         linear = linear + weights[..., sub, None, None] * lattice
     # the motion d = curr - prev + step (i' - i): 2 S - 1 values
     motion = (curr - prev)[..., None] + step * torch.arange(1 - states, states, device=points.device)
-    quadratic = _motion_products(domain, weights, motion)  # (B, F, 52, 2 S - 1)
+    quadratic = _motion_products(domain, weights, motion)  # (B, F, strips, 2 S - 1)
     quadratic = quadratic.unfold(-1, states, 1).flip(-2)  # [i, i'] -> motion index S - 1 - i + i'
     mean_weight = weights.mean(-1)
     if step == round(step):  # every state in the same cell phase: one lookup per motion
         phase = (prev % 1.0)[..., None].expand(motion.shape)
         correction = _phase_lookup(domain, phase, motion).unfold(-1, states, 1).flip(-2)
     else:
-        phase = (prev[..., None] + step * torch.arange(states, device=points.device)) % 1.0  # (B, F, 52, S)
+        phase = (prev[..., None] + step * torch.arange(states, device=points.device)) % 1.0  # (B, F, strips, S)
         correction = _phase_lookup(domain, phase[..., :, None].expand(*phase.shape, states),
                                    motion.unfold(-1, states, 1).flip(-2))
     return quadratic + mean_weight[..., None, None].square() * correction - 2 * linear
