@@ -3,8 +3,9 @@ to a folder:
 
 - ``qa_summary.json``: the keys of ``plan_qa.SUMMARY_KEYS`` (see ``plan_qa.summarise``);
 - ``qa_frames.csv``: one row per measured frame, columns ``FRAME_COLUMNS``;
-- ``qa_leaves.csv``: one row per leaf, bank and reconstructed control point (long form),
-  columns ``LEAF_COLUMNS``;
+- ``qa_leaves.csv``: one row per strip (``leaf``: its index on the models' strips; ``mlc_leaf``: the
+  MLC's own leaf over it, numbered from 1 in the plan's order, one per layer joined by "/", empty
+  beyond its leaves), bank and reconstructed control point (long form), columns ``LEAF_COLUMNS``;
 - ``qa_leaf_errors.csv``: per bank and leaf, the reconstructed-minus-planned figures and flags;
 - ``qa_gamma.png`` (pass rates over the arc), ``qa_leaves.png`` (leaf error per leaf and
   control point, the worst leaves' trajectories, jaws, MU) and ``qa_worst_frame.png`` (the
@@ -47,7 +48,7 @@ FRAME_COLUMNS = (
     "jaw_2_planned_mm", "jaw_2_reconstructed_mm",
 )
 LEAF_COLUMNS = (
-    "control_point", "gantry_deg", "bank", "leaf", "leaf_y_mm", "in_band", "behind_x_jaw", "planned_mm",
+    "control_point", "gantry_deg", "bank", "leaf", "mlc_leaf", "leaf_y_mm", "in_band", "behind_x_jaw", "planned_mm",
     "reconstructed_mm", "error_mm",
 )
 
@@ -97,7 +98,10 @@ def write_leaves_csv(path: Path, qa: PlanQA) -> None:
     segment, estimate = qa.segment, qa.estimate
     errors = arc_review.leaf_errors(estimate, segment)
     band, hidden = errors.band, dict(zip("AB", errors.behind_x_jaws, strict=True))
-    centres = qa.beam.geometry.grid.centres_mm
+    geometry = qa.beam.geometry
+    centres = geometry.grid.centres_mm
+    mlc_leaves = ["/".join(str(int(leaves[strip]) + 1) for leaves in geometry.strip_leaves if leaves[strip] >= 0)
+                  for strip in range(len(centres))]
     with open(path, "w", newline="") as handle:
         writer = csv.writer(handle)
         writer.writerow(LEAF_COLUMNS)
@@ -108,7 +112,7 @@ def write_leaves_csv(path: Path, qa: PlanQA) -> None:
                 values = reconstructed[row].numpy()
                 for leaf, centre in enumerate(centres):
                     plan_mm, rec_mm = float(planned[row, leaf]), float(values[leaf])
-                    writer.writerow([point, gantry, bank, leaf, f"{centre:g}", int(band[row, leaf]),
+                    writer.writerow([point, gantry, bank, leaf, mlc_leaves[leaf], f"{centre:g}", int(band[row, leaf]),
                                      ("", "X1", "X2")[hidden[bank][row, leaf]], f"{plan_mm:.6g}", f"{rec_mm:.6g}",
                                      f"{rec_mm - plan_mm:.6g}"])
 

@@ -180,6 +180,8 @@ def test_plan_with_measured_frames_writes_the_report(report):
     with open(output / "qa_leaves.csv", newline="") as handle:
         leaves = list(csv.DictReader(handle))
     assert len(leaves) == 11 * 104 and set(leaves[0]) == set(qa_report.LEAF_COLUMNS)
+    # the legacy grid written as Agility: strip j under Agility's leaf 15 + j (numbered from 1)
+    assert all(int(row["mlc_leaf"]) == int(row["leaf"]) + 15 for row in leaves)
     for name in ("plan_frames.png", "qa_gamma.png", "qa_leaves.png", "qa_worst_frame.png"):
         assert (output / name).stat().st_size > 10_000
     assert "overall:" in report["stdout"]
