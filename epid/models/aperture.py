@@ -86,7 +86,7 @@ def column_centres(device: torch.device | None = None) -> Tensor:
 
 def leaf_grid_centres(device: torch.device | None = None) -> Tensor:
     """y of the 260 leaf-grid rows' centres, ascending from -129.5 mm."""
-    return torch.arange(LEAF_GRID_ROWS, device=device) + MLC_Y_MIN_MM + 0.5
+    return STRIPS.row_centres(device)
 
 
 def sub_aperture_positions(prev: Tensor, curr: Tensor) -> Tensor:

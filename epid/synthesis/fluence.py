@@ -217,7 +217,7 @@ def aperture_fluence(leaf_a: torch.Tensor, leaf_b: torch.Tensor, jaw_1: torch.Te
     grid = strip_grid(leaf_a.shape[-1])
     band = grid.rows_per_pixel  # the rows of a strip within 1 mm of its boundary, each side
     columns = torch.arange(GRID_SIZE, device=device, dtype=torch.float32) + (GRID_ORIGIN_MM + 0.5)
-    rows = torch.arange(grid.rows, device=device, dtype=torch.float32) * grid.row_mm + (MLC_Y_MIN_MM + grid.row_mm / 2)
+    rows = grid.row_centres(device)
     jaw_open = cell_coverage(jaw_1 - jaw_edge_offset, jaw_2 + jaw_edge_offset, rows, grid.row_mm)  # (B, S, rows)
     jaw_fluence = (jaw_transmission + (1.0 - jaw_transmission) * jaw_open) * weights[:, :, None]
     jaw_fluence = jaw_fluence.view(batch, sub_apertures, grid.count, ROWS_PER_LEAF).permute(0, 2, 3, 1)

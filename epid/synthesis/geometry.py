@@ -50,7 +50,6 @@ class StripGrid:
         self.row_mm = self.strip_mm / ROWS_PER_LEAF
         self.rows = self.count * ROWS_PER_LEAF
         self.rows_per_pixel = round(PIXEL_MM / self.row_mm)
-        self.imager_margin = IMAGER_MARGIN * self.rows_per_pixel
 
     def __repr__(self) -> str:
         return f"StripGrid({self.count} strips of {self.strip_mm:g} mm)"

@@ -14,8 +14,9 @@ outer leaves, MLCi2), a leaf outside the strips is beyond the imager (Agility's 
 not verifiable from an image), a strip beyond a layer's leaves is open in that layer (HD120's
 leaves end at +-110 mm), and for a dual-layer MLC (Halcyon) a strip's edges are where both layers
 are open: bank A's edge the larger of its two leaves, bank B's the smaller. The legacy grid is the
-52 strips themselves. The models take MLCs on the 52 strips whose every strip lies under a leaf
-(``modelled``); HD120 is synthesised on the fine strips.
+52 strips themselves. The aperture models take an MLC on its own strips (``modelled``: some grid
+shows it); the legacy family only one on the 52 strips with every strip under a leaf
+(``design_strips_reason``).
 
 The synthesis of a real MLC renders each layer's leaves over the strips (``layer_edges``) and
 leaks only at the boundaries between two leaves of a layer (``interleaf``).
