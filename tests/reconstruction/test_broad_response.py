@@ -18,6 +18,7 @@ from epid.models.families import build_models
 from epid.reconstruction import estimate as estimate_module
 from epid.reconstruction import fallback, leaves, rows
 from epid.synthesis.frames import render_frames
+from epid.synthesis.mlc import MLC_GEOMETRIES
 from epid.synthesis.physics import Physics
 from epid.synthesis.sequences import generate_control_points, leaf_band
 from tests.reconstruction.test_estimate import ShiftedTruth, with_real_mlc
@@ -28,11 +29,11 @@ MLC_PHYSICS = Physics(leaf_transmission_percent=0.5, jaw_transmission_percent=0.
 STAGES = ((16.0, 1.0), (2.0, 0.2), (16.0, 1.0), (1.0, 0.1))
 
 
-def forward_with_response(sigma_mm: float) -> nn.Module:
-    """The tiny aperture forward model with a real MLC's physics, every Gaussian of its response
-    ``sigma_mm`` wide (a core 2.355 sigma wide at half maximum)."""
+def forward_with_response(sigma_mm: float, mlc: str = "legacy") -> nn.Module:
+    """The tiny aperture forward model of ``mlc`` with a real MLC's physics, every Gaussian of its
+    response ``sigma_mm`` wide (a core 2.355 sigma wide at half maximum)."""
     torch.manual_seed(0)
-    forward, _ = build_models("tiny", "aperture")
+    forward, _ = build_models("tiny", "aperture", MLC_GEOMETRIES[mlc])
     with torch.no_grad():
         forward.response.profile_x.log_width.fill_(np.log(sigma_mm))
         forward.response.profile_y.log_width.fill_(np.log(sigma_mm))
@@ -83,18 +84,19 @@ def test_the_target_is_the_sharpest_gaussian_the_filter_reproduces(sigma_mm, low
     assert len(domain.taps) == 2 * int(np.ceil(4 * domain.target_sigma_mm)) + 1
 
 
-def noisy_broad_run(frames: int = 24, dataset_id: int = 82):
-    """A forward model with a 5 mm (12 mm at half maximum) response, and ``frames`` noisy frames
-    of dataset ``dataset_id`` synthesised by ``render_frames`` with that kernel and the model's MLC
-    physics; the true control points (leaf_a, leaf_b, jaws) and the band mask of the leaves scored."""
-    forward = forward_with_response(5.0)
-    points = generate_control_points(dataset_id, frames + 1)
+def noisy_broad_run(frames: int = 24, dataset_id: int = 82, mlc: str = "legacy"):
+    """A forward model of ``mlc`` with a 5 mm (12 mm at half maximum) response, and ``frames``
+    noisy frames of dataset ``dataset_id`` on that MLC synthesised by ``render_frames`` with that
+    kernel and the model's MLC physics; the true control points (leaf_a, leaf_b, jaws) and the band
+    mask (points, strips) of the leaves scored."""
+    forward, geometry = forward_with_response(5.0, mlc), MLC_GEOMETRIES[mlc]
+    points = generate_control_points(dataset_id, frames + 1, geometry)
     signals = render_frames(points, np.arange(1, frames + 1), model_kernel(forward), dataset_id=dataset_id,
                             noise_std=0.005, physics=MLC_PHYSICS)
     truth = fallback.ControlPointRun(*(torch.tensor(np.asarray(v, dtype=np.float32))[None] for v in (
         points.leaf_a, points.leaf_b, np.stack([points.jaw_1, points.jaw_2], 1))))
-    lo, hi = leaf_band(points.jaw_1, points.jaw_2)
-    band = torch.zeros(frames + 1, 52, dtype=torch.bool)
+    lo, hi = leaf_band(points.jaw_1, points.jaw_2, geometry.grid)
+    band = torch.zeros(frames + 1, geometry.grid.count, dtype=torch.bool)
     for point in range(frames + 1):
         band[point, lo[point]:hi[point]] = True
     return forward, signals, truth, band
@@ -259,9 +261,11 @@ def test_leaves_move_in_groups_that_hardly_see_each_other(sigma_mm, groups):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_a_broad_responses_arc_reconstruction_on_cuda_is_the_cpus():
-    forward, signals, truth, band = noisy_broad_run(frames=12)
-    _, inverse = build_models("tiny", "aperture")
+@pytest.mark.parametrize("mlc", ["legacy", "hd120"])
+def test_a_broad_responses_arc_reconstruction_on_cuda_is_the_cpus(mlc):
+    """On the 52 strips and on HD120's 104 fine ones (rows of 0.5 mm, two row-tap phases)."""
+    forward, signals, truth, band = noisy_broad_run(frames=12, mlc=mlc)
+    _, inverse = build_models("tiny", "aperture", MLC_GEOMETRIES[mlc])
     results = []
     for device in ("cpu", "cuda"):
         models = [copy.deepcopy(model).to(device).eval() for model in (forward, inverse)]
