@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import csv
 import math
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -38,7 +39,7 @@ LEAF_FLAG_RUN = 8
 MU_FLAG_PERCENT = 1.0
 LISTED = 20
 """At most this many flagged leaves or frames are listed in the summary (all are counted)."""
-LEAF_ERROR_COLUMNS = ("bank", "leaf", "leaf_y_mm", "positions", "mean_mm", "sd_mm", "max_abs_mm", "flagged",
+LEAF_ERROR_COLUMNS = ("bank", "leaf", "mlc_leaf", "leaf_y_mm", "positions", "mean_mm", "sd_mm", "max_abs_mm", "flagged",
                       "flagged_control_points", "flagged_gantry_deg")
 
 
@@ -54,9 +55,10 @@ def _stats(values: np.ndarray) -> tuple[float, float]:
 
 
 def leaf_table(errors: LeafErrors, points: np.ndarray, gantry_deg: np.ndarray,
-               leaf_y_mm: np.ndarray) -> list[dict[str, Any]]:
-    """One row per bank and leaf (``LEAF_ERROR_COLUMNS``) of the S control points ``points`` and their
-    gantry angles: the figures of its scored positions (``LeafErrors.scored``)."""
+               leaf_y_mm: np.ndarray, mlc_leaves: Sequence[str]) -> list[dict[str, Any]]:
+    """One row per bank and strip (``LEAF_ERROR_COLUMNS``) of the S control points ``points`` and their
+    gantry angles: the figures of its scored positions (``LeafErrors.scored``); ``mlc_leaves`` names
+    the MLC's own leaf over each strip (``MlcGeometry.leaf_labels``)."""
     rows = []
     masks = errors.scored()
     for bank, error in errors.banks.items():
@@ -67,7 +69,8 @@ def leaf_table(errors: LeafErrors, points: np.ndarray, gantry_deg: np.ndarray,
             large = scored & (np.abs(error[:, leaf]) > LEAF_FLAG_MM)
             runs = [(a, b) for a, b in _runs(large) if b - a + 1 >= LEAF_FLAG_RUN]
             rows.append({
-                "bank": bank, "leaf": leaf, "leaf_y_mm": float(leaf_y_mm[leaf]), "positions": int(values.size),
+                "bank": bank, "leaf": leaf, "mlc_leaf": mlc_leaves[leaf], "leaf_y_mm": float(leaf_y_mm[leaf]),
+                "positions": int(values.size),
                 "mean_mm": mean, "sd_mm": spread,
                 "max_abs_mm": float(np.abs(values).max()) if values.size else math.nan,
                 "flagged": int(bool(runs)),
@@ -87,7 +90,7 @@ def error_summary(errors: LeafErrors, leaves: list[dict[str, Any]],
     masks = errors.scored()
     banks = {bank: _edge(error[masks[bank]]) for bank, error in errors.banks.items()}
     x_jaws = {jaw: _edge(values) for jaw, values in errors.x_jaws().items() if values.size}
-    flagged_leaves = [{key: row[key] for key in ("bank", "leaf", "mean_mm", "flagged_control_points",
+    flagged_leaves = [{key: row[key] for key in ("bank", "leaf", "mlc_leaf", "mean_mm", "flagged_control_points",
                                                  "flagged_gantry_deg")} for row in leaves if row["flagged"]]
     low = np.flatnonzero(np.isfinite(frame_rates) & (frame_rates < tolerance_percent))
     frames = [{"control_point": int(frame_points[i]), "gantry_deg": round(float(frame_gantry_deg[i]), 2),

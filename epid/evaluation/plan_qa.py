@@ -528,7 +528,8 @@ def leaf_error_rows(qa: PlanQA) -> list[dict[str, Any]]:
     """Per bank and leaf, the reconstructed-minus-planned figures and flags (``delivery_errors.leaf_table``)."""
     points = qa.scored_points()
     return delivery_errors.leaf_table(arc_review.leaf_errors(qa.estimate, qa.segment), points,
-                                      qa.beam.gantry_deg[points], qa.beam.geometry.grid.centres_mm)
+                                      qa.beam.gantry_deg[points], qa.beam.geometry.grid.centres_mm,
+                                      qa.beam.geometry.leaf_labels)
 
 
 def integrated_summary(beam: PlanBeam, measured: str, gamma: FrameGamma) -> dict[str, Any]:

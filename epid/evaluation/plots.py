@@ -416,14 +416,16 @@ ARC_LEAF_COLOURS = ("tab:blue", "tab:orange", "tab:purple")
 
 
 def arc_figure(control_points: np.ndarray, true: Mapping[str, np.ndarray], reconstructed: Mapping[str, np.ndarray],
-               band: np.ndarray, title: str, labels: tuple[str, str] = ("true", "reconstructed")) -> Figure:
+               band: np.ndarray, title: str, labels: tuple[str, str] = ("true", "reconstructed"),
+               mlc_leaves: Sequence[str] | None = None) -> Figure:
     """A reconstructed arc at a glance.
 
     ``control_points`` (N,) numbers the control points; ``true`` and ``reconstructed`` map
-    leaf_a, leaf_b (N, 52), jaw_1, jaw_2 (N,) in mm and mu (N,) in MU; ``band`` (N, 52) marks the
-    leaves inside the jaws (the scored ones). Top: signed leaf error (reconstructed - true) per
+    leaf_a, leaf_b (N, strips), jaw_1, jaw_2 (N,) in mm and mu (N,) in MU; ``band`` (N, strips) marks
+    the leaves inside the jaws (the scored ones). Top: signed leaf error (reconstructed - true) per
     leaf and control point for each bank, leaves outside the jaws grey, colours saturating at
-    +-2 mm; middle: trajectories of the three in-band leaves of each bank with the largest error;
+    +-2 mm; middle: trajectories of the three in-band leaves of each bank with the largest error
+    (named by strip and, with ``mlc_leaves``, ``MlcGeometry.leaf_labels``, by the MLC's own leaf);
     bottom: jaws and MU along the arc. ``labels`` names the two sources in the legends.
     """
     figure = new_figure(ARC_FIGSIZE)
@@ -444,7 +446,8 @@ def arc_figure(control_points: np.ndarray, true: Mapping[str, np.ndarray], recon
         grid[0, column].set_xlabel("control point")
         grid[0, column].set_ylabel("leaf pair centre y (mm)")
         figure.colorbar(image, ax=grid[0, column], shrink=0.9, label="mm (grey: outside the jaws)")
-        _trajectory_panel(grid[1, column], control_points, true[bank], reconstructed[bank], error, bank, labels)
+        _trajectory_panel(grid[1, column], control_points, true[bank], reconstructed[bank], error, bank, labels,
+                          mlc_leaves)
     for name, colour in (("jaw_1", "tab:green"), ("jaw_2", "tab:olive")):
         grid[2, 0].plot(control_points, true[name], color=colour, linestyle="-", label=f"{name} {labels[0]}")
         grid[2, 0].plot(control_points, reconstructed[name], color=colour, linestyle="--", label=f"{name} {labels[1]}")
@@ -460,7 +463,8 @@ def arc_figure(control_points: np.ndarray, true: Mapping[str, np.ndarray], recon
 
 
 def _trajectory_panel(axes: Axes, control_points: np.ndarray, true: np.ndarray, reconstructed: np.ndarray,
-                      error: np.ndarray, bank: str, labels: tuple[str, str]) -> None:
+                      error: np.ndarray, bank: str, labels: tuple[str, str],
+                      mlc_leaves: Sequence[str] | None = None) -> None:
     """Positions of the in-band leaves of one bank with the largest absolute error, true solid,
     reconstructed dashed; CPs where a leaf is outside the jaws are left out."""
     worst = np.argsort(-np.nan_to_num(np.abs(error), nan=-1.0).max(axis=0))[:ARC_TRACKED_LEAVES]
@@ -468,10 +472,11 @@ def _trajectory_panel(axes: Axes, control_points: np.ndarray, true: np.ndarray, 
         if not np.isfinite(error[:, leaf]).any():
             continue
         inside = np.isfinite(error[:, leaf])
+        name = f"leaf {leaf}" if mlc_leaves is None else f"leaf {leaf} (MLC {mlc_leaves[leaf]})"
         axes.plot(control_points, np.where(inside, true[:, leaf], np.nan), color=colour, linestyle="-",
-                  label=f"leaf {leaf} {labels[0]}")
+                  label=f"{name} {labels[0]}")
         axes.plot(control_points, np.where(inside, reconstructed[:, leaf], np.nan), color=colour, linestyle="--",
-                  label=f"leaf {leaf} {labels[1]}")
+                  label=f"{name} {labels[1]}")
     axes.set_title(f"bank {bank[-1].upper()}: leaves with the largest error (mm along x)", fontsize=11)
     axes.set_xlabel("control point")
     axes.legend(fontsize=8, ncol=2)

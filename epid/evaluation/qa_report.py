@@ -6,7 +6,8 @@ to a folder:
 - ``qa_leaves.csv``: one row per strip (``leaf``: its index on the models' strips; ``mlc_leaf``: the
   MLC's own leaf over it, numbered from 1 in the plan's order, one per layer joined by "/", empty
   beyond its leaves), bank and reconstructed control point (long form), columns ``LEAF_COLUMNS``;
-- ``qa_leaf_errors.csv``: per bank and leaf, the reconstructed-minus-planned figures and flags;
+- ``qa_leaf_errors.csv``: per bank and strip (with its ``mlc_leaf``), the reconstructed-minus-planned figures
+  and flags;
 - ``qa_gamma.png`` (pass rates over the arc), ``qa_leaves.png`` (leaf error per leaf and
   control point, the worst leaves' trajectories, jaws, MU) and ``qa_worst_frame.png`` (the
   frame of lowest 3 %/2 mm pass rate: measured, predicted, gamma, difference).
@@ -99,9 +100,7 @@ def write_leaves_csv(path: Path, qa: PlanQA) -> None:
     errors = arc_review.leaf_errors(estimate, segment)
     band, hidden = errors.band, dict(zip("AB", errors.behind_x_jaws, strict=True))
     geometry = qa.beam.geometry
-    centres = geometry.grid.centres_mm
-    mlc_leaves = ["/".join(str(int(leaves[strip]) + 1) for leaves in geometry.strip_leaves if leaves[strip] >= 0)
-                  for strip in range(len(centres))]
+    centres, mlc_leaves = geometry.grid.centres_mm, geometry.leaf_labels
     with open(path, "w", newline="") as handle:
         writer = csv.writer(handle)
         writer.writerow(LEAF_COLUMNS)
@@ -226,7 +225,8 @@ def _flags_line(errors: Mapping[str, Any]) -> str:
     banks = "; ".join(f"bank {name} {item['mean_mm']:+.2f} +- {item['sd_mm']:.2f} mm"
                       f"{' FLAGGED' if item['flagged'] else ''}" for name, item in errors["banks"].items()
                       if item["mean_mm"] is not None and math.isfinite(item["mean_mm"]))
-    leaves = ", ".join(f"{leaf['bank']}{leaf['leaf']} (control points {leaf['flagged_control_points']})"
+    leaves = ", ".join(f"{leaf['bank']}{leaf['leaf']} (MLC leaf {leaf['mlc_leaf']}; control points "
+                       f"{leaf['flagged_control_points']})"
                        for leaf in errors["leaves"][:5])
     return (f"delivery errors: {banks or 'no leaf scored'}; flagged leaves: {errors['flagged_leaves']}"
             f"{' (' + leaves + ')' if leaves else ''}; MU {'FLAGGED' if errors['mu_flagged'] else 'ok'}; frames below "
@@ -246,4 +246,4 @@ def _write_leaf_figure(qa: PlanQA, summary: Mapping[str, Any], path: Path, label
     title = (f"Control points reconstructed from the measured frames ({estimate.method}) against the plan: "
              f"TG-142 leaf check {verdict}; jaw MAE {summary['jaw_mae_mm']:.2f} mm, {mu_text}\n{label}")
     draw(plots.arc_figure, path, qa.scored_points(), planned, reconstructed, band, title,
-         labels=("plan", "reconstructed"))
+         labels=("plan", "reconstructed"), mlc_leaves=qa.beam.geometry.leaf_labels)

@@ -163,6 +163,13 @@ class MlcGeometry:
         return found
 
     @property
+    def leaf_labels(self) -> tuple[str, ...]:
+        """Per strip of ``grid``, the MLC's own leaf over it as a physicist names it: numbered from 1 in
+        the plan's order, one per layer joined by "/" (Halcyon's distal/proximal), "" beyond its leaves."""
+        return tuple("/".join(str(int(leaves[strip]) + 1) for leaves in self.strip_leaves if leaves[strip] >= 0)
+                     for strip in range(self.grid.count))
+
+    @property
     def identity(self) -> bool:
         """Whether the strips are the leaves (one layer, one strip per leaf: ``strips(leaves(x)) == x``)."""
         leaves = self.strip_leaves[0]

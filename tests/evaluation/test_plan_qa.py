@@ -182,6 +182,10 @@ def test_plan_with_measured_frames_writes_the_report(report):
     assert len(leaves) == 11 * 104 and set(leaves[0]) == set(qa_report.LEAF_COLUMNS)
     # the legacy grid written as Agility: strip j under Agility's leaf 15 + j (numbered from 1)
     assert all(int(row["mlc_leaf"]) == int(row["leaf"]) + 15 for row in leaves)
+    with open(output / "qa_leaf_errors.csv", newline="") as handle:
+        errors = list(csv.DictReader(handle))
+    assert [(row["bank"], int(row["leaf"]), int(row["mlc_leaf"])) for row in errors] == [
+        (bank, strip, strip + 15) for bank in "AB" for strip in range(52)]
     for name in ("plan_frames.png", "qa_gamma.png", "qa_leaves.png", "qa_worst_frame.png"):
         assert (output / name).stat().st_size > 10_000
     assert "overall:" in report["stdout"]

@@ -203,3 +203,15 @@ def test_estimates_are_tied_one_per_leaf_without_rounding():
         same_a, same_b = MLC_GEOMETRIES[name].tied(leaf_a, leaf_b)
         np.testing.assert_array_equal(same_a, leaf_a)
         np.testing.assert_array_equal(same_b, leaf_b)
+
+
+def test_leaf_labels_name_each_strips_own_leaves():
+    """Worked by hand: HD120's 2.5 mm strips from y = -130 mm, its leaves from -110 mm (14 of 5 mm,
+    32 of 2.5 mm, 14 of 5 mm); Halcyon's 5 mm strips under the distal layer's 10 mm leaves from
+    -140 mm and the proximal one's from -145 mm."""
+    hd120 = MLC_GEOMETRIES["hd120"].leaf_labels
+    expected = [""] * 8 + [str(1 + k // 2) for k in range(28)] + [str(15 + k) for k in range(32)]
+    expected += [str(47 + k // 2) for k in range(28)] + [""] * 8
+    assert list(hd120) == expected
+    halcyon = MLC_GEOMETRIES["halcyon"].leaf_labels
+    assert halcyon[:4] == ("2/2", "2/3", "3/3", "3/4") and halcyon[-1] == "27/28" and len(halcyon) == 52
