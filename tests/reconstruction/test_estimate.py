@@ -167,6 +167,36 @@ def test_row_model_is_the_rendered_frame_seen_through_the_wiener_filter(mlc):
     torch.testing.assert_close(some, model[:, :, every_third], atol=1e-6 * float(model.abs().max()), rtol=0.0)
 
 
+@pytest.mark.parametrize("mlc", ["legacy", "hd120"])
+def test_a_leaf_no_frame_shows_costs_nothing_so_its_costs_can_be_skipped(mlc):
+    """The tracking computes the pair costs of a chunk of frames only for the leaves some frame of it
+    shows: computed for every leaf, those of a leaf whose rows the jaws close in every frame (or in
+    the frames of a chunk) are exactly 0, not merely small, whatever the residual."""
+    forward = with_real_mlc(forward_with_2mm_response(mlc=mlc))
+    count = forward.aperture.grid.count
+    gen = torch.Generator().manual_seed(5)
+    points = 9
+    leaf_a = -20.3 + 0.7 * (torch.arange(count) % 5) + (torch.randn(points, count, generator=gen) * 2).cumsum(0)
+    leaf_a, leaf_b = mlc_leaves(mlc, leaf_a, leaf_a + 30.0)
+    jaws = torch.tensor(JAWS).repeat(points, 1)
+    jaws[4:, 1] = 20.0  # the upper jaw closes in: strips seen in the first frames only
+    frames = record(forward, leaf_a, leaf_b, jaws, 10.0 * torch.ones(points - 1), torch.zeros(256, 256))
+    frames = frames + 0.01 * torch.randn(frames.shape, generator=gen)
+    domain = rows_module.RowDomain.of(forward)
+    banks = [(leaf_a + 1.0)[None], (leaf_b - 1.0)[None]]
+    observed = leaves._Observed.of(domain, frames[None], jaws[None], 64, row_sums=False)
+    every = torch.arange(count)
+    offsets = torch.linspace(-2.0, 2.0, 11)
+    for bank in (0, 1):
+        costs = leaves._chunk_costs(domain, observed.profiles, observed.coupling, banks, bank, offsets, 1.0, every,
+                                    observed.seen)
+        unseen = ~observed.seen[0].any(0)
+        assert 0 < int(unseen.sum()) < count and bool((costs[0][:, unseen] == 0).all())
+        assert bool((costs[0][:, ~unseen].abs().amax((-2, -1)) > 0).any(0).all())
+        late = ~observed.seen[0, 4:].any(0) & observed.seen[0, :4].any(0)  # shown early only: 0 in the late frames
+        assert bool(late.any()) and bool((costs[0][4:, late] == 0).all())
+
+
 def test_travel_cost_settles_a_zigzag_the_frames_hardly_see():
     """Static leaves started on a zig-zag (each control point in turn 1.5 mm out and in): the
     frames barely tell the motion within a frame, so without the travel cost some zig-zag stays;
