@@ -4,7 +4,8 @@ frame pair, and refined jointly over the arc (``epid.reconstruction.estimate``),
 Takes a trained checkpoint (for example the ``checkpoint.pth`` that ``bench.bench_quality``
 writes) and, for one held-out dataset of each pattern (an ID the checkpoint never trained on),
 synthesises ``--frames`` consecutive frames from the start of the arc (the whole arc by
-default: 2,049 frames) with the checkpoint's own kernel and physics, then reconstructs the
+default: 2,049 frames) with the checkpoint's own kernel and physics (EPID_KERNEL, where set, names
+the kernel's file when it has moved; no other variable applies), then reconstructs the
 control points with each method and reports frames per second (wall clock, the network's
 estimates included) and the leaf errors of control points 1..N inside the jaw band (design
 section 10): MAE, RMS, share within 0.5 mm and 1 mm; jaw MAE and MU relative error; how often the
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 
@@ -129,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     device = resolve_device(args.device)
     checkpoint = load_checkpoint(args.checkpoint)
     models = build_models_from_checkpoint(checkpoint, device)
-    settings = resolve_synthesis(checkpoint.get("config") or {}, load_config({}), environ={})
+    moved_kernel = {"EPID_KERNEL": os.environ["EPID_KERNEL"]} if os.environ.get("EPID_KERNEL", "").strip() else {}
+    settings = resolve_synthesis(checkpoint.get("config") or {}, load_config(moved_kernel), environ=moved_kernel)
     kernel = load_synthesis_kernel(settings)
     trained = set(checkpoint.get("dataset_ids") or [])
     arcs = chosen_arcs(args.arcs, trained) if args.arcs else held_out_arcs(trained)

@@ -132,6 +132,14 @@ GROUP_COUPLING = 0.05
 The leaves of a bank moved all at once, each with its neighbours held, overshoot together where
 T couples them strongly: on the forward model's own frames of a 12 mm wide response (T 4.6 mm),
 tracked from the network's estimate, 0.70 mm from the truth all at once, 0.55 mm in three groups."""
+SHOWN_ONLY = ("cpu",)
+"""Device types on which each chunk of frames computes the pair costs of only the leaves some frame
+of it shows (``_track_bank``). On the CPU, which spends its time computing the costs: HD120's
+20-minute built-in checkpoint, 300 frames of the tuning arcs 5, 85, 165, 7.07 -> 11.47 frames/s,
+and a 12 mm wide response's (52 strips), 300 frames of six held-out arcs, 11.2 -> 14.3 frames/s
+(2-core AMD EPYC, AVX2). On a GPU, whose time goes to launching the recursion's small kernels, the
+mask's reads and scatter cost more than they save (one H200, HD120's whole arcs 2, 82, 162: 301
+frames/s computing every leaf's costs, 225 only the shown ones'), so there every leaf's are computed."""
 PAIR_ELEMENTS = {"cpu": 2**19}
 """Pair costs evaluated at once (frames x runs x leaves x states^2) per device type, 2**23 on others
 (a GPU). On the CPU the smaller chunks stay in cache: 300 frames of an arc, 2 cores of an AMD
@@ -296,8 +304,8 @@ def _track_bank(domain: RowDomain, profiles: Tensor, coupling: tuple[Tensor, Ten
     / 80.1 %. With one group (a sharp response) the two are the same.
 
     A leaf that no frame of a chunk of frames shows (the jaws close its rows: its profile has no
-    weight) has costs of exactly 0 there, which are not computed: the jaws show about a quarter of
-    the strips in a frame, and the arc's recursion needs only the leaves its chunk shows."""
+    weight) has costs of exactly 0 there, which on the CPU are not computed (``SHOWN_ONLY``): the jaws
+    show about a quarter of the strips in a frame, half of them in a chunk."""
     batch, frames = profiles.shape[:2]
     start = banks[bank]
     states, count = len(offsets), len(moving)
@@ -313,14 +321,8 @@ def _track_bank(domain: RowDomain, profiles: Tensor, coupling: tuple[Tensor, Ten
         part = slice(k, min(k + per_chunk, frames))
         points = [b[:, part.start:part.stop + 1] for b in banks]
         shown = seen[:, part][..., moving]  # (B, F, L)
-        active = shown.flatten(0, -2).any(0)  # (L,): a leaf no frame of the chunk shows has costs of 0
         chunk = (domain, profiles[:, part], tuple(c[:, part] for c in coupling), points, bank, offsets, travel_scale)
-        if bool(active.all()):
-            costs = _chunk_costs(*chunk, moving, shown)
-        else:
-            costs = profiles.new_zeros(batch, part.stop - part.start, count, states, states)
-            if bool(active.any()):
-                costs[:, :, active] = _chunk_costs(*chunk, moving[active], shown[..., active])
+        costs = _shown_costs(chunk, moving, shown, states)
         for frame in range(costs.shape[1]):
             total = best[..., :, None] + costs[:, frame]
             best, choices[k + frame] = total.min(-2)
@@ -334,6 +336,22 @@ def _track_bank(domain: RowDomain, profiles: Tensor, coupling: tuple[Tensor, Ten
     result = start.clone()
     result[..., moving] = start[..., moving] + offsets[torch.stack(chosen[::-1], 1)]
     return result
+
+
+def _shown_costs(chunk: tuple, moving: Tensor, shown: Tensor, states: int) -> Tensor:
+    """``_chunk_costs`` (B, F, L, S, S) of the leaves ``moving`` (L,) over a chunk of frames (``chunk``:
+    its arguments before the leaves), computed on a ``SHOWN_ONLY`` device for only the leaves some
+    frame of it shows (``shown`` (B, F, L)): the others' are exactly 0."""
+    profiles = chunk[1]
+    if profiles.device.type not in SHOWN_ONLY:
+        return _chunk_costs(*chunk, moving, shown)
+    active = shown.flatten(0, -2).any(0)  # (L,)
+    if bool(active.all()):
+        return _chunk_costs(*chunk, moving, shown)
+    costs = profiles.new_zeros(*shown.shape, states, states)
+    if bool(active.any()):
+        costs[:, :, active] = _chunk_costs(*chunk, moving[active], shown[..., active])
+    return costs
 
 
 def _chunk_costs(domain: RowDomain, profiles: Tensor, coupling: tuple[Tensor, Tensor], points: list[Tensor], bank: int,

@@ -124,3 +124,26 @@ def test_bench_reconstruct_takes_held_out_arcs_only(tmp_path):
                                  "--arcs", arcs], cwd=ROOT, check=False, capture_output=True, text=True,
                                 env=clean_environment(), timeout=120)
         assert result.returncode == 2 and expected in result.stderr and result.stderr.count("\n") == 1
+
+
+def test_bench_reconstruct_finds_a_moved_kernel_through_epid_kernel(tmp_path):
+    """A checkpoint whose kernel file is gone is refused in one line; EPID_KERNEL names where it is now
+    (and no other variable reaches the bench)."""
+    import scipy.io
+
+    torch.manual_seed(0)
+    moved = tmp_path / "moved.mat"
+    scipy.io.savemat(moved, {"kernel": default_kernel()})
+    checkpoint = tmp_path / "aperture.pth"
+    payload = checkpoint_payload(*build_models("tiny", "aperture"), kernel=str(tmp_path / "gone.mat"))
+    save_checkpoint(checkpoint, payload)
+    command = [sys.executable, "-m", "bench.bench_reconstruct", "--checkpoint", str(checkpoint), "--frames", "2",
+               "--arcs", "6", "--methods", "network", "--device", "cpu"]
+    refused = subprocess.run(command, cwd=ROOT, check=False, capture_output=True, text=True, env=clean_environment(),
+                             timeout=120)
+    assert refused.returncode == 2 and "gone.mat" in refused.stderr and refused.stderr.count("\n") == 1
+    environment = {**clean_environment(), "EPID_KERNEL": str(moved), "EPID_NOISE_STD": "0.5"}
+    found = subprocess.run(command, cwd=ROOT, check=False, capture_output=True, text=True, env=environment,
+                           timeout=300)
+    assert found.returncode == 0, found.stderr
+    assert f"kernel {moved} (EPID_KERNEL)" in found.stdout and "noise std 0.005 (checkpoint)" in found.stdout
