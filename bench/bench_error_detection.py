@@ -3,7 +3,7 @@ models recorded (``bench.clinic_delivery``: its own fluence integration, leaf en
 groove, response, field-size output, sag, non-linearity, two-constant lag, noise), after
 commissioning the checkpoint's forward model on other plans.
 
-Plans: synthetic arcs written as RT Plans over ``--arc-degrees`` of gantry (``--control-points``
+Plans: synthetic arcs on the checkpoint's MLC written as RT Plans over ``--arc-degrees`` of gantry (``--control-points``
 each, MU scaled to ``--beam-mu``), the commissioning ones from dataset IDs 1 mod 4 (tuning; with
 ``--field-plan`` also the static fields of ``commission.field_plan``), the judged ones 2 mod 4 (one
 per pattern), which no training or tuning saw. Each judged plan is delivered without error and with
@@ -37,6 +37,7 @@ import argparse
 import dataclasses
 import json
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -60,6 +61,8 @@ from epid.dicom.plan import read_plan, write_plan
 from epid.dicom.series import read_series
 from epid.evaluation import commission, inference, plan_qa, timeline
 from epid.models.checkpoint import build_models_from_checkpoint, load_checkpoint
+from epid.synthesis.geometry import STRIPS
+from epid.synthesis.mlc import LEGACY_GRID, MlcGeometry
 from epid.synthesis.sequences import generate_control_points
 
 ERRORS = {
@@ -108,18 +111,19 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def arc_plan(folder: Path, dataset_id: int, args: argparse.Namespace, x_jaws: bool = False):
+def arc_plan(folder: Path, dataset_id: int, args: argparse.Namespace, x_jaws: bool = False,
+             mlc: MlcGeometry = LEGACY_GRID):
     """Dataset ``dataset_id``'s arc (or with ``dataset_id`` None the static fields of
-    ``commission.field_plan``) as an RT Plan over ``--arc-degrees`` with ``--beam-mu`` MU; with
-    ``x_jaws``, ASYMX jaws that follow the leaves (``tracking_x_jaws``)."""
+    ``commission.field_plan``) on ``mlc`` (the checkpoint's) as an RT Plan over ``--arc-degrees`` with
+    ``--beam-mu`` MU; with ``x_jaws``, ASYMX jaws that follow the leaves (``tracking_x_jaws``)."""
     if dataset_id is None:
-        control_points, path, label = commission.field_plan(), folder / "fields.dcm", "fields"
+        control_points, path, label = commission.field_plan(mlc=mlc), folder / "fields.dcm", "fields"
     else:
-        control_points = generate_control_points(dataset_id, args.control_points)
+        control_points = generate_control_points(dataset_id, args.control_points, mlc)
         path, label = folder / f"arc_{dataset_id:03d}.dcm", f"arc {dataset_id}"
     start = 181.0
     write_plan(path, control_points, beam_mu=args.beam_mu, gantry_start_deg=start,
-               gantry_stop_deg=(start + args.arc_degrees) % 360.0, label=label,
+               gantry_stop_deg=(start + args.arc_degrees) % 360.0, label=label, mlc=mlc,
                x_jaws=tracking_x_jaws(control_points) if x_jaws else None)
     (beam,) = read_plan(path)
     return beam
@@ -134,7 +138,8 @@ def tracking_x_jaws(control_points) -> np.ndarray:
     """(N, 2) [X1, X2] mm: X jaws that follow the leaves as a planning system's jaw tracking sets them,
     each at the most open leaf of its bank among the pairs the Y jaws and the leaves leave open (the
     pairs closed or outside the Y jaws parked behind them)."""
-    band = inference.jaw_band(*(torch.tensor(jaw) for jaw in (control_points.jaw_1, control_points.jaw_2))).numpy()
+    band = inference.jaw_band(*(torch.tensor(jaw) for jaw in (control_points.jaw_1, control_points.jaw_2)),
+                              control_points.mlc.grid).numpy()
     open_pairs = band & (control_points.leaf_b - control_points.leaf_a > 0.0)
     x1 = np.where(open_pairs, control_points.leaf_a, np.inf).min(1)
     x2 = np.where(open_pairs, control_points.leaf_b, -np.inf).max(1)
@@ -159,12 +164,19 @@ def main(argv: list[str] | None = None) -> int:
     keep_freed_memory()  # as inference_visualize.py reconstructs
     checkpoint = load_checkpoint(args.checkpoint)
     models = build_models_from_checkpoint(checkpoint, "cpu")
+    trained = (checkpoint.get("config") or {}).get("mlc_geometry")
+    mlc = MlcGeometry.from_dict(trained) if trained else LEGACY_GRID
+    if mlc.grid is not STRIPS:
+        print(f"python -m bench.bench_error_detection: error: checkpoint {args.checkpoint} is on {mlc.name} "
+              f"({mlc.grid.count} strips of {mlc.grid.strip_mm:g} mm); bench.clinic_delivery renders leaves on "
+              f"52 rows of 5 mm only", file=sys.stderr)
+        return 2
     physics = PanelPhysics()
     panel = ClinicPanel(physics)
     machine = describe_machine(torch.device("cpu"))
     write_series = write_xim_cine if args.xim else write_cine
     results: dict = {"checkpoint": args.checkpoint, "machine": machine, "physics": dataclasses.asdict(physics),
-                     "cine_format": "XIM" if args.xim else "RT Image",
+                     "cine_format": "XIM" if args.xim else "RT Image", "mlc": mlc.name,
                      "arc_degrees": args.arc_degrees, "control_points": args.control_points, "beam_mu": args.beam_mu,
                      "deliveries": [], "integrated": []}
     started = time.perf_counter()
@@ -172,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         folder = Path(scratch)
         measurements, deliveries = [], []
         for dataset_id in COMMISSIONING_IDS + ((None,) if args.field_plan else ()):
-            beam = arc_plan(folder, dataset_id, args)
+            beam = arc_plan(folder, dataset_id, args, mlc=mlc)
             delivery = panel.deliver(beam)
             paths = write_series(delivery, folder / f"commission_{dataset_id or 'fields'}", physics)
             series = read_series(paths)
@@ -189,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{[round(g['2_2mm'], 2) for g in commissioned.summary['gamma_after']]} % (2 %/2 mm)", flush=True)
         rows = []
         for dataset_id in JUDGED_IDS[:args.plans]:
-            beam = arc_plan(folder, dataset_id, args, x_jaws=args.x_jaws)
+            beam = arc_plan(folder, dataset_id, args, x_jaws=args.x_jaws, mlc=mlc)
             for name in args.errors.split(","):
                 delivery = panel.deliver(beam, {**ERRORS, **X_JAW_ERRORS}[name])
                 paths = write_series(delivery, folder / f"judged_{dataset_id}_{name}", physics)

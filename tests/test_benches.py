@@ -122,3 +122,24 @@ def test_clinic_cine_frames_read_alike_as_rt_images_and_as_xim_placed_by_the_mu_
     placement = timeline.place_frames(beam, as_xim)
     assert placement.placed_by.startswith("the linac's MU counter")
     np.testing.assert_allclose(placement.boundaries_mu[1:], delivered.spans_mu[:, 1], atol=1e-9)
+
+
+def test_error_detection_refuses_a_checkpoint_the_clinic_simulation_cannot_render(tmp_path):
+    """The independent clinic simulation renders leaves on 52 rows of 5 mm: an HD120 checkpoint (104
+    strips of 2.5 mm) is refused in one line before any plan is delivered."""
+    import torch
+
+    from epid.models.checkpoint import save_checkpoint
+    from epid.models.families import build_models
+    from epid.synthesis.mlc import MLC_GEOMETRIES
+    from tests.evaluation.test_inference import checkpoint_payload
+
+    torch.manual_seed(0)
+    hd120 = MLC_GEOMETRIES["hd120"]
+    checkpoint = tmp_path / "hd120.pth"
+    save_checkpoint(checkpoint, checkpoint_payload(*build_models("tiny", "aperture", hd120), mlc_geometry=hd120))
+    result = subprocess.run([sys.executable, "-m", "bench.bench_error_detection", "--checkpoint", str(checkpoint),
+                             "--plans", "1", "--errors", "none", "--output", str(tmp_path / "out.json")], cwd=ROOT,
+                            env=clean_environment(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert "hd120 (104 strips of 2.5 mm)" in result.stderr and not (tmp_path / "out.json").exists()
