@@ -2,8 +2,9 @@
 measurements that commissioning, the delivery-QA tests and ``bench.bench_error_detection`` need.
 
 Nothing of ``epid.synthesis`` or ``epid.models`` is used; the plan comes from ``epid.dicom.plan``
-(its leaves on the 5 mm rows) and the images are written with pydicom directly, as a panel
-would write them. The physics has forms the synthesis does not have:
+(its leaves on the strips of its MLC, whose own leaf boundaries place the interleaf leakage and the
+tongue and groove) and the images are written with pydicom directly, as a panel would write them.
+The physics has forms the synthesis does not have:
 
 - delivery in time: each control-point interval lasts max(MU / dose rate, gantry travel / gantry
   speed); cine frames at a fixed frame rate integrate whatever the linac delivered meanwhile (their
@@ -42,7 +43,6 @@ from epid.dicom.plan import PlanBeam
 FLUENCE_MM = 0.25
 IMAGE_MM = 0.5
 HALF_FIELD_MM = 130.0
-ROW_MM = 5.0
 ROWS_Y_MIN_MM = -130.0
 RT_IMAGE_STORAGE = "1.2.840.10008.5.1.4.1.1.481.1"
 
@@ -171,14 +171,7 @@ class ClinicPanel:
         count = int(round(2 * HALF_FIELD_MM / FLUENCE_MM))
         self.x = -HALF_FIELD_MM + (np.arange(count) + 0.5) * FLUENCE_MM
         self.y = HALF_FIELD_MM - (np.arange(count) + 0.5) * FLUENCE_MM
-        row = np.clip(((self.y - ROWS_Y_MIN_MM) // ROW_MM).astype(int), 0, 51)
-        self.row = row
-        boundary = ROWS_Y_MIN_MM + ROW_MM * np.rint((self.y - ROWS_Y_MIN_MM) / ROW_MM)
-        distance = np.abs(self.y - boundary)
-        self.interleaf = distance < physics.interleaf_width_mm / 2
-        self.groove = distance < physics.tongue_groove_mm / 2
-        neighbour = np.where(self.y > boundary, row - 1, row + 1)
-        self.neighbour = np.clip(neighbour, 0, 51)
+        self._rows(5.0, 52, np.arange(ROWS_Y_MIN_MM, -ROWS_Y_MIN_MM + 1.0, 5.0))  # the 52 strips until a beam's MLC
         radius = np.hypot(self.x[None, :], self.y[:, None])
         self.horn = 1.0 + physics.horn_per_100mm * (radius / 100.0) ** 2
         size = int(round(2 * HALF_FIELD_MM / IMAGE_MM))
@@ -191,6 +184,27 @@ class ClinicPanel:
         kernel = (1 - physics.tail_share) * core / core.sum() + physics.tail_share * tail / tail.sum()
         self.kernel_fft = np.fft.rfft2(kernel)
         self.padded = padded
+
+    def leaf_rows(self, mlc) -> None:
+        """The rows of a plan's MLC (``PlanBeam.geometry``: its strips, and a single layer's own leaf
+        boundaries, every strip's of a dual layer), as ``_rows`` lays them."""
+        self._rows(mlc.grid.strip_mm, mlc.grid.count, mlc.layers[0] if len(mlc.layers) == 1 else mlc.grid.edges_mm)
+
+    def _rows(self, strip_mm: float, count: int, boundaries: np.ndarray) -> None:
+        """Where each fluence row lies on ``count`` strips of ``strip_mm`` from ``ROWS_Y_MIN_MM`` (the
+        positions a plan read gives) and, within the interleaf or tongue-and-groove width of one of the
+        MLC's own leaf ``boundaries`` (mm, ascending), the strip across that boundary."""
+        p = self.physics
+        boundaries = np.asarray(boundaries, dtype=np.float64)
+        self.row = np.clip(((self.y - ROWS_Y_MIN_MM) // strip_mm).astype(int), 0, count - 1)
+        above = np.clip(np.searchsorted(boundaries, self.y), 1, len(boundaries) - 1)
+        lower, upper = boundaries[above - 1], boundaries[above]
+        boundary = np.where(self.y - lower < upper - self.y, lower, upper)
+        distance = np.abs(self.y - boundary)
+        self.interleaf = distance < p.interleaf_width_mm / 2
+        self.groove = distance < p.tongue_groove_mm / 2
+        across = np.where(self.y > boundary, boundary - strip_mm / 2, boundary + strip_mm / 2)
+        self.neighbour = np.clip(((across - ROWS_Y_MIN_MM) // strip_mm).astype(int), 0, count - 1)
 
     def fluence(self, plan: dict[str, np.ndarray], start_mu: float, end_mu: float) -> np.ndarray:
         """Fluence (Y, X) x MU delivered between cumulative MU ``start_mu`` and ``end_mu``, the motion
@@ -255,6 +269,7 @@ class ClinicPanel:
     def deliver(self, beam: PlanBeam, errors: DeliveryErrors = DeliveryErrors(), progress=None) -> Delivery:
         """The cine frames of ``beam``'s delivery with ``errors`` (module docstring)."""
         p = self.physics
+        self.leaf_rows(beam.geometry)
         plan = delivered_plan(beam, errors)
         times, ends = frame_schedule(plan, p)
         cumulative = plan["cumulative_mu"]

@@ -124,22 +124,28 @@ def test_clinic_cine_frames_read_alike_as_rt_images_and_as_xim_placed_by_the_mu_
     np.testing.assert_allclose(placement.boundaries_mu[1:], delivered.spans_mu[:, 1], atol=1e-9)
 
 
-def test_error_detection_refuses_a_checkpoint_the_clinic_simulation_cannot_render(tmp_path):
-    """The independent clinic simulation renders leaves on 52 rows of 5 mm: an HD120 checkpoint (104
-    strips of 2.5 mm) is refused in one line before any plan is delivered."""
-    import torch
+def test_clinic_panel_lays_its_rows_on_the_plans_own_leaves():
+    """bench.clinic_delivery renders each fluence row with the strip a plan read gives it and leaks
+    between leaves only at the MLC's own leaf boundaries, worked by hand: HD120's 5 mm leaf from -110
+    to -105 mm is strips 8 and 9 of 2.5 mm with no boundary between them, its 2.5 mm leaves from -40 mm;
+    Millennium 120's 10 mm leaves (-200 to -100 mm and 100 to 200 mm) leak only every 10 mm, not at
+    the 5 mm strips' boundary -115 mm."""
+    import numpy as np
 
-    from epid.models.checkpoint import save_checkpoint
-    from epid.models.families import build_models
+    from bench.clinic_delivery import ClinicPanel
     from epid.synthesis.mlc import MLC_GEOMETRIES
-    from tests.evaluation.test_inference import checkpoint_payload
 
-    torch.manual_seed(0)
-    hd120 = MLC_GEOMETRIES["hd120"]
-    checkpoint = tmp_path / "hd120.pth"
-    save_checkpoint(checkpoint, checkpoint_payload(*build_models("tiny", "aperture", hd120), mlc_geometry=hd120))
-    result = subprocess.run([sys.executable, "-m", "bench.bench_error_detection", "--checkpoint", str(checkpoint),
-                             "--plans", "1", "--errors", "none", "--output", str(tmp_path / "out.json")], cwd=ROOT,
-                            env=clean_environment(), capture_output=True, text=True, timeout=120)
-    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
-    assert "hd120 (104 strips of 2.5 mm)" in result.stderr and not (tmp_path / "out.json").exists()
+    panel = ClinicPanel()
+
+    def at(y: float) -> tuple[int, int, bool]:
+        index = int(np.argmin(np.abs(panel.y - y)))
+        return int(panel.row[index]), int(panel.neighbour[index]), bool(panel.interleaf[index])
+
+    legacy = [at(y) for y in (-125.125, -124.875, -122.625)]
+    assert legacy == [(0, 1, True), (1, 0, True), (1, 0, False)]  # 5 mm rows, a boundary every 5 mm
+    panel.leaf_rows(MLC_GEOMETRIES["hd120"])
+    assert [at(y) for y in (-109.875, -107.625, -105.125, -104.875, -40.125, -39.875, 41.125)] == [
+        (8, 7, True), (8, 7, False), (9, 10, True), (10, 9, True), (35, 36, True), (36, 35, True), (68, 67, False)]
+    assert at(-107.5 + 0.125)[2] is False  # between strips 8 and 9: inside one 5 mm leaf
+    panel.leaf_rows(MLC_GEOMETRIES["millennium120"])
+    assert at(-115.125)[2] is False and at(-114.875)[2] is False and at(-110.125)[2] is True
