@@ -34,6 +34,7 @@ import torch
 from epid.core.cli import run_main
 from epid.core.devices import cpu_features, cpu_model
 from epid.dicom.plan import read_plan, write_plan
+from epid.evaluation.inference import trained_mlc
 from epid.models.checkpoint import build_models_from_checkpoint, load_checkpoint
 from epid.models.families import DEFAULT_FAMILY, build_models
 from epid.synthesis.mlc import LEGACY_GRID, MLC_GEOMETRIES, MlcGeometry
@@ -93,8 +94,7 @@ def forward_model_of(checkpoint: str) -> tuple[torch.nn.Module, str, MlcGeometry
     if checkpoint:
         loaded = load_checkpoint(checkpoint)
         forward_model, _ = build_models_from_checkpoint(loaded, "cpu")
-        stored = loaded.get("config", {}).get("mlc_geometry")
-        return forward_model, f"checkpoint {checkpoint}", MlcGeometry.from_dict(stored) if stored else LEGACY_GRID
+        return forward_model, f"checkpoint {checkpoint}", trained_mlc(loaded.get("config") or {})
     forward_model, _ = build_models()
     return (forward_model.eval(), f"a freshly built default model ({DEFAULT_FAMILY}, full size; no --checkpoint given)",
             LEGACY_GRID)

@@ -162,8 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     keep_freed_memory()  # as inference_visualize.py reconstructs
     checkpoint = load_checkpoint(args.checkpoint)
     models = build_models_from_checkpoint(checkpoint, "cpu")
-    trained = (checkpoint.get("config") or {}).get("mlc_geometry")
-    mlc = MlcGeometry.from_dict(trained) if trained else LEGACY_GRID
+    mlc = inference.trained_mlc(checkpoint.get("config") or {})
     physics = PanelPhysics()
     panel = ClinicPanel(physics)
     machine = describe_machine(torch.device("cpu"))

@@ -295,10 +295,9 @@ def resolve_synthesis(checkpoint_config: Mapping[str, object], config: Config,
     physics, sources["physics"] = resolve_physics(checkpoint_config, config, environ)
     if environ.get("EPID_MLC", "").strip():
         mlc, sources["mlc"] = config.mlc_geometry, "EPID_MLC"
-    elif "mlc_geometry" in checkpoint_config:
-        mlc, sources["mlc"] = MlcGeometry.from_dict(checkpoint_config["mlc_geometry"]), "checkpoint"
     else:
-        mlc, sources["mlc"] = LEGACY_GRID, "default"
+        mlc = trained_mlc(checkpoint_config)
+        sources["mlc"] = "checkpoint" if "mlc_geometry" in checkpoint_config else "default"
     return SynthesisSettings(
         control_points=int(values["control_points"]), kernel=str(values["kernel"]),
         noise_std=float(values["noise_std"]), noise_seed=int(values["noise_seed"]), sources=sources,
@@ -322,12 +321,18 @@ def resolve_physics(checkpoint_config: Mapping[str, object], config: Config,
     return Physics(), "default"
 
 
+def trained_mlc(checkpoint_config: Mapping[str, object]) -> MlcGeometry:
+    """The MLC a checkpoint was trained on (its config's ``mlc_geometry``); the legacy grid for a checkpoint from
+    before MLCs were named."""
+    trained = checkpoint_config.get("mlc_geometry")
+    return MlcGeometry.from_dict(trained) if trained else LEGACY_GRID
+
+
 def check_plan_mlc(beam: PlanBeam, checkpoint_config: Mapping[str, object], checkpoint_path: str) -> None:
     """InputError (one line naming both) when a plan's MLC is not the one the checkpoint was trained on. A
     checkpoint of the legacy grid (any checkpoint from before MLCs were named) learnt every strip on its
     own, so it takes a plan of any MLC the strips show."""
-    trained = checkpoint_config.get("mlc_geometry")
-    geometry = MlcGeometry.from_dict(trained) if trained else LEGACY_GRID
+    geometry = trained_mlc(checkpoint_config)
     if geometry != LEGACY_GRID and geometry != beam.geometry:
         raise InputError(f"{beam.path}: beam {beam.beam_number} is on {beam.geometry.name} ({beam.mlc}), but "
                          f"checkpoint {checkpoint_path} was trained on {geometry.name} ({geometry.description}); "
