@@ -185,8 +185,12 @@ def _tracked_from(forward_model: nn.Module, signals: Tensor, start: ControlPoint
     the start's rows plus the filtered residuals of the forward model's rendering of the start
     (``epid.reconstruction.leaves``); under a broad response a second pass reads them relative to the
     first pass's fit (``RELINEARISED_STAGES``) and Gauss-Newton steps on the forward model's own
-    misfit follow (``epid.reconstruction.descent``, on the 52 strips: the fine strips of HD120 take
-    the two passes alone); for a ``cine`` series the fit's points are
+    misfit follow (``epid.reconstruction.descent``) on the 52 strips. The fine strips of HD120 take the
+    two passes alone: the steps cost them three times the 52 strips' (a rendering with its gradient on
+    rows of 0.5 mm), and on 300 frames of the tuning arcs 5, 85, 165 (HD120, 12 mm wide response,
+    realistic physics, 20-minute checkpoint, 2-core AVX2 EPYC) took the leaves from 1.001 mm, 74.8 %
+    within 1 mm to 0.927 mm, 76.7 % and the jaws from 0.156 to 0.126 mm at 8.2 frames/s against 11.0,
+    under the 10 a whole arc must keep. For a ``cine`` series the fit's points are
     taken ``between_frames``. Neither the start nor the fit has a pair whose leaves cross (``uncrossed``);
     the fit is kept only where the frames agree with it better (``epid.reconstruction.fallback``)."""
     domain = RowDomain.of(forward_model, signals.device)

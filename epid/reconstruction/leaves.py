@@ -75,7 +75,9 @@ independent runs of frames (a batch of frame pairs, or one arc), on the CPU or a
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -321,8 +323,9 @@ def _track_bank(domain: RowDomain, profiles: Tensor, coupling: tuple[Tensor, Ten
         part = slice(k, min(k + per_chunk, frames))
         points = [b[:, part.start:part.stop + 1] for b in banks]
         shown = seen[:, part][..., moving]  # (B, F, L)
-        chunk = (domain, profiles[:, part], tuple(c[:, part] for c in coupling), points, bank, offsets, travel_scale)
-        costs = _shown_costs(chunk, moving, shown, states)
+        costs_of = functools.partial(_chunk_costs, domain, profiles[:, part], tuple(c[:, part] for c in coupling),
+                                     points, bank, offsets, travel_scale)
+        costs = _shown_costs(costs_of, moving, shown, offsets)
         for frame in range(costs.shape[1]):
             total = best[..., :, None] + costs[:, frame]
             best, choices[k + frame] = total.min(-2)
@@ -338,19 +341,19 @@ def _track_bank(domain: RowDomain, profiles: Tensor, coupling: tuple[Tensor, Ten
     return result
 
 
-def _shown_costs(chunk: tuple, moving: Tensor, shown: Tensor, states: int) -> Tensor:
-    """``_chunk_costs`` (B, F, L, S, S) of the leaves ``moving`` (L,) over a chunk of frames (``chunk``:
-    its arguments before the leaves), computed on a ``SHOWN_ONLY`` device for only the leaves some
-    frame of it shows (``shown`` (B, F, L)): the others' are exactly 0."""
-    profiles = chunk[1]
-    if profiles.device.type not in SHOWN_ONLY:
-        return _chunk_costs(*chunk, moving, shown)
+def _shown_costs(costs_of: Callable[[Tensor, Tensor], Tensor], moving: Tensor, shown: Tensor,
+                 offsets: Tensor) -> Tensor:
+    """The costs (B, F, L, S, S) of the leaves ``moving`` (L,) over a chunk of frames, ``costs_of(leaves,
+    shown)`` (``_chunk_costs`` of the chunk), computed on a ``SHOWN_ONLY`` device for only the leaves some
+    frame of it shows (``shown`` (B, F, L)): the others' are exactly 0. ``offsets`` (S,) the search's."""
+    if offsets.device.type not in SHOWN_ONLY:
+        return costs_of(moving, shown)
     active = shown.flatten(0, -2).any(0)  # (L,)
     if bool(active.all()):
-        return _chunk_costs(*chunk, moving, shown)
-    costs = profiles.new_zeros(*shown.shape, states, states)
+        return costs_of(moving, shown)
+    costs = offsets.new_zeros(*shown.shape, len(offsets), len(offsets))
     if bool(active.any()):
-        costs[:, :, active] = _chunk_costs(*chunk, moving[active], shown[..., active])
+        costs[:, :, active] = costs_of(moving[active], shown[..., active])
     return costs
 
 

@@ -33,7 +33,7 @@ from torch import Tensor, nn
 
 from epid.core.fft import cropped_irfft2, padded_rfft2
 from epid.models.aperture import frame_sub_apertures
-from epid.synthesis.fluence import cell_coverage
+from epid.synthesis.fluence import cell_coverage, groove_shares
 from epid.synthesis.geometry import (
     GRID_SIZE,
     IMAGER_MARGIN,
@@ -141,8 +141,7 @@ class RowDomain:
     def groove_rows(self) -> list[float]:
         """The share of each of the strip rows within 1 mm of a boundary between leaves (nearest
         first) that the tongue-and-groove strip covers: ``groove_share`` on rows of 1 mm."""
-        row = self.grid.row_mm
-        return [min(max(self.groove_share - k * row, 0.0), row) / row for k in range(self.grid.rows_per_pixel)]
+        return [float(share) for share in groove_shares(self.groove_share, self.grid)]
 
     @property
     def broad(self) -> bool:

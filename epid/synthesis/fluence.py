@@ -176,6 +176,13 @@ def cell_coverage(lower: torch.Tensor, upper: torch.Tensor, centres: torch.Tenso
     return (high - low).clamp(0.0, width) / width
 
 
+def groove_shares(half_width_mm: Setting, grid: StripGrid) -> list[torch.Tensor]:
+    """The share of each of ``grid``'s rows within 1 mm of a boundary between leaves (nearest first)
+    that a tongue-and-groove strip reaching ``half_width_mm`` into each leaf covers (0-d tensors)."""
+    half = torch.as_tensor(half_width_mm)
+    return [(half - k * grid.row_mm).clamp(0.0, grid.row_mm) / grid.row_mm for k in range(grid.rows_per_pixel)]
+
+
 def aperture_fluence(leaf_a: torch.Tensor, leaf_b: torch.Tensor, jaw_1: torch.Tensor, jaw_2: torch.Tensor,
                      weights: torch.Tensor, *, leaf_end_offset_a: Setting = 0.0, leaf_end_offset_b: Setting = 0.0,
                      jaw_edge_offset: Setting = 0.0, tongue_groove_mm: Setting = 0.0,
@@ -223,8 +230,7 @@ def aperture_fluence(leaf_a: torch.Tensor, leaf_b: torch.Tensor, jaw_1: torch.Te
     jaw_fluence = jaw_fluence.view(batch, sub_apertures, grid.count, ROWS_PER_LEAF).permute(0, 2, 3, 1)
     shares = None  # of the k-th row from a boundary inside the tongue-and-groove strip
     if isinstance(tongue_groove_mm, torch.Tensor) or tongue_groove_mm > 0:
-        half = torch.as_tensor(tongue_groove_mm, device=device) / 2.0
-        shares = [(half - k * grid.row_mm).clamp(0.0, grid.row_mm) / grid.row_mm for k in range(band)]
+        shares = groove_shares(torch.as_tensor(tongue_groove_mm, device=device) / 2.0, grid)
     tongue = None if interleaf is None else interleaf.amax(0).view(-1, 1, 1)  # (strips - 1, 1, 1)
 
     def open_sum(lower: torch.Tensor, upper: torch.Tensor, within_x_jaws: bool = False) -> torch.Tensor:
