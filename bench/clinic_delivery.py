@@ -79,7 +79,8 @@ class PanelPhysics:
 @dataclass(frozen=True)
 class DeliveryErrors:
     """What goes wrong in a delivery: bank A (and B) shifted along x, mm; one leaf pair's bank A leaf
-    stuck at its position from a share of the arc on (``stuck_leaf``: (row, from share)); every MU
+    stuck at its position from a share of the arc on (``stuck_leaf``: (strip, from share): the MLC's
+    leaf over that strip, every strip it covers); every MU
     scaled; the gantry angles reported ``gantry_offset_deg`` off the delivered ones; the X1 jaw of a
     beam with X jaws shifted along x (``x_jaw_1_mm``, positive closing), mm."""
 
@@ -115,7 +116,9 @@ def delivered_plan(beam: PlanBeam, errors: DeliveryErrors) -> dict[str, np.ndarr
     if errors.stuck_leaf is not None:
         row, share = errors.stuck_leaf
         start = int(round(share * (len(cp) - 1)))
-        leaf_a[start:, row] = np.minimum(leaf_a[start, row], leaf_b[start:, row])
+        over = beam.geometry.strip_leaves[0]
+        leaf = np.flatnonzero(over == over[row]) if over[row] >= 0 else np.array([row])  # every strip of its leaf
+        leaf_a[start:, leaf] = np.minimum(leaf_a[start, leaf], leaf_b[start:, leaf])
     leaf_b = np.maximum(leaf_b, leaf_a)
     cumulative = np.cumsum(cp.mu.astype(np.float64)) * errors.mu_scale
     plan = {"leaf_a": leaf_a, "leaf_b": leaf_b, "jaw_1": cp.jaw_1.astype(np.float64),

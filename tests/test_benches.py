@@ -149,3 +149,27 @@ def test_clinic_panel_lays_its_rows_on_the_plans_own_leaves():
     assert at(-107.5 + 0.125)[2] is False  # between strips 8 and 9: inside one 5 mm leaf
     panel.leaf_rows(MLC_GEOMETRIES["millennium120"])
     assert at(-115.125)[2] is False and at(-114.875)[2] is False and at(-110.125)[2] is True
+
+
+def test_a_stuck_leaf_sticks_every_strip_of_its_mlc_leaf(tmp_path):
+    """From half way through the arc bank A's leaf over the named strip stands still (closed no further
+    than bank B): on HD120 the 5 mm leaf over strip 26 is strips 26 and 27, and both stick; the 2.5 mm
+    leaf over strip 41 is strip 41 alone; the other strips move as planned."""
+    import numpy as np
+
+    from bench.clinic_delivery import DeliveryErrors, delivered_plan
+    from epid.dicom.plan import read_plan, write_plan
+    from epid.synthesis.mlc import MLC_GEOMETRIES
+    from epid.synthesis.sequences import generate_control_points
+
+    hd120 = MLC_GEOMETRIES["hd120"]
+    write_plan(tmp_path / "arc.dcm", generate_control_points(14, 9, hd120), beam_mu=20.0, label="arc 14",
+               mlc=hd120)
+    (beam,) = read_plan(tmp_path / "arc.dcm")
+    planned = beam.control_points
+    for strip, stuck in ((26, [26, 27]), (41, [41])):
+        delivered = delivered_plan(beam, DeliveryErrors(stuck_leaf=(strip, 0.5)))["leaf_a"]
+        expected = planned.leaf_a.astype(np.float64)
+        expected[4:, stuck] = np.minimum(expected[4, stuck], planned.leaf_b[4:, stuck])
+        np.testing.assert_allclose(delivered, expected)
+        assert not np.allclose(planned.leaf_a[4:, stuck], planned.leaf_a[4, stuck])  # the plan moves them
