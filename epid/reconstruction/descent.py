@@ -26,8 +26,8 @@ merged to ``SUB_SAMPLES`` for the curvature, leaves further apart than where C f
 ``CORRELATION_FLOOR`` of its peak are left uncoupled, and so are the jaws from the leaves.
 
 Frame k couples control points k and k + 1 only, so the normal equations are block tridiagonal (2 x
-strips + 2 unknowns per point) and are solved exactly in one sweep along the run (``solve_chain``). Levenberg-
-Marquardt damping (``START_DAMPING`` x the diagonal, a third of it after a step that lowers the
+strips + 2 unknowns per point) and are solved exactly in one sweep along the run (``solve_chain``).
+Levenberg-Marquardt damping (``START_DAMPING`` x the diagonal, a third of it after a step that lowers the
 misfit, four times after one that does not) and a prior of ``PRIOR_SHARE`` of a fully open edge's
 curvature hold the positions the frames hardly show (a leaf behind a jaw, a closed pair); no position
 moves more than ``STEP_LIMIT_MM`` in a step, and a step is kept for a run only when it lowers that
