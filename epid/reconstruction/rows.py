@@ -240,14 +240,15 @@ class RowDomain:
         (..., F, 7, strips, 2 R + 1) for o = -R..R, and of the tongue-and-groove edges of the
         boundary between strips j + q and j + q + 1, (..., F, 7, strips, 2 R + 2) for q = -R - 1..R:
         the jaws' and the leaves' transmission of each source row seen through t along y, the rows
-        beside a boundary shared between the strip's own edge and the groove's."""
+        beside a boundary between leaves (``interleaf``; none inside a leaf of several strips) shared
+        between the strip's own edge and the groove's."""
         count, band = self.grid.count, self.grid.rows_per_pixel
         passed = self.jaw_transmission + (1 - self.jaw_transmission) * openings
         lower = torch.zeros(count, ROWS_PER_LEAF, device=openings.device)  # groove share of the boundary below
         upper = torch.zeros_like(lower)  # and of the boundary above each row
         for k, share in enumerate(self.groove_rows):
-            lower[1:, k] = share  # the k-th row of every strip but the first
-            upper[:-1, -1 - k] = share  # the k-th row from the top of every strip but the last
+            lower[1:, k] = share * self.interleaf  # the k-th row of every strip but the first
+            upper[:-1, -1 - k] = share * self.interleaf  # the k-th row from the top of every strip but the last
         leaking = torch.zeros_like(lower)  # the rows within 1 mm of a boundary between two leaves
         leaking[:-1, -band:] = self.interleaf[:, None]
         leaking[1:, :band] = self.interleaf[:, None]

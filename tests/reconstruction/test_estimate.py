@@ -141,17 +141,21 @@ def mlc_leaves(mlc: str, leaf_a: torch.Tensor, leaf_b: torch.Tensor) -> tuple[to
     return tuple(torch.from_numpy(np.asarray(value, dtype=np.float32)) for value in tied)
 
 
-@pytest.mark.parametrize("mlc", ["legacy", "hd120"])
-def test_row_model_is_the_rendered_frame_seen_through_the_wiener_filter(mlc):
+@pytest.mark.parametrize("mlc, tied", [("legacy", True), ("hd120", True), ("hd120", False)])
+def test_row_model_is_the_rendered_frame_seen_through_the_wiener_filter(mlc, tied):
     """The differenced profiles ``_model`` predicts are those of the forward model's own rendering
     after the Wiener filter, with a real MLC's physics (transmission, rounded leaf ends, interleaf
     leakage, a tongue-and-groove strip between leaves that differ by mm) and rows the moving jaws
-    leave partly open; on the 52 strips of 5 mm and on HD120's 104 of 2.5 mm (rows of 0.5 mm)."""
+    leave partly open; on the 52 strips of 5 mm and on HD120's 104 of 2.5 mm (rows of 0.5 mm), its
+    5 mm leaves' two strips level (as a plan has them) or apart (as a fit may have them: no tongue and
+    groove between two strips of one leaf)."""
     forward = with_real_mlc(forward_with_2mm_response(mlc=mlc))
     count = forward.aperture.grid.count
     gen = torch.Generator().manual_seed(0)
     leaf_a = -20.3 + (torch.randn(3, count, generator=gen) * 3).cumsum(0) + 4 * torch.randn(count, generator=gen)
-    leaf_a, leaf_b = mlc_leaves(mlc, leaf_a, leaf_a + 25.0 + 4 * torch.randn(count, generator=gen))
+    leaf_b = leaf_a + 25.0 + 4 * torch.randn(count, generator=gen)
+    if tied:
+        leaf_a, leaf_b = mlc_leaves(mlc, leaf_a, leaf_b)
     jaws = torch.tensor([[-41.3, 43.6], [-40.2, 44.9], [-38.7, 47.2]])  # edges inside rows 17 and 34 (of 5 mm)
     domain = rows_module.RowDomain.of(forward)
     openings = domain.jaw_openings(jaws[None])
