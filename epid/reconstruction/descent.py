@@ -36,7 +36,6 @@ run's misfit.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -158,12 +157,7 @@ class ResponseCorrelation:
                 + fr * ((1 - fc) * flat[base + columns] + fc * flat[base + columns + 1]))
 
 
-def phases(grid: StripGrid) -> int:
-    """How many ways a strip's rows fall on the imager's 1 mm rows (strip j's is j mod phases)."""
-    return grid.rows_per_pixel // math.gcd(ROWS_PER_LEAF, grid.rows_per_pixel)
-
-
-def edge_profiles(groove_rows: list[float]) -> Tensor:
+def _edge_profiles(groove_rows: list[float]) -> Tensor:
     """(``CLASSES``, 5 + 2 band): the fluence change per unit move of an edge of each class in the rows
     of its strip and the ``band`` = len(``groove_rows``) rows beyond each boundary (rows -band..4 +
     band): 1 in its own rows, and in the rows within 1 mm of a boundary where tongue and groove
@@ -185,7 +179,7 @@ def edge_profiles(groove_rows: list[float]) -> Tensor:
 
 
 def _pixel_profiles(profiles: Tensor, grid: StripGrid, strip: int) -> tuple[Tensor, int]:
-    """``edge_profiles`` of strip ``strip`` -> the same on the imager's 1 mm rows (each the mean of the
+    """``_edge_profiles`` of strip ``strip`` -> the same on the imager's 1 mm rows (each the mean of the
     grid's rows in it) and the imager row of their first entry."""
     band = (profiles.shape[1] - ROWS_PER_LEAF) // 2
     rows = ROWS_PER_LEAF * strip - band + torch.arange(profiles.shape[1])
@@ -212,10 +206,10 @@ def _pair_table(auto: Tensor, centre: int, profiles: Tensor, grid: StripGrid, st
 
 def _edge_table(auto: Tensor, centre: int, groove_rows: list[float], grid: StripGrid) -> Tensor:
     """(phases, 2 R + 1, ``CLASSES``, ``CLASSES``, W): C summed over the imager rows that two edges of
-    each class move (``edge_profiles``), R the largest strip offset whose products reach
+    each class move (``_edge_profiles``), R the largest strip offset whose products reach
     ``CORRELATION_FLOOR`` of the peak."""
-    profiles = edge_profiles(groove_rows)
-    count = phases(grid)
+    profiles = _edge_profiles(groove_rows)
+    count = grid.phases
     tables = []
     for offset in range(grid.count):
         table = torch.stack([_pair_table(auto, centre, profiles, grid, phase, phase + offset)

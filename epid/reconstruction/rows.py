@@ -358,7 +358,7 @@ def _row_taps(taps: Tensor, grid: StripGrid = STRIPS) -> Tensor:
     strips = math.ceil((per_pixel * (reach + 1) - 1 + ROWS_PER_LEAF - 1) / ROWS_PER_LEAF)
     rows = torch.arange(ROWS_PER_LEAF)
     phases = []
-    for phase in range(per_pixel):
+    for phase in range(grid.phases):
         matrices = []
         for o in range(-strips, strips + 1):
             first = phase * ROWS_PER_LEAF  # the strip's first row, counted from a whole millimetre

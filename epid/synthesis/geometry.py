@@ -8,6 +8,8 @@ imager's 256 rows plus two rows beyond it on each side. Leaves finer than 5 mm (
 shown on a finer grid of strips (``StripGrid``).
 """
 
+import math
+
 import numpy as np
 import torch
 
@@ -53,6 +55,13 @@ class StripGrid:
 
     def __repr__(self) -> str:
         return f"StripGrid({self.count} strips of {self.strip_mm:g} mm)"
+
+    @property
+    def phases(self) -> int:
+        """How many ways a strip's rows fall on the imager's 1 mm rows: strip j's rows start
+        ``j x ROWS_PER_LEAF`` rows from a whole millimetre, which repeats every ``phases`` strips (one on
+        rows of 1 mm, two on rows of 0.5 mm)."""
+        return self.rows_per_pixel // math.gcd(ROWS_PER_LEAF, self.rows_per_pixel)
 
     @property
     def edges_mm(self) -> np.ndarray:
