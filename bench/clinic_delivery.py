@@ -39,6 +39,7 @@ from pydicom.uid import ExplicitVRLittleEndian, generate_uid
 
 from bench.xim_files import write_xim
 from epid.dicom.plan import PlanBeam
+from epid.synthesis.mlc import LEGACY_GRID, MlcGeometry
 
 FLUENCE_MM = 0.25
 IMAGE_MM = 0.5
@@ -174,7 +175,7 @@ class ClinicPanel:
         count = int(round(2 * HALF_FIELD_MM / FLUENCE_MM))
         self.x = -HALF_FIELD_MM + (np.arange(count) + 0.5) * FLUENCE_MM
         self.y = HALF_FIELD_MM - (np.arange(count) + 0.5) * FLUENCE_MM
-        self._rows(5.0, 52, np.arange(ROWS_Y_MIN_MM, -ROWS_Y_MIN_MM + 1.0, 5.0))  # the 52 strips until a beam's MLC
+        self.leaf_rows(LEGACY_GRID)  # until a beam names its MLC
         radius = np.hypot(self.x[None, :], self.y[:, None])
         self.horn = 1.0 + physics.horn_per_100mm * (radius / 100.0) ** 2
         size = int(round(2 * HALF_FIELD_MM / IMAGE_MM))
@@ -188,17 +189,14 @@ class ClinicPanel:
         self.kernel_fft = np.fft.rfft2(kernel)
         self.padded = padded
 
-    def leaf_rows(self, mlc) -> None:
-        """The rows of a plan's MLC (``PlanBeam.geometry``: its strips, and a single layer's own leaf
-        boundaries, every strip's of a dual layer), as ``_rows`` lays them."""
-        self._rows(mlc.grid.strip_mm, mlc.grid.count, mlc.layers[0] if len(mlc.layers) == 1 else mlc.grid.edges_mm)
-
-    def _rows(self, strip_mm: float, count: int, boundaries: np.ndarray) -> None:
-        """Where each fluence row lies on ``count`` strips of ``strip_mm`` from ``ROWS_Y_MIN_MM`` (the
-        positions a plan read gives) and, within the interleaf or tongue-and-groove width of one of the
-        MLC's own leaf ``boundaries`` (mm, ascending), the strip across that boundary."""
+    def leaf_rows(self, mlc: MlcGeometry) -> None:
+        """Lays the fluence rows on a plan's MLC (``PlanBeam.geometry``): where each row lies on its
+        strips from ``ROWS_Y_MIN_MM`` (the positions a plan read gives) and, within the interleaf or
+        tongue-and-groove width of one of the MLC's own leaf boundaries (a single layer's; every strip's
+        of a dual layer), the strip across that boundary."""
         p = self.physics
-        boundaries = np.asarray(boundaries, dtype=np.float64)
+        strip_mm, count = mlc.grid.strip_mm, mlc.grid.count
+        boundaries = np.asarray(mlc.layers[0] if len(mlc.layers) == 1 else mlc.grid.edges_mm, dtype=np.float64)
         self.row = np.clip(((self.y - ROWS_Y_MIN_MM) // strip_mm).astype(int), 0, count - 1)
         above = np.clip(np.searchsorted(boundaries, self.y), 1, len(boundaries) - 1)
         lower, upper = boundaries[above - 1], boundaries[above]
