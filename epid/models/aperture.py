@@ -20,11 +20,12 @@ reads as motion that is not there). The beam's off-axis profile and field-size o
 panel's sag (``epid.models.panel``) are held at zero in training and fitted by commissioning.
 Latent: the fluence pooled to 4 mm (B, 1, 64, 64).
 
-Inverse model (``LeafEdgeInverseModel``): each frame is normalised by its maximum. Per leaf
-row, a learned combination of the pixel rows around the leaf (the row deblur) gives a profile
-along x; its rising steps are bank A's edges, its falling steps bank B's. A small CNN on the
-(leaf row, x) grid of both frames, with a coarse branch for context, places a soft window on
-each edge of each frame; the window's centroid, spread and mass of the step density
+Inverse model (``LeafEdgeInverseModel``): each frame is normalised by its maximum; where the run
+names a broad measured response, the frames are first read through its Wiener filter (the rows the
+tracking reads, ``read_through``). Per leaf row, a learned combination of the pixel rows around the
+leaf (the row deblur) gives a profile along x; its rising steps are bank A's edges, its falling
+steps bank B's. A small CNN on the (leaf row, x) grid of both frames, with a coarse branch for
+context, places a soft window on each edge of each frame; the window's centroid, spread and mass of the step density
 (``edge_moments``) of the prev and the curr frame, and how long the row was open between the
 jaws during the frame, feed a per-row MLP that returns the prev and curr positions (a staircase
 of 7 sub-aperture edges spans prev to curr, so centroid and spread carry the motion). Jaws: the
@@ -53,7 +54,7 @@ from torch import Tensor, nn
 
 from epid.models.legacy import LATENT_SIZE, NUM_SCALARS, _check_vector, as_frame_batch
 from epid.models.panel import COMMISSIONING_PARAMETERS, BeamProfile, sag_shift
-from epid.models.response import DetectorResponse, to_imager, to_leaf_grid
+from epid.models.response import DetectorResponse, ResponseFilter, centred_kernel, to_imager, to_leaf_grid
 from epid.synthesis.fluence import aperture_fluence
 from epid.synthesis.geometry import (
     GRID_SIZE,
@@ -450,11 +451,17 @@ class LeafEdgeInverseConfig:
             raise ValueError(f"track_stages {self.track_stages}: expected (range >= 0, grid step > 0) mm pairs")
 
 
+READ_THROUGH_REACH = 128
+"""Reach of the measured response the inverse network reads frames through, mm each side: the forward
+model's (``ApertureForwardConfig.response_reach``)."""
+
+
 class LeafEdgeInverseModel(nn.Module):
     """EPID frame pair -> control points through leaf-edge moments (see the module docstring)."""
 
-    ADDED_PARAMETERS = ApertureForwardModel.ADDED_PARAMETERS[:6]
-    """As ``ApertureForwardModel.ADDED_PARAMETERS``: the aperture's physics and the lag."""
+    ADDED_PARAMETERS = (*ApertureForwardModel.ADDED_PARAMETERS[:6], "response_kernel", "response_present")
+    """As ``ApertureForwardModel.ADDED_PARAMETERS``: the aperture's physics, the lag and the measured
+    response read through (``read_through``)."""
 
     def __init__(self, config: LeafEdgeInverseConfig | None = None) -> None:
         super().__init__()
@@ -483,6 +490,30 @@ class LeafEdgeInverseModel(nn.Module):
         self.in_field_y = nn.Parameter(torch.zeros(LEAF_GRID_ROWS))
         self.in_field_x = nn.Parameter(torch.zeros(GRID_SIZE))
         self.lag_percent = nn.Parameter(torch.zeros(()))
+        size = 2 * READ_THROUGH_REACH + 1
+        self.register_buffer("response_kernel", torch.zeros(size, size))
+        self.register_buffer("response_present", torch.zeros(()))
+        self._filter: tuple[Tensor, ResponseFilter | None] | None = None
+
+    def read_through(self, kernel: Tensor) -> None:
+        """Read every frame through the Wiener filter of a measured response ``kernel`` (2-D, odd
+        sides, centred, rows along y; cut to ``READ_THROUGH_REACH``) where that response is broad
+        (``ResponseFilter.broad``): the frames the network reads are then the fluence seen through a
+        Gaussian of ``ResponseFilter.target_sigma_mm``, the rows the reconstruction's tracking reads.
+        A response no broader than the tracking was tuned with leaves the frames as they are."""
+        with torch.no_grad():
+            self.response_kernel.copy_(centred_kernel(kernel, READ_THROUGH_REACH))
+            self.response_present.fill_(1.0)
+
+    def response_filter(self) -> ResponseFilter | None:
+        """The filter the frames are read through (``read_through``), None where none applies; built
+        once per kernel and device (``ResponseFilter.of_kernel``), not again where the kernel is only
+        copied over (DistributedDataParallel broadcasts the buffers at every step)."""
+        kernel = self.response_kernel * self.response_present  # zeros where none is read through
+        if self._filter is None or self._filter[0].device != kernel.device or not torch.equal(self._filter[0], kernel):
+            response_filter = ResponseFilter.of_kernel(kernel, kernel.device) if bool(self.response_present) else None
+            self._filter = (kernel, response_filter if response_filter and response_filter.broad(self.grid) else None)
+        return self._filter[1]
 
     def parameter_groups(self) -> list[tuple[list[nn.Parameter], float]]:
         """The network at factor 1, the physical parameters (edge shift, in-field weights) at
@@ -494,20 +525,24 @@ class LeafEdgeInverseModel(nn.Module):
     def forward(self, epid_prev: Tensor, epid_curr: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """The network's estimate ``(leaf_a (B, 2 x strips) mm, leaf_b (B, 2 x strips) mm, scalars (B,5),
         latent (B,1,64,64))``; ``epid.reconstruction.estimate.pair_estimate`` refines it with the forward model."""
-        frames = torch.cat([as_frame_batch("epid_prev", epid_prev), as_frame_batch("epid_curr", epid_curr)], 1)
-        frames = remove_lag(frames.float(), self.lag_percent / 100.0)
-        leaf_a, leaf_b, jaws = self.estimate(frames)
+        recorded = torch.cat([as_frame_batch("epid_prev", epid_prev), as_frame_batch("epid_curr", epid_curr)], 1)
+        lag, response_filter = self.lag_percent / 100.0, self.response_filter()
+        frames = remove_lag(recorded.float(), lag)
+        # the filter is linear: the recorded frames (data: no gradient to carry) filtered, then the lag taken out
+        rows = None if response_filter is None else remove_lag(response_filter.filtered_rows(recorded), lag)
+        leaf_a, leaf_b, jaws = self.estimate(frames, rows)
         mu = self.mu_estimate(frames[:, 1], leaf_a.detach(), leaf_b.detach(), jaws.detach())
         scalars = torch.cat([mu[:, None], jaws], 1)
         return leaf_a, leaf_b, scalars, fluence_latent(self.aperture(leaf_a, leaf_b, scalars))
 
-    def estimate(self, frames: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """The network's estimate from frames (B, 2, 256, 256) [prev, curr]: leaf_a, leaf_b (B, 2 x
+    def estimate(self, frames: Tensor, rows: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """The network's estimate from frames (B, 2, 256, 256) [prev, curr], or from ``rows`` (B, 2, 260,
+        256), the frames read through the response's filter (``read_through``): leaf_a, leaf_b (B, 2 x
         strips) and jaws (B, 4) [jaw_1 prev, jaw_1 curr, jaw_2 prev, jaw_2 curr], mm. The jaws are read
         on the 1 mm rows, the leaves on the strips' rows (each pixel row repeated on the fine strips)."""
         batch = frames.shape[0]
         peak = frames.amax(dim=(-2, -1), keepdim=True).clamp_min(1e-6)
-        leaf_grid = to_leaf_grid(frames / peak)  # (B, 2, 260, 256)
+        leaf_grid = to_leaf_grid(frames / peak) if rows is None else rows / peak  # (B, 2, 260, 256)
         if leaf_grid.device.type == "cpu":
             leaf_grid = leaf_grid.contiguous(memory_format=torch.channels_last)
         jaws = self.jaws(leaf_grid)

@@ -7,8 +7,9 @@ the filter can reproduce: where T's spectrum falls more slowly than K's, the fil
 more gain than its regularisation lets it have, the filtered frames are not T * (mu F) and every
 edge the tracking reads from them is off. A response twice as broad as the built-in one made the
 leaves 3 mm wrong that way with T fixed at 2 mm (no noise needed: the bias is the filter's). So T
-is chosen per forward model (``target_sigma``): the sharpest Gaussian, and none sharper than
-``MIN_TARGET_SIGMA_MM``, that the filter reproduces within ``TARGET_FIDELITY``. ``RowDomain`` holds the
+is chosen per forward model (``epid.models.response.target_sigma``): the sharpest Gaussian, and none
+sharper than ``MIN_TARGET_SIGMA_MM``, that the filter reproduces within ``TARGET_FIDELITY``
+(``epid.models.response.ResponseFilter``). ``RowDomain`` holds the
 forward model's physics in the form the tracking needs: the filter, each leaf row's profile
 along x (its pixel rows averaged, weighted by ``ROW_WEIGHTS`` and the jaws' open share), the
 coupling of neighbouring rows through T, and the products of blurred steps (``step_products``)
@@ -31,47 +32,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from epid.core.fft import cropped_irfft2, padded_rfft2
 from epid.models.aperture import frame_sub_apertures
+from epid.models.response import ResponseFilter, target_taps
 from epid.synthesis.fluence import cell_coverage, groove_shares
 from epid.synthesis.geometry import (
     GRID_SIZE,
-    IMAGER_MARGIN,
-    LEAF_GRID_ROWS,
-    LEAF_WIDTH_MM,
     ROWS_PER_LEAF,
     STRIPS,
     SUB_APERTURES,
     StripGrid,
 )
-
-MIN_TARGET_SIGMA_MM = 2.0
-"""Narrowest Gaussian the frames are seen through after the Wiener filter, mm: the width the
-tracking was tuned with on responses as sharp as the built-in one."""
-
-
-MAX_TARGET_SIGMA_MM = 16.0
-"""Widest Gaussian the frames may be seen through, mm (a response broader than any panel's)."""
-
-
-TARGET_FIDELITY = 0.05
-"""Largest relative error (spectral L2 norm) of the Wiener filter's reproduction of T: W K - T
-against T. On a 12 mm wide response the tracking's leaves came closest with T 4.0 mm wide (4.6 %;
-4.5 mm at 2.2 % and 3.5 mm at 9.2 % were worse); on a 5 mm wide one 1.5 mm (6.6 %) beat 2 mm (1 %)
-by a little, but ``MIN_TARGET_SIGMA_MM`` keeps the width the tracking was tuned with there."""
-
-
-TARGET_STEP_MM = 0.1
-"""Grid of the chosen width of T, mm (its tables are cached per width)."""
-
-
-EDGE_PAD = 32
-"""Rows and columns each frame is extended by (its edges repeated) before the Wiener filter."""
-
-
-WIENER_FLOOR = 1e-4
-"""Regularisation of the Wiener filter, relative to the response spectrum's peak power."""
-
 
 ROW_WEIGHTS = (0.1, 1.0, 1.0, 1.0, 0.1)
 """Weights of a leaf's 5 pixel rows in its profile where the jaws leave them open (the rows beside
@@ -103,9 +73,9 @@ FIRST_BOUNDARY_MM = 1 - GRID_SIZE / 2
 class RowDomain:
     """What tracking needs of a forward model, on one device.
 
-    wiener: (H, W // 2 + 1) complex spectrum mapping a leaf-grid frame to D (padded FFT shape
-    ``fft_shape``); taps: t on offsets -reach..reach (sum 1); gram: G(k) = sum_n t(n) t(n + k)
-    for k = -2 reach..2 reach; row_taps: (phases, 2 R + 1, 5, 5) the taps between row r of strip j
+    response_filter: the Wiener filter mapping a frame to D (``ResponseFilter``); taps: t on offsets
+    -reach..reach (sum 1); gram: G(k) = sum_n t(n) t(n + k) for k = -2 reach..2 reach; row_taps:
+    (phases, 2 R + 1, 5, 5) the taps between row r of strip j
     and row r' of strip j + o, M_o[r, r'] (o = -R..R; one phase on the 52 strips, two on the fine
     strips, strip j taking phase j mod 2); edge offsets of banks A and B and of the jaws (mm,
     positive widens); leaf, jaw and interleaf transmission (fractions); interleaf: (strips - 1,) 1
@@ -114,13 +84,12 @@ class RowDomain:
     layer's leaves seen as one); groove_share: the share of each 1 mm row beside a boundary between
     leaves that the tongue-and-groove strip covers;
     phase_corners: (PHASES x 2 M, 4) the cell-phase part of the step products (``step_products``)
-    by table cell, its four corners; target_sigma_mm: the width of T (``target_sigma``);
+    by table cell, its four corners;
     blur_matrix: (lattice, 255) t applied along the lattice of ``splat`` (``blur``, ``correlate``);
     grid: the forward model's strips (``epid.synthesis.geometry.StripGrid``).
     """
 
-    wiener: Tensor
-    fft_shape: tuple[int, int]
+    response_filter: ResponseFilter
     taps: Tensor
     gram: Tensor
     row_taps: Tensor
@@ -133,7 +102,6 @@ class RowDomain:
     interleaf_leakage: float
     interleaf: Tensor
     groove_share: float
-    target_sigma_mm: float
     blur_matrix: Tensor
     grid: StripGrid = STRIPS
 
@@ -144,16 +112,21 @@ class RowDomain:
         return [float(share) for share in groove_shares(self.groove_share, self.grid)]
 
     @property
+    def target_sigma_mm(self) -> float:
+        """The width of T, mm (``epid.models.response.target_sigma``)."""
+        return self.response_filter.target_sigma_mm
+
+    @property
     def broad(self) -> bool:
         """Whether the frames are seen through a Gaussian wider, relative to the strips, than
-        ``MIN_TARGET_SIGMA_MM`` is to strips of 5 mm (a response broader than the tracking was tuned
-        with: polishing stages, leaf groups and a second pass apply). Every response is broad to
-        HD120's 2.5 mm strips: on 300 frames of the tuning arcs 5, 85, 165 (20-minute HD120
+        ``MIN_TARGET_SIGMA_MM`` is to strips of 5 mm (``ResponseFilter.broad``: a response broader
+        than the tracking was tuned with; polishing stages, leaf groups and a second pass apply).
+        Every response is broad to HD120's 2.5 mm strips: on 300 frames of the tuning arcs 5, 85, 165 (20-minute HD120
         checkpoint, realistic physics, built-in kernel) the leaves came to 0.460 mm, 91.3 % within 1
         mm (the 2.5 mm leaves 84.5 %) without the broad stages and 0.311 mm, 96.3 % (93.6 %) with
         them, at 7.3 frames/s against 12.4; the polishing stages alone 0.394 mm, 92.8 %; the second
         pass alone 0.401 mm, 93.6 %."""
-        return self.target_sigma_mm > MIN_TARGET_SIGMA_MM * self.grid.strip_mm / LEAF_WIDTH_MM
+        return self.response_filter.broad(self.grid)
 
     @property
     def reach(self) -> int:
@@ -171,15 +144,14 @@ class RowDomain:
         device = torch.device(device) if device is not None else next(forward_model.parameters()).device
         with torch.no_grad():
             kernel = (response.kernel() * response.log_gain.exp()).double().cpu()  # one filter, built on the CPU
-            spectrum = response._spectrum(kernel)
-            sigma_mm = target_sigma(spectrum, tuple(response.fft_shape))
-            taps, gram = _target_taps(sigma_mm)
-            wiener = _wiener(spectrum, _target_spectrum(sigma_mm, tuple(response.fft_shape)))
+            response_filter = ResponseFilter.of(response._spectrum(kernel), tuple(response.fft_shape), device)
+            sigma_mm = response_filter.target_sigma_mm
+            taps, gram = target_taps(sigma_mm)
             shift = float(aperture.edge_shift)
             offset_a, offset_b = (shift + float(v) for v in aperture.leaf_end_offset)
             grid = aperture.grid
             return cls(
-                wiener=wiener.to(device, torch.complex64), fft_shape=tuple(response.fft_shape),
+                response_filter=response_filter,
                 taps=taps.float().to(device), gram=gram.float().to(device),
                 row_taps=_row_taps(taps, grid).float().to(device),
                 phase_corners=_phase_corners(sigma_mm).to(device),
@@ -190,20 +162,13 @@ class RowDomain:
                 interleaf=(aperture.interleaf.amax(0) if aperture.layers
                            else torch.ones(grid.count - 1)).float().to(device),
                 groove_share=min(float(aperture.tongue_groove_width) / 2.0, 1.0),
-                target_sigma_mm=sigma_mm, blur_matrix=_blur_matrix(taps.float()).to(device), grid=grid,
+                blur_matrix=_blur_matrix(taps.float()).to(device), grid=grid,
             )
 
     def filtered_rows(self, signals: Tensor) -> Tensor:
-        """Lag-free frames (..., 256, 256) -> D on the leaf grid's rows (..., 260, 256), y ascending.
-        The frames are extended by ``EDGE_PAD`` rows and columns repeating their edges, so that the
-        filter sees no step where the imager ends."""
-        frames = signals.float().flip(-2)  # rows y ascending, as the leaf grid
-        shape = frames.shape
-        padded = F.pad(frames.reshape(-1, 1, *shape[-2:]), (EDGE_PAD,) * 4, mode="replicate").view(
-            *shape[:-2], *(size + 2 * EDGE_PAD for size in shape[-2:]))
-        first = EDGE_PAD - IMAGER_MARGIN
-        return cropped_irfft2(padded_rfft2(padded, self.fft_shape) * self.wiener, self.fft_shape,
-                              slice(first, first + LEAF_GRID_ROWS), slice(EDGE_PAD, EDGE_PAD + GRID_SIZE))
+        """Lag-free frames (..., 256, 256) -> D on the leaf grid's rows (..., 260, 256), y ascending
+        (``ResponseFilter.filtered_rows``)."""
+        return self.response_filter.filtered_rows(signals)
 
     def leaf_profiles(self, rows: Tensor, row_weights: Tensor) -> Tensor:
         """``filtered_rows`` (..., 260, 256) -> differenced strip-row profiles (..., strips, 255), each
@@ -292,51 +257,6 @@ class RowDomain:
         return rows @ self.blur_matrix.T
 
 
-def target_sigma(spectrum: Tensor, fft_shape: tuple[int, int]) -> float:
-    """The width (mm, on a ``TARGET_STEP_MM`` grid, at least ``MIN_TARGET_SIGMA_MM``) of the
-    sharpest Gaussian T that the Wiener filter of a response of ``spectrum`` (rfft2 of the kernel
-    centred at (0, 0), float64 on ``fft_shape``) reproduces within ``TARGET_FIDELITY``
-    (``filter_error``): the error falls as T widens, so the width is bisected on the grid."""
-    low, high = round(MIN_TARGET_SIGMA_MM / TARGET_STEP_MM), round(MAX_TARGET_SIGMA_MM / TARGET_STEP_MM)
-    if filter_error(spectrum, low * TARGET_STEP_MM, fft_shape) <= TARGET_FIDELITY:
-        return low * TARGET_STEP_MM
-    while high - low > 1:
-        middle = (low + high) // 2
-        if filter_error(spectrum, middle * TARGET_STEP_MM, fft_shape) <= TARGET_FIDELITY:
-            high = middle
-        else:
-            low = middle
-    return round(high * TARGET_STEP_MM, 6)
-
-
-def filter_error(spectrum: Tensor, sigma_mm: float, fft_shape: tuple[int, int]) -> float:
-    """||W K - T|| / ||T|| over the spectrum: how far the Wiener filter W of the response K
-    (``spectrum``) falls short of turning K into the Gaussian T of width ``sigma_mm``."""
-    target = _target_spectrum(sigma_mm, fft_shape)
-    achieved = _wiener(spectrum, target) * spectrum
-    columns = torch.full((target.shape[-1],), 2.0, dtype=torch.float64)  # the half spectrum's mirrored columns
-    columns[0] = 1.0
-    if fft_shape[-1] % 2 == 0:
-        columns[-1] = 1.0
-    return float(((achieved - target).abs().square() * columns).sum().sqrt()
-                 / (target.abs().square() * columns).sum().sqrt())
-
-
-def _target_spectrum(sigma_mm: float, fft_shape: tuple[int, int]) -> Tensor:
-    """rfft2 (float64) of T (outer product of ``_target_taps``) centred at (0, 0) on ``fft_shape``."""
-    taps, _ = _target_taps(sigma_mm)
-    reach = (len(taps) - 1) // 2
-    target = torch.zeros(fft_shape, dtype=torch.float64)
-    target[:2 * reach + 1, :2 * reach + 1] = torch.outer(taps, taps)
-    return torch.fft.rfft2(torch.roll(target, (-reach, -reach), (0, 1)))
-
-
-def _wiener(spectrum: Tensor, target_spectrum: Tensor) -> Tensor:
-    """The Wiener filter from the response ``spectrum`` to ``target_spectrum`` (floor ``WIENER_FLOOR``)."""
-    power = spectrum.abs().square()
-    return target_spectrum * spectrum.conj() / (power + WIENER_FLOOR * power.max())
-
-
 def _blur_matrix(taps: Tensor) -> Tensor:
     """(lattice, 255): the taps applied along a splat's lattice as one matrix product (a banded
     Toeplitz matrix: several times faster on a CPU than a one-channel convolution). Row i is lattice
@@ -399,7 +319,7 @@ def _phase_corners(sigma_mm: float) -> Tensor:
     sum_(t,t') A(p_t, p_t') less its mean over the phase; T of width ``sigma_mm``. Laid out by
     table cell (row r, column c; flat index r x 2 M + c): its corners (r, c), (r, c + 1), (r + 1,
     c), (r + 1, c + 1), so that a bilinear lookup gathers once."""
-    taps, gram = _target_taps(sigma_mm)
+    taps, gram = target_taps(sigma_mm)
     reach = (len(taps) - 1) // 2
     phase = torch.arange(PHASES + 1, dtype=torch.float64) / PHASES
     motion = torch.arange(-MAX_MOTION_MM, MAX_MOTION_MM + TABLE_STEP_MM / 2, TABLE_STEP_MM, dtype=torch.float64)
@@ -410,23 +330,12 @@ def _phase_corners(sigma_mm: float) -> Tensor:
     return torch.stack([table[:-1, :-1], table[:-1, 1:], table[1:, :-1], table[1:, 1:]], -1).flatten(0, 1)
 
 
-def _target_taps(sigma_mm: float) -> tuple[Tensor, Tensor]:
-    """T's taps (float64, offsets -reach..reach, sum 1, reach = ceil(4 sigma)) and their gram G(k),
-    k = -2 reach..2 reach."""
-    reach = math.ceil(4 * sigma_mm)
-    offsets = torch.arange(-reach, reach + 1, dtype=torch.float64)
-    taps = torch.exp(-0.5 * (offsets / sigma_mm) ** 2)
-    taps = taps / taps.sum()
-    gram = torch.nn.functional.conv1d(F.pad(taps, (2 * reach, 2 * reach))[None, None], taps[None, None])[0, 0]
-    return taps, gram
-
-
 @functools.cache
 def mean_products(sigma_mm: float, device: str) -> Tensor:
     """A(p, p + s) averaged over the cell phase of p, for T of width ``sigma_mm``, at s = 0,
     ``PRODUCT_STEP_MM``, ... up to where it vanishes (2 reach + 2 mm): the splat of s against the gram,
     each lag weighted by the overlap of two unit cells (B(k - s), the cubic B-spline)."""
-    _, gram = _target_taps(sigma_mm)
+    _, gram = target_taps(sigma_mm)
     reach = (len(gram) - 1) // 4
     separation = torch.arange(0.0, 2 * reach + 3, PRODUCT_STEP_MM, dtype=torch.float64)
     lag = separation.floor()

@@ -123,14 +123,18 @@ def run_rank(context: RankContext, config: Config, observer: EpochObserver | Non
 def starting_models(config: Config, checkpoint: dict[str, Any] | None) -> tuple[torch.nn.Module, torch.nn.Module]:
     """The (forward, inverse) models a run starts from: the checkpoint's it resumes, else fresh
     ones of the configured family and size, a forward model with a learned response starting as
-    the kernel file EPID_KERNEL names (``DetectorResponse.start_from``; the built-in kernel is
-    not given to it)."""
+    the kernel file EPID_KERNEL names (``DetectorResponse.start_from``) and an inverse model reading
+    the frames through it where it is broad (``LeafEdgeInverseModel.read_through``); the built-in
+    kernel is given to neither."""
     if checkpoint is not None:
         return build_models_from_checkpoint(checkpoint)
     forward_model, inverse_model = build_models(config.model_size, config.model, config.mlc_geometry)
-    if config.kernel_path and hasattr(forward_model, "response"):
-        kernel = kernel_from_config(config.kernel_path, config.kernel_variable)
-        forward_model.response.start_from(torch.from_numpy(kernel))
+    if config.kernel_path:
+        kernel = torch.from_numpy(kernel_from_config(config.kernel_path, config.kernel_variable))
+        if hasattr(forward_model, "response"):
+            forward_model.response.start_from(kernel)
+        if hasattr(inverse_model, "read_through"):
+            inverse_model.read_through(kernel)
     return forward_model, inverse_model
 
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 from torch import nn
 
+from epid.models import response as filters
 from epid.models.families import build_models
 from epid.reconstruction import estimate as estimate_module
 from epid.reconstruction import fallback, leaves, rows
@@ -66,8 +67,8 @@ def test_the_filter_error_matches_an_independent_computation():
     response = forward.response
     spectrum = response._spectrum(torch.from_numpy(model_kernel(forward)))
     for sigma_mm in (2.0, 4.0, 6.0):
-        expected = numpy_filter_error(model_kernel(forward), sigma_mm, tuple(response.fft_shape), rows.WIENER_FLOOR)
-        assert rows.filter_error(spectrum, sigma_mm, tuple(response.fft_shape)) == pytest.approx(expected, rel=1e-6)
+        expected = numpy_filter_error(model_kernel(forward), sigma_mm, tuple(response.fft_shape), filters.WIENER_FLOOR)
+        assert filters.filter_error(spectrum, sigma_mm, tuple(response.fft_shape)) == pytest.approx(expected, rel=1e-6)
 
 
 @pytest.mark.parametrize("sigma_mm, low, high", [(1.5, 2.0, 2.0), (2.0, 2.0, 2.0), (5.0, 3.6, 4.6)])
@@ -77,10 +78,10 @@ def test_the_target_is_the_sharpest_gaussian_the_filter_reproduces(sigma_mm, low
     assert low <= domain.target_sigma_mm <= high
     spectrum = forward.response._spectrum(torch.from_numpy(model_kernel(forward)))
     shape = tuple(forward.response.fft_shape)
-    assert rows.filter_error(spectrum, domain.target_sigma_mm, shape) <= rows.TARGET_FIDELITY
-    if domain.target_sigma_mm > rows.MIN_TARGET_SIGMA_MM:
-        sharper = domain.target_sigma_mm - rows.TARGET_STEP_MM
-        assert rows.filter_error(spectrum, sharper, shape) > rows.TARGET_FIDELITY
+    assert filters.filter_error(spectrum, domain.target_sigma_mm, shape) <= filters.TARGET_FIDELITY
+    if domain.target_sigma_mm > filters.MIN_TARGET_SIGMA_MM:
+        sharper = domain.target_sigma_mm - filters.TARGET_STEP_MM
+        assert filters.filter_error(spectrum, sharper, shape) > filters.TARGET_FIDELITY
     assert len(domain.taps) == 2 * int(np.ceil(4 * domain.target_sigma_mm)) + 1
 
 
@@ -131,7 +132,7 @@ def test_tracking_holds_on_noisy_frames_of_a_broad_response():
     fit = fallback.ControlPointRun(tracked.leaf_a, tracked.leaf_b, tracked.jaws)
     assert leaf_mae(start, truth, band) > 0.85
     assert leaf_mae(fit, truth, band) < 0.35  # a 12 mm wide core and the noise leave about 0.3 mm
-    with mock.patch.object(rows, "MAX_TARGET_SIGMA_MM", rows.MIN_TARGET_SIGMA_MM):  # T fixed at 2 mm: fails
+    with mock.patch.object(filters, "MAX_TARGET_SIGMA_MM", filters.MIN_TARGET_SIGMA_MM):  # T fixed at 2 mm: fails
         sharp = rows.RowDomain.of(forward)
     assert sharp.target_sigma_mm == 2.0
     biased = leaves.track_leaves(sharp, signals[None], start.leaf_a, start.leaf_b, start.jaws, STAGES)
@@ -248,7 +249,8 @@ def test_leaves_move_in_groups_that_hardly_see_each_other(sigma_mm, groups):
     at no more than ``GROUP_COUPLING`` of its centre tap, and n is the fewest for which that holds
     (T a Gaussian of sigma_mm, independently evaluated)."""
     domain = rows.RowDomain.of(forward_with_response(2.0))
-    domain = dataclasses.replace(domain, target_sigma_mm=sigma_mm)
+    domain = dataclasses.replace(domain, response_filter=dataclasses.replace(domain.response_filter,
+                                                                             target_sigma_mm=sigma_mm))
     found = leaves.leaf_groups(domain, "cpu")
     assert len(found) == groups
     assert sorted(torch.cat(found).tolist()) == list(range(52))
