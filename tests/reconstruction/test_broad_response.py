@@ -185,6 +185,33 @@ def test_an_arc_reconstruction_falls_back_to_the_network_where_tracking_fails():
     assert honest.from_start < 0.05
 
 
+@pytest.mark.parametrize(("moves", "hidden", "passes"), [
+    ([1.0, 0.2], False, 2),  # settles at the second pass
+    ([1.0, 0.5, 0.4], False, 3),  # still moving: the most passes
+    ([0.2], False, 1),  # settled at once
+    ([2.0], True, 1),  # only leaves behind the jaws moved: nothing the frames show
+])
+def test_passes_repeat_while_the_fit_moves_the_open_leaves(moves, hidden, passes):
+    forward, signals, truth, _ = noisy_broad_run(frames=6)
+    network = ShiftedTruth(signals, truth.leaf_a[0], truth.leaf_b[0], truth.jaws[0], torch.full((6,), 1.0))
+    network.config = type("Config", (), {"track_stages": STAGES})()
+    relinearised = []
+
+    def scripted(domain, residuals, leaf_a, leaf_b, jaws, stages, **options):
+        if stages != estimate_module.RELINEARISED_STAGES:  # the first pass: the start as it is
+            return leaves.Tracked(leaf_a, leaf_b, jaws, torch.ones(leaf_a.shape[0], leaf_a.shape[1] - 1))
+        move = torch.full_like(leaf_a, moves[len(relinearised)])
+        if hidden:
+            move[fallback.open_leaves(jaws, domain.grid)] = 0.0
+        relinearised.append(float(move.abs().max()))
+        return leaves.Tracked(leaf_a - move, leaf_b, jaws, torch.ones(leaf_a.shape[0], leaf_a.shape[1] - 1))
+
+    assert estimate_module.RELINEARISED_PASSES == 3 and estimate_module.SETTLED_MM == 0.3
+    with torch.no_grad(), mock.patch.object(estimate_module, "track_leaves", scripted):
+        estimate_module.reconstruct_arc(forward, network, signals)
+    assert relinearised == pytest.approx(moves[:passes])
+
+
 def test_the_tracking_reads_the_frames_through_the_starts_rendering():
     """A forward model with a 12 mm wide response whose broad term holds a fifth of the signal
     through a 21 mm blur (as a model trained on a broad response learns): frames it renders itself
