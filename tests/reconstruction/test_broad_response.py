@@ -185,16 +185,16 @@ def test_an_arc_reconstruction_falls_back_to_the_network_where_tracking_fails():
     assert honest.from_start < 0.05
 
 
-@pytest.mark.parametrize(("moves", "hidden", "passes"), [
-    ([1.0, 0.2], False, 2),  # settles at the second pass
-    ([1.0, 0.5, 0.4], False, 3),  # still moving: the most passes
-    ([0.2], False, 1),  # settled at once
-    ([2.0], True, 1),  # only leaves behind the jaws moved: nothing the frames show
+@pytest.mark.parametrize(("moves", "hidden", "passes", "mlc"), [
+    ([1.0, 0.2], False, 2, "legacy"),  # settles at the second pass
+    ([1.0, 0.5, 0.4], False, 3, "legacy"),  # still moving: the most passes
+    ([0.2], False, 1, "legacy"),  # settled at once
+    ([2.0], True, 1, "legacy"),  # only leaves behind the jaws moved: nothing the frames show
+    ([1.0, 0.5], False, 1, "hd120"),  # the fine strips take one pass
 ])
-def test_passes_repeat_while_the_fit_moves_the_open_leaves(moves, hidden, passes):
-    forward, signals, truth, _ = noisy_broad_run(frames=6)
-    network = ShiftedTruth(signals, truth.leaf_a[0], truth.leaf_b[0], truth.jaws[0], torch.full((6,), 1.0))
-    network.config = type("Config", (), {"track_stages": STAGES})()
+def test_passes_repeat_while_the_fit_moves_the_open_leaves(moves, hidden, passes, mlc):
+    forward, signals, _, _ = noisy_broad_run(frames=6, mlc=mlc)
+    _, network = build_models("tiny", "aperture", MLC_GEOMETRIES[mlc])
     relinearised = []
 
     def scripted(domain, residuals, leaf_a, leaf_b, jaws, stages, **options):
@@ -208,7 +208,7 @@ def test_passes_repeat_while_the_fit_moves_the_open_leaves(moves, hidden, passes
 
     assert estimate_module.RELINEARISED_PASSES == 3 and estimate_module.SETTLED_MM == 0.3
     with torch.no_grad(), mock.patch.object(estimate_module, "track_leaves", scripted):
-        estimate_module.reconstruct_arc(forward, network, signals)
+        estimate_module.reconstruct_arc(forward, network.eval(), signals)
     assert relinearised == pytest.approx(moves[:passes])
 
 
