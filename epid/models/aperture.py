@@ -451,9 +451,9 @@ class LeafEdgeInverseConfig:
             raise ValueError(f"track_stages {self.track_stages}: expected (range >= 0, grid step > 0) mm pairs")
 
 
-READ_THROUGH_REACH = 128
-"""Reach of the measured response the inverse network reads frames through, mm each side: the forward
-model's (``ApertureForwardConfig.response_reach``)."""
+READ_THROUGH_REACH = ApertureForwardConfig.response_reach
+"""Reach of the measured response the inverse network reads frames through, mm each side: the default
+forward model's (``ApertureForwardConfig.response_reach``)."""
 
 
 class LeafEdgeInverseModel(nn.Module):

@@ -291,10 +291,7 @@ def filter_error(spectrum: Tensor, sigma_mm: float, fft_shape: tuple[int, int]) 
 def _target_spectrum(sigma_mm: float, fft_shape: tuple[int, int]) -> Tensor:
     """rfft2 (float64) of T (outer product of ``target_taps``) centred at (0, 0) on ``fft_shape``."""
     taps, _ = target_taps(sigma_mm)
-    reach = (len(taps) - 1) // 2
-    target = torch.zeros(fft_shape, dtype=torch.float64)
-    target[:2 * reach + 1, :2 * reach + 1] = torch.outer(taps, taps)
-    return torch.fft.rfft2(torch.roll(target, (-reach, -reach), (0, 1)))
+    return kernel_spectrum(torch.outer(taps, taps), fft_shape)
 
 
 def _wiener(spectrum: Tensor, target_spectrum: Tensor) -> Tensor:

@@ -120,7 +120,8 @@ class RowDomain:
     def broad(self) -> bool:
         """Whether the frames are seen through a Gaussian wider, relative to the strips, than
         ``MIN_TARGET_SIGMA_MM`` is to strips of 5 mm (``ResponseFilter.broad``: a response broader
-        than the tracking was tuned with; polishing stages, leaf groups and a second pass apply).
+        than the tracking was tuned with; polishing stages, leaf groups and the passes read relative to the
+        fit before them apply).
         Every response is broad to HD120's 2.5 mm strips: on 300 frames of the tuning arcs 5, 85, 165 (20-minute HD120
         checkpoint, realistic physics, built-in kernel) the leaves came to 0.460 mm, 91.3 % within 1
         mm (the 2.5 mm leaves 84.5 %) without the broad stages and 0.311 mm, 96.3 % (93.6 %) with
