@@ -69,11 +69,13 @@ ERRORS = {
     "bank_a_1mm": DeliveryErrors(bank_a_mm=1.0),
     "bank_a_2mm": DeliveryErrors(bank_a_mm=2.0),
     "both_banks_1mm": DeliveryErrors(bank_a_mm=-1.0, bank_b_mm=1.0),
-    "leaf_26_stuck": DeliveryErrors(stuck_leaf=(26, 0.5)),
+    "leaf_26_stuck": DeliveryErrors(stuck_leaf=(26, 0.5)),  # on another MLC, its leaf over y = +2.5 mm (stuck_at)
     "mu_2pct": DeliveryErrors(mu_scale=1.02),
     "mu_3pct": DeliveryErrors(mu_scale=1.03),
     "gantry_2deg": DeliveryErrors(gantry_offset_deg=2.0),
 }
+STUCK_AT_MM = 2.5
+"""Where the stuck leaf lies along y: strip 26 of the 52 (0 to 5 mm); on another MLC, the leaf over it."""
 X_JAW_ERRORS = {"x1_closed_1mm": DeliveryErrors(x_jaw_1_mm=1.0)}
 """Errors of plans with X jaws (``--x-jaws``), added to ``ERRORS`` there."""
 HEADERS = ["plan", "error", "frames", "bank A (mm)", "bank B (mm)", "X1 (mm)", "X2 (mm)", "MU (%)", "flagged",
@@ -125,6 +127,14 @@ def arc_plan(folder: Path, dataset_id: int, args: argparse.Namespace, x_jaws: bo
                x_jaws=tracking_x_jaws(control_points) if x_jaws else None)
     (beam,) = read_plan(path)
     return beam
+
+
+def stuck_at(errors: DeliveryErrors, mlc: MlcGeometry) -> DeliveryErrors:
+    """``errors`` with its stuck leaf (if any) the leaf of ``mlc`` over y = ``STUCK_AT_MM``."""
+    if errors.stuck_leaf is None:
+        return errors
+    strip = int(np.searchsorted(mlc.grid.edges_mm, STUCK_AT_MM, side="right")) - 1
+    return dataclasses.replace(errors, stuck_leaf=(strip, errors.stuck_leaf[1]))
 
 
 def _figure(value: float | None, form: str) -> str:
@@ -195,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         for dataset_id in JUDGED_IDS[:args.plans]:
             beam = arc_plan(folder, dataset_id, args, x_jaws=args.x_jaws, mlc=mlc)
             for name in args.errors.split(","):
-                delivery = panel.deliver(beam, {**ERRORS, **X_JAW_ERRORS}[name])
+                delivery = panel.deliver(beam, stuck_at({**ERRORS, **X_JAW_ERRORS}[name], mlc))
                 paths = write_series(delivery, folder / f"judged_{dataset_id}_{name}", physics)
                 timer = time.perf_counter()
                 try:

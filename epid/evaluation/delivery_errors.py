@@ -17,7 +17,9 @@ timeline's) against the plan, inside the jaw band (``epid.evaluation.arc_review.
   angle.
 
 A single position beyond 1 mm is not flagged: the reconstruction has an error of its own
-(``leaf_within_1mm_percent`` reports it); the flags look for what persists.
+(``leaf_within_1mm_percent`` reports it); the flags look for what persists. Every figure here is over
+the positions whose strip the Y jaws leave at least half open (``LeafErrors.verifiable``): of a strip
+the upper jaw covers all but a sliver of, the frames show the jaw's edge, not the leaf's.
 """
 
 from __future__ import annotations
@@ -57,10 +59,10 @@ def _stats(values: np.ndarray) -> tuple[float, float]:
 def leaf_table(errors: LeafErrors, points: np.ndarray, gantry_deg: np.ndarray,
                leaf_y_mm: np.ndarray, mlc_leaves: Sequence[str]) -> list[dict[str, Any]]:
     """One row per bank and strip (``LEAF_ERROR_COLUMNS``) of the S control points ``points`` and their
-    gantry angles: the figures of its scored positions (``LeafErrors.scored``); ``mlc_leaves`` names
+    gantry angles: the figures of its verifiable positions (``LeafErrors.verifiable``); ``mlc_leaves`` names
     the MLC's own leaf over each strip (``MlcGeometry.leaf_labels``)."""
     rows = []
-    masks = errors.scored()
+    masks = errors.verifiable()
     for bank, error in errors.banks.items():
         for leaf in range(error.shape[1]):
             scored = masks[bank][:, leaf]
@@ -83,11 +85,11 @@ def leaf_table(errors: LeafErrors, points: np.ndarray, gantry_deg: np.ndarray,
 def error_summary(errors: LeafErrors, leaves: list[dict[str, Any]],
                   mu_total_error_percent: float, frame_rates: np.ndarray, frame_points: np.ndarray,
                   frame_gantry_deg: np.ndarray, tolerance_percent: float) -> dict[str, Any]:
-    """The report's ``delivery_errors``: per bank {mean_mm, sd_mm, positions, flagged} over its scored
+    """The report's ``delivery_errors``: per bank {mean_mm, sd_mm, positions, flagged} over its verifiable
     positions, the same per X jaw over the positions it hides (a beam with X jaws), the flagged
     leaves (at most ``LISTED``, with ``flagged_leaves`` counting all), the MU flag, the frames below
     the gamma tolerance (at most ``LISTED``, ``flagged_frames`` counting all) and ``flagged``: any."""
-    masks = errors.scored()
+    masks = errors.verifiable()
     banks = {bank: _edge(error[masks[bank]]) for bank, error in errors.banks.items()}
     x_jaws = {jaw: _edge(values) for jaw, values in errors.x_jaws().items() if values.size}
     flagged_leaves = [{key: row[key] for key in ("bank", "leaf", "mlc_leaf", "mean_mm", "flagged_control_points",
