@@ -4,16 +4,15 @@ A model trained on synthetic frames knows the synthesis's physics, not the clini
 panel. ``commission`` fits every physical parameter of an aperture-family forward model (its
 detector response and response mixture, leaf and jaw transmission, leaf-end offset, interleaf
 leakage, tongue and groove, lag; ``epid.models.aperture``; and the beam's off-axis profile and
-field-size output and the panel's sag and slow lag, which training holds, ``epid.models.panel``;
-each piece of a frame is moved by the sag at its gantry angle) and one calibration scale (panel
+field-size output and the panel's sag, which training holds, ``epid.models.panel``; each piece of
+a frame is moved by the sag at its gantry angle) and one calibration scale (panel
 units per model unit) to the measured images of a few plans (RT Plan and its cine series or
 frames), placed on each plan's timeline (``epid.evaluation.timeline``) and predicted over exactly
 their spans:
 
 - each step draws one delivery and a window of ``WINDOW`` consecutive measured frames, predicts
   them (and the frame before) piece by piece with gradients, carries the lag from the model's own
-  prediction of each frame before (the model's form (1 - lag) S + lag x prev) and the slow lag from
-  its own prediction of every frame before the window (``SLOW_LAG_HISTORY_STEPS``), and takes an Adam
+  prediction of each frame before (the model's form (1 - lag) S + lag x prev), and takes an Adam
   step on the mean squared difference to the calibrated measured frames, relative to the
   window's peak;
 - the calibration scale starts at the least-squares scale of the model before commissioning and
@@ -80,9 +79,6 @@ this many times slower: a step of 0.004. At 0.1 the field-size output came only 
 HELD = ("response.log_gain",)
 """Parameters commissioning leaves as they are: the response's overall gain, which the calibration
 scale stands for (fitting both would leave their product alone defined)."""
-SLOW_LAG_HISTORY_STEPS = 100
-"""Steps between the model's predictions of every commissioning frame that fill the slow lag's store
-(``_window_prediction``); the store is a few % of a frame, the physics moves little in 100 steps."""
 LISTED_SIZE = 4
 """Parameters of at most this many numbers are listed in the report (before and after)."""
 T = TypeVar("T", bound=tuple)
@@ -180,16 +176,13 @@ def listed_parameters(model: nn.Module) -> dict[str, list[float]]:
             for name, parameter in model.named_parameters() if parameter.numel() <= LISTED_SIZE}
 
 
-def _window_prediction(model: nn.Module, measurement: Measurement, first: int, scale: Tensor,
-                       history: Tensor | None = None) -> tuple[Tensor, Tensor]:
+def _window_prediction(model: nn.Module, measurement: Measurement, first: int, scale: Tensor) -> tuple[Tensor, Tensor]:
     """(predicted (W, 256, 256), calibrated measured (W, 256, 256)) of measured frames first..first+W-1,
     differentiable in the model's parameters and ``scale`` (log of model units per panel unit).
 
     The lag is carried from the model's own prediction of the frame before (the one before the
     window predicted too), never from the measured frame: a measured frame before would let the
-    lag copy the measurement and stand in for whatever physics the model lacks. So is the slow lag
-    (``epid.models.panel.SlowLag``): its store at the window is filled by ``history``, the model's
-    prediction (without gradient) of every frame of the timeline recorded with the fast lag alone."""
+    lag copy the measurement and stand in for whatever physics the model lacks."""
     placed = measurement.placement.frame_of
     frame_of = placed[first:first + WINDOW]
     timeline_frames = np.arange(max(1, int(frame_of[0]) - 1), int(frame_of[-1]) + 1)
@@ -207,8 +200,6 @@ def _window_prediction(model: nn.Module, measurement: Measurement, first: int, s
         for k in range(1, len(timeline_frames)):
             recorded.append((1.0 - lag) * summed[k] + lag * recorded[-1])
         summed = torch.stack(recorded)
-    if history is not None:
-        summed = model.slow_lag.add(summed, model.slow_lag.state_after(history[:timeline_frames[0] - 1]))
     predicted = summed[torch.from_numpy(frame_of - timeline_frames[0])]
     measured = measurement.frames[first:first + len(frame_of)] * torch.exp(scale)
     return predicted, measured
@@ -282,15 +273,11 @@ def commission(forward_model: nn.Module, measurements: Sequence[Measurement], st
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, max(steps, 1))
     rng = np.random.default_rng(seed)
     losses = []
-    histories: list[Tensor | None] = [None] * len(measurements)
+    model.train()
     for step in range(steps):
-        if getattr(model, "slow_lag", None) is not None and step % SLOW_LAG_HISTORY_STEPS == 0:
-            histories = [timeline.predict_spans(model, m.placement, slow_lag=False).clone() for m in measurements]
-        model.train()
-        pick = int(rng.integers(len(measurements)))
-        measurement = measurements[pick]
+        measurement = measurements[int(rng.integers(len(measurements)))]
         first = int(rng.integers(max(1, _fit_stop(measurement) - WINDOW + 1)))
-        predicted, measured = _window_prediction(model, measurement, first, log_scale, histories[pick])
+        predicted, measured = _window_prediction(model, measurement, first, log_scale)
         loss = _loss(predicted, measured)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()

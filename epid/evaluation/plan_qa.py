@@ -326,11 +326,7 @@ def _reconstructed(models: tuple[nn.Module, nn.Module], placement: timeline.Plac
                    frames: Tensor, method: str, device: torch.device | str, say: Callable[[str], None]
                    ) -> tuple[arc_review.ArcSegment, arc_review.ArcEstimate]:
     """The longest run of consecutive calibrated ``frames`` (K, 256, 256), ending on ``points`` (K,),
-    moved back by the sag and reconstructed by ``method``: its segment and estimate. A commissioned
-    panel's slow lag is taken out of the frames first, in their order (``epid.models.panel.SlowLag``):
-    the reconstruction takes out the fast lag alone."""
-    if timeline.has_slow_lag(models[0]):
-        frames = models[0].slow_lag.remove(frames)
+    moved back by the sag and reconstructed by ``method``: its segment and estimate."""
     run = longest_run(points)
     segment = plan_segment(placement.beam, points[run],
                            timeline.with_sag(models[0], frames[run], timeline.frame_gantry(placement)[run], undo=True))

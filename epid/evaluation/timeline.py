@@ -391,7 +391,7 @@ def frame_gantry(placement: Placement) -> np.ndarray:
 def predict_intervals(forward_model: nn.Module, leaf_a: Tensor, leaf_b: Tensor, scalars: Tensor,
                       device: torch.device | str = "cpu", batch_size: int = 64, progress: Progress | None = None,
                       frame_of: np.ndarray | None = None, frames: int | None = None,
-                      gantry_deg: np.ndarray | None = None, slow_lag: bool = True) -> Tensor:
+                      gantry_deg: np.ndarray | None = None) -> Tensor:
     """Frames of consecutive intervals of a delivery (inputs as ``piece_inputs`` gives them, P
     intervals) predicted by ``forward_model`` (on ``device``, switched to eval mode) ``batch_size``
     at a time, summed into ``frames`` frames (frames, 256, 256) float32 on the CPU: interval i
@@ -400,9 +400,7 @@ def predict_intervals(forward_model: nn.Module, leaf_a: Tensor, leaf_b: Tensor, 
 
     A model that learned the detector's lag (``takes_prev_frame``) is linear in the recorded
     frame before: each output frame is the sum of its intervals' predictions after no frame plus
-    the lag times the frame before as predicted (dark before the first). A commissioned panel's slow
-    lag (``epid.models.panel.SlowLag``) is added to the frames in their order, unless ``slow_lag`` is
-    False."""
+    the lag times the frame before as predicted (dark before the first)."""
     count = len(scalars)
     frame_of = np.arange(1, count + 1) if frame_of is None else frame_of
     output = torch.zeros((count if frames is None else frames, *FRAME_SHAPE))
@@ -421,31 +419,21 @@ def predict_intervals(forward_model: nn.Module, leaf_a: Tensor, leaf_b: Tensor, 
             lag = float(forward_model.lag_fraction)
             for k in range(1, len(output)):
                 output[k].add_(output[k - 1], alpha=lag)
-        if slow_lag and has_slow_lag(forward_model):
-            output = forward_model.slow_lag.add(output)
     return output
 
 
-def has_slow_lag(forward_model: nn.Module) -> bool:
-    """Whether ``forward_model``'s panel has a slow lag (a commissioned one)."""
-    slow_lag = getattr(forward_model, "slow_lag", None)
-    return slow_lag is not None and slow_lag.present
-
-
 def predict_spans(forward_model: nn.Module, placement: Placement, device: torch.device | str = "cpu",
-                  batch_size: int = 64, progress: Progress | None = None, slow_lag: bool = True) -> Tensor:
+                  batch_size: int = 64, progress: Progress | None = None) -> Tensor:
     """Every frame of ``placement``'s timeline (J, 256, 256) float32 on the CPU: the sum of the
     forward model's predictions of its pieces (``pieces``, ``predict_intervals``), each moved by the
     panel's sag at its gantry angle; ``progress`` counts pieces. One image over the whole span (an
     integrated image) keeps the lag's share: the panel carries it from readout to readout within
-    the image, where a cine frame passes it on to the next frame (the slow lag's too); ``slow_lag``:
-    as ``predict_intervals``."""
+    the image, where a cine frame passes it on to the next frame."""
     start, end, frame = pieces(placement.plan, placement.boundaries_mu)
     leaf_a, leaf_b, scalars = piece_inputs(placement.plan, start, end)
-    frames = len(placement.boundaries_mu) - 1
     predicted = predict_intervals(forward_model, leaf_a, leaf_b, scalars, device, batch_size, progress,
-                                  frame_of=frame, frames=frames, gantry_deg=piece_gantry(placement.plan, start, end),
-                                  slow_lag=slow_lag and frames > 1)
+                                  frame_of=frame, frames=len(placement.boundaries_mu) - 1,
+                                  gantry_deg=piece_gantry(placement.plan, start, end))
     if len(predicted) == 1 and getattr(forward_model, "takes_prev_frame", False):
         predicted /= 1.0 - float(forward_model.lag_fraction.detach())
     return predicted

@@ -53,7 +53,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from epid.models.legacy import LATENT_SIZE, NUM_SCALARS, _check_vector, as_frame_batch
-from epid.models.panel import COMMISSIONING_PARAMETERS, BeamProfile, SlowLag, sag_shift
+from epid.models.panel import COMMISSIONING_PARAMETERS, BeamProfile, sag_shift
 from epid.models.response import DetectorResponse, ResponseFilter, centred_kernel, to_imager, to_leaf_grid
 from epid.synthesis.fluence import aperture_fluence
 from epid.synthesis.geometry import (
@@ -265,7 +265,6 @@ class ApertureForwardModel(nn.Module):
         self.lag_percent = nn.Parameter(torch.zeros(()))
         self.beam = BeamProfile()
         self.sag_mm = nn.Parameter(torch.zeros(2, 2), requires_grad=False)
-        self.slow_lag = SlowLag()
 
     def parameter_groups(self) -> list[tuple[list[nn.Parameter], float]]:
         """Every trainable parameter is physical: one group at ``PHYSICS_LR_FACTOR``."""

@@ -1,6 +1,6 @@
-"""A clinic's beam and panel: the off-axis profile, the field-size output, the panel's sag and slow lag.
+"""A clinic's beam and panel: the off-axis profile, the field-size output and the panel's sag.
 
-Four forms a real linac and EPID show that the synthesis does not have, which the aperture
+Three forms a real linac and EPID show that the synthesis does not have, which the aperture
 family's forward model (``epid.models.aperture``) carries so that commissioning
 (``epid.evaluation.commission``) can fit them to a clinic's measured images:
 
@@ -14,24 +14,14 @@ family's forward model (``epid.models.aperture``) carries so that commissioning
 - *sag* (``panel_shift``): the panel and its image move with the gantry angle g, by
   s_xs sin g + s_xc (1 - cos g) along x and s_ys sin g + s_yc (1 - cos g) along y (mm at the
   isocentre); a prediction is moved by it piece by piece (``shift_frames``), a measured frame is
-  moved back before its leaves are reconstructed;
-- *slow lag* (``SlowLag``): an a-Si panel keeps part of its signal for seconds (trapped charge),
-  beside the fast lag the models learn in training (``lag_percent``, a share of the frame before).
-  A share s of each recorded frame comes from a store that each frame fills by 1 - d of its own
-  signal and that keeps d of its charge per frame (d = exp(-1 / tau), tau frames): over a cine
-  series the store carries signal from high-MU frames into the low-MU frames that follow, where
-  it is several % of theirs. Predictions of a measured series add it (``SlowLag.add``), the
-  measured frames have it taken out before their leaves and MU are read (``SlowLag.remove``).
+  moved back before its leaves are reconstructed.
 
-Every coefficient starts where the model is as it was (0; the slow lag's time constant at
-``SLOW_LAG_START_FRAMES``, its share 0) and is held during training (the synthesis has none of these
-forms, and a parameter no loss reaches would stall DistributedDataParallel); commissioning frees them
-(``COMMISSIONING_PARAMETERS``).
+Every coefficient starts at 0 (the model as it was) and is held during training (the synthesis has
+none of these forms, and a parameter no loss reaches would stall DistributedDataParallel);
+commissioning frees them (``COMMISSIONING_PARAMETERS``).
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 import torch.nn.functional as F
@@ -45,10 +35,7 @@ FIELD_SHARE = 0.5
 """Share of a frame's highest fluence a cell reaches to count in the field's area."""
 MIN_AREA_MM2 = 100.0
 """Smallest open area the field-size output takes (a closed aperture keeps a finite output)."""
-SLOW_LAG_START_FRAMES = 20.0
-"""The slow lag's time constant at the start, frames (about 2 s at a cine rate of 9.5 frames/s)."""
-COMMISSIONING_PARAMETERS = ("beam.off_axis", "beam.output_per_log_area", "sag_mm", "slow_lag.share_percent",
-                            "slow_lag.log_frames")
+COMMISSIONING_PARAMETERS = ("beam.off_axis", "beam.output_per_log_area", "sag_mm")
 """The forward model's parameters of these forms: held in training, fitted in commissioning."""
 
 
@@ -74,59 +61,6 @@ class BeamProfile(nn.Module):
         cells = fluence.detach().flatten(1)
         area = (cells >= FIELD_SHARE * cells.amax(1, keepdim=True)).sum(1).to(fluence.dtype).clamp_min(MIN_AREA_MM2)
         return 1.0 + self.output_per_log_area * torch.log(area / REFERENCE_AREA_MM2)
-
-
-class SlowLag(nn.Module):
-    """The panel's slow lag (module docstring): ``share_percent`` s (0 at the start) and ``log_frames``,
-    the log of its time constant tau in frames. A sequence of frames recorded with the fast lag, R_1..R_F
-    (F, H, W), is recorded as (1 - s) R_k + s L_k, the store L_1 = the state given (dark: 0) and
-    L_(k+1) = d L_k + (1 - d) R_k, d = exp(-1 / tau)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.share_percent = nn.Parameter(torch.zeros(()), requires_grad=False)
-        self.log_frames = nn.Parameter(torch.tensor(math.log(SLOW_LAG_START_FRAMES)), requires_grad=False)
-
-    @property
-    def present(self) -> bool:
-        """Whether the panel has a slow lag (a share other than 0)."""
-        return bool(self.share_percent.detach() != 0)
-
-    @property
-    def decay(self) -> Tensor:
-        """The share d of the store kept from one frame to the next (0-d)."""
-        return torch.exp(-torch.exp(-self.log_frames))
-
-    def add(self, recorded: Tensor, state: Tensor | None = None) -> Tensor:
-        """``recorded`` (F, H, W) with the slow lag, the store at the first frame ``state`` (H, W) (dark
-        without); differentiable in both and in the parameters."""
-        share, decay = self.share_percent.to(recorded.dtype) / 100.0, self.decay.to(recorded.dtype)
-        store = torch.zeros_like(recorded[0]) if state is None else state.to(recorded.dtype)
-        frames = []
-        for frame in recorded:
-            frames.append((1.0 - share) * frame + share * store)
-            store = decay * store + (1.0 - decay) * frame
-        return torch.stack(frames)
-
-    def remove(self, frames: Tensor) -> Tensor:
-        """The frames (F, H, W) recorded in this order from dark, with the slow lag taken out (``add``'s
-        inverse): R_k = (frame_k - s L_k) / (1 - s)."""
-        share, decay = float(self.share_percent.detach()) / 100.0, float(self.decay.detach())
-        store = torch.zeros_like(frames[0])
-        recorded = torch.empty_like(frames)
-        for k, frame in enumerate(frames):
-            recorded[k] = (frame - share * store) / (1.0 - share)
-            store.mul_(decay).add_(recorded[k], alpha=1.0 - decay)
-        return recorded
-
-    def state_after(self, recorded: Tensor) -> Tensor:
-        """The store (H, W) after the frames ``recorded`` (F, H, W) from dark: the sum over k of
-        (1 - d) d^(F - 1 - k) R_k; differentiable in the time constant."""
-        decay = self.decay.to(recorded.dtype)
-        if not len(recorded):
-            return recorded.new_zeros(recorded.shape[1:])
-        powers = decay ** torch.arange(len(recorded) - 1, -1, -1, dtype=recorded.dtype, device=recorded.device)
-        return torch.tensordot((1.0 - decay) * powers, recorded, dims=1)
 
 
 def sag_shift(sag_mm: Tensor, gantry_deg: Tensor) -> Tensor:

@@ -3,9 +3,6 @@ recovers known parameters, calibrates the panel's units, and never leaves the gi
 
 from __future__ import annotations
 
-import copy
-import math
-
 import numpy as np
 import pytest
 import torch
@@ -196,61 +193,3 @@ def test_the_mu_reference_is_read_from_the_plans_other_than_the_fields(tmp_path,
     arcs = [("arc", m.placement) for m in measured[:2]]
     assert commission.reference_deliveries(arcs + [field_delivery]) == arcs
     assert commission.reference_deliveries([field_delivery]) == [field_delivery], "alone, it is the reference"
-
-
-@pytest.fixture(scope="module")
-def slow_lagged(measurements):
-    """The three arcs of ``measurements`` recorded by a panel with the same physics and also a slow lag
-    (3 % of its signal, 10 frames), in panel units; and that panel's model."""
-    truth, measured = measurements
-    panel = copy.deepcopy(truth)
-    with torch.no_grad():
-        panel.slow_lag.share_percent.fill_(3.0)
-        panel.slow_lag.log_frames.fill_(math.log(10.0))
-    return panel, [commission.Measurement(m.beam, m.placement, timeline.predict_spans(panel, m.placement) * UNITS)
-                   for m in measured]
-
-
-def test_commissioning_finds_the_panels_slow_lag(measurements, slow_lagged, monkeypatch):
-    """Commissioning a model of the same physics but the slow lag on the panel's frames finds the slow
-    lag (the other parameters held: on 25-frame series the fast lag would share it)."""
-    truth, _ = measurements
-    panel, measured = slow_lagged
-    monkeypatch.setattr(commission, "HELD", tuple(name for name, _ in truth.named_parameters()
-                                                  if not name.startswith("slow_lag.")))
-    low_mu_frames = torch.tensor([float(frame.sum()) for frame in measured[2].frames]).argsort()[:6]
-    lagged = measured[2].frames[low_mu_frames] / UNITS
-    without = timeline.predict_spans(truth, measured[2].placement)[measured[2].placement.frame_of - 1][low_mu_frames]
-    missed = float((lagged - without).abs().sum() / lagged.sum())
-    assert missed > 0.02, "the store is a few % of a low-MU frame"
-    result = commission.commission(truth, measured[:2], steps=300)
-    slow_lag = result.summary["parameters"]
-    assert slow_lag["slow_lag.share_percent"]["before"] == [0.0]
-    assert slow_lag["slow_lag.share_percent"]["after"] == pytest.approx([3.0], abs=0.6)
-    assert math.exp(slow_lag["slow_lag.log_frames"]["after"][0]) == pytest.approx(10.0, rel=0.35)
-    commissioned = timeline.predict_spans(result.model, measured[2].placement)[measured[2].placement.frame_of - 1]
-    calibrated = lagged * UNITS * result.scale
-    assert float((calibrated - commissioned[low_mu_frames]).abs().sum() / calibrated.sum()) < 0.25 * missed
-
-
-def test_the_qa_takes_the_slow_lag_out_before_it_reads_the_leaves_and_mu(slow_lagged, monkeypatch):
-    """The frames the reconstruction is given are the panel's frames without its slow lag: read as the
-    panel recorded them, each frame's signal MU is off by the slow lag's share of it."""
-    panel, measured = slow_lagged
-    given = {}
-
-    def plan_itself(models, segment, method="arc", device="cpu", progress=None, stages=None, mlc=None, cine=False):
-        given["frames"] = segment.frames
-        jaws = torch.from_numpy(np.stack([segment.jaw_1, segment.jaw_2], 1))
-        return arc_review.ArcEstimate(torch.from_numpy(segment.leaf_a), torch.from_numpy(segment.leaf_b), jaws,
-                                      torch.from_numpy(segment.mu), "arc")
-
-    monkeypatch.setattr(plan_qa, "reconstruct", plan_itself)
-    measurement = measured[2]
-    series = series_of(measurement.beam, cine_ends(measurement.beam, 25))
-    series = MeasuredSeries(**{**series.__dict__, "frames": measurement.frames.numpy()})
-    placement = timeline.place_frames(measurement.beam, series)
-    plan_qa.measured_qa((panel, panel), series, placement, "commissioned", 1 / UNITS)
-    fast_lag_alone = timeline.predict_spans(panel, placement, slow_lag=False)[placement.frame_of - 1]
-    unsagged = timeline.with_sag(panel, fast_lag_alone, timeline.frame_gantry(placement), undo=True)
-    torch.testing.assert_close(given["frames"][1:], unsagged[-(len(given["frames"]) - 1):], rtol=1e-4, atol=1e-5)

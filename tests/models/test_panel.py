@@ -1,6 +1,6 @@
 """The beam and panel forms commissioning fits (epid.models.panel): the off-axis profile, the
-field-size output, the sag and the slow lag, checked against hand-worked values and scipy, and
-neutral until fitted."""
+field-size output and the sag, checked against hand-worked values and scipy, and neutral until
+fitted."""
 
 from __future__ import annotations
 
@@ -9,12 +9,11 @@ import math
 import numpy as np
 import pytest
 import scipy.ndimage
-import scipy.signal
 import torch
 
 from epid.models.aperture import column_centres, leaf_grid_centres
 from epid.models.families import build_models
-from epid.models.panel import BeamProfile, SlowLag, sag_shift, shift_frames
+from epid.models.panel import BeamProfile, sag_shift, shift_frames
 from tests.models.test_aperture import whole_mm_control_points
 
 
@@ -73,30 +72,6 @@ def test_the_forms_leave_the_forward_model_as_it_was_until_fitted():
         area = float((fluence[0] >= 0.5 * fluence[0].max()).sum())
         scaled = forward.render(leaf_a, leaf_b, scalars)[0]
     torch.testing.assert_close(scaled[0], forward.response(fluence)[0] * (1 + 0.05 * math.log(area / 1e4)))
-
-
-def test_the_slow_lag_is_a_store_filled_and_drained_as_scipy_filters_it():
-    slow_lag = SlowLag().double()
-    with torch.no_grad():
-        slow_lag.share_percent.fill_(3.0)
-        slow_lag.log_frames.fill_(math.log(6.0))
-    recorded = torch.from_numpy(np.random.default_rng(5).uniform(0.0, 2.0, (30, 4, 5)))
-    decay = math.exp(-1.0 / 6.0)
-    # the store L_k = d L_(k-1) + (1 - d) R_(k-1), dark at the start: a first-order filter of the frames before
-    store = scipy.signal.lfilter([0.0, 1.0 - decay], [1.0, -decay], recorded.numpy(), axis=0)
-    with torch.no_grad():
-        lagged = slow_lag.add(recorded)
-        np.testing.assert_allclose(lagged.numpy(), 0.97 * recorded.numpy() + 0.03 * store, rtol=1e-12)
-        np.testing.assert_allclose(slow_lag.state_after(recorded[:10]).numpy(), store[10], rtol=1e-12)
-        torch.testing.assert_close(slow_lag.add(recorded[10:], slow_lag.state_after(recorded[:10])), lagged[10:])
-        torch.testing.assert_close(slow_lag.remove(lagged), recorded)
-    # a frame after ten dark ones, then dark again: it leaves 3 % x (1 - d) d^(k - 1) in the k-th frame after it
-    pulse = torch.zeros(20, 1, 1, dtype=torch.float64)
-    pulse[10] = 1.0
-    with torch.no_grad():
-        tail = slow_lag.add(pulse)[11:, 0, 0].numpy()
-    np.testing.assert_allclose(tail, 0.03 * (1 - decay) * decay ** np.arange(9), rtol=1e-12)
-    assert not SlowLag().present and slow_lag.present
 
 
 def grid_sampled(frames: torch.Tensor, shift_mm: torch.Tensor, padding: str = "zeros") -> torch.Tensor:
