@@ -175,7 +175,6 @@ def test_a_stuck_leaf_sticks_every_strip_of_its_mlc_leaf(tmp_path):
         assert not np.allclose(planned.leaf_a[4:, stuck], planned.leaf_a[4, stuck])  # the plan moves them
 
 
-
 def test_the_benchs_stuck_leaf_lies_over_the_same_y_on_every_mlc():
     """``leaf_26_stuck`` sticks the leaf over y = 0 to 5 mm of the 52 strips (strip 26); on HD120 the 2.5
     mm leaf over y = 2.5 to 5 mm (strip 53), in the field where strip 26 (y -65 to -62.5 mm) rarely is."""

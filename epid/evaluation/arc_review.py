@@ -80,7 +80,7 @@ class LeafErrors:
     banks: dict[str, np.ndarray]
     band: np.ndarray
     behind_x_jaws: np.ndarray
-    open_share: np.ndarray | None = None
+    open_share: np.ndarray
 
     def scored(self) -> dict[str, np.ndarray]:
         """Per bank, the (N, 52) positions scored as leaves: in the band, not behind an X jaw."""
@@ -90,7 +90,7 @@ class LeafErrors:
         """Per bank, the (N, 52) scored positions whose strip the Y jaws leave at least
         ``VERIFIABLE_OPEN_SHARE`` open: the ones a delivery's errors are judged on
         (``epid.evaluation.delivery_errors``)."""
-        shown = True if self.open_share is None else self.open_share >= VERIFIABLE_OPEN_SHARE
+        shown = self.open_share >= VERIFIABLE_OPEN_SHARE
         return {bank: mask & shown for bank, mask in self.scored().items()}
 
     def scored_errors(self, strips: np.ndarray | None = None) -> np.ndarray:
