@@ -65,6 +65,18 @@ once, each explaining its neighbours' misfit too, overshoot together. The leaves
 therefore move in groups of every n-th leaf (``leaf_groups``, ``GROUP_COUPLING``): one group of all
 52 under the built-in response, three under a 12 mm wide one.
 
+What a broad response cannot show at all is how neighbouring leaves differ from each other on the
+scale of a strip: leaves alternately a little out and a little in along y (a period of two 5 mm
+strips, 0.1 per mm) reach the frames through the response's transfer along y at that frequency,
+0.31 for the built-in kernel, 6.9e-3 for a 12 mm wide one (`broad.mat`) and 2.1e-3 for a 16 mm wide
+one (`broadest.mat`), below the noise. Leaves fitted one at a time then stray in opposite directions
+(fitted errors of neighbouring leaves correlated -0.19 to -0.44 under the 16 mm response on the
+tuning arcs 85, 165, 405). So, under a response broad to strips of 5 mm
+(``RowDomain.blurs_neighbours``), each mm a leaf stands apart from each
+neighbouring leaf of its bank that the frame shows costs ``NEIGHBOUR_COST`` of its step energy (a
+total-variation prior along y: the same cost for one large step as for many small ones of the same
+sum, so a shape's steps stay where the frames show them).
+
 The jaws decide how much of a leaf row each frame shows, and in a row the jaws have only begun
 to uncover, a few tenths of a mm of jaw error change that several times over: after the first
 stage, with the leaves roughly in place, the jaws are refined from the frames' row sums
@@ -122,6 +134,18 @@ response), leaf MAE and share within 1 mm by this value: 2.0 mm 0.439 mm / 94.0 
 95.9, 1.25 mm 0.389 / 95.5, 1.0 mm 0.386 / 95.5, 0.75 mm 0.398 / 95.3, 0.5 mm 0.413 / 94.4, 0 (no
 cost) 0.433 / 93.6; the `elongated` response 0.407 / 94.9 -> 0.392 / 95.7 and the 16 mm one 0.770
 / 81.2 -> 0.760 / 82.1 (2.0 -> 1.25 mm)."""
+NEIGHBOUR_COST = 1e-4
+"""Under a response broad to 5 mm strips, cost of each mm by which a leaf stands apart from each
+neighbouring leaf of its bank that a frame shows, relative to one edge's step energy in a fully open
+row (module docstring: what a broad response cannot show). On 150 frames of each tuning arc 5, 85, 165,
+325, 405 (realistic physics, 20-minute checkpoints, seed 0), leaf MAE and share within 1 mm without
+it and at 5e-5, 1e-4, 2e-4, 4e-4, 1e-3: the 16 mm wide response (`broadest.mat`) 0.629 mm / 86.9 %,
+0.549 / 89.8, 0.533 / 90.3, 0.535 / 89.2, 0.577 / 86.5, 0.679 / 82.0 (the irregular arc 165 80.2,
+81.8, 81.1, 78.2, 69.3, 55.6 %); the 12 mm wide one (`broad.mat`) 0.353 / 96.0 -> 0.309 / 97.0 at
+1e-4, every arc as good or better (the values other than 1e-4 measured with the neighbours' visibility
+read from their weight in the rows, 1e-4 there 0.533 / 90.2 %). Cut off at 3 mm (no pull beyond; at
+1e-3), the semi-regular arcs 85 and 405 lost 3.5 and 4.7 points against the cost without the cut:
+their neighbouring leaves differ by 1.4 mm (median), which is what the frames cannot show."""
 CROSSING_COST = 1e9
 """Cost per mm by which a position of an edge lies beyond the other bank's edge of its leaf (held
 where it is): the leaves of a pair meet and never cross. Unbounded, the stages crossed closed pairs
@@ -324,7 +348,7 @@ def _track_bank(domain: RowDomain, profiles: Tensor, coupling: tuple[Tensor, Ten
         points = [b[:, part.start:part.stop + 1] for b in banks]
         shown = seen[:, part][..., moving]  # (B, F, L)
         costs_of = functools.partial(_chunk_costs, domain, profiles[:, part], tuple(c[:, part] for c in coupling),
-                                     points, bank, offsets, travel_scale)
+                                     points, bank, offsets, travel_scale, seen[:, part])
         costs = _shown_costs(costs_of, moving, shown, offsets)
         for frame in range(costs.shape[1]):
             total = best[..., :, None] + costs[:, frame]
@@ -358,12 +382,13 @@ def _shown_costs(costs_of: Callable[[Tensor, Tensor], Tensor], moving: Tensor, s
 
 
 def _chunk_costs(domain: RowDomain, profiles: Tensor, coupling: tuple[Tensor, Tensor], points: list[Tensor], bank: int,
-                 offsets: Tensor, travel_scale: float, rows: Tensor, shown: Tensor) -> Tensor:
+                 offsets: Tensor, travel_scale: float, seen: Tensor, rows: Tensor, shown: Tensor) -> Tensor:
     """The misfit plus travel (B, F, L, S, S) of each of F frames moving each edge of the leaves ``rows``
     (L,) of ``bank`` from points[k] + offsets[i] to points[k + 1] + offsets[i'] (``_track_bank``), every
-    other edge held, each frame's MU refitted on those leaves' profiles. profiles (B, F, strips, 255) and
-    ``coupling`` of the F frames, both banks' points (B, F + 1, strips), ``shown`` (B, F, L) the frames
-    that show each leaf (where its travel costs)."""
+    other edge held, each frame's MU refitted on those leaves' profiles; under a response broad to 5 mm
+    strips, plus the pull to the neighbouring edges (``_neighbour_costs``). profiles (B, F, strips, 255) and
+    ``coupling`` of the F frames, both banks' points (B, F + 1, strips), ``seen`` (B, F, strips) the
+    leaves each frame shows, ``shown`` (B, F, L) those of ``rows`` (where their travel costs)."""
     sign = 1.0 if bank == 0 else -1.0
     model = _model(domain, coupling, points, rows=rows)
     frame_mu = _best_mu(profiles[:, :, rows], model)
@@ -378,7 +403,28 @@ def _chunk_costs(domain: RowDomain, profiles: Tensor, coupling: tuple[Tensor, Te
     motion = (moved[:, 1:] - moved[:, :-1])[..., None, None] + offsets - offsets[:, None]
     step_energy = (frame_mu * (1 - domain.leaf_transmission)).square() * domain.gram[2 * domain.reach]
     travel = TRAVEL_COST * travel_scale * step_energy[..., None] * shown  # (B, F, L) per mm
-    return costs + travel[..., None, None] * motion.abs()  # motion [i, i']: v - u
+    costs = costs + travel[..., None, None] * motion.abs()  # motion [i, i']: v - u
+    if domain.blurs_neighbours:
+        costs = costs + _neighbour_costs(points[bank], seen, rows, offsets) * (
+            NEIGHBOUR_COST * step_energy[..., None] * shown)[..., None, None]
+    return costs
+
+
+def _neighbour_costs(bank_points: Tensor, seen: Tensor, rows: Tensor, offsets: Tensor) -> Tensor:
+    """Per frame, the distance (B, F, L, S, S) mm of the leaves ``rows`` (L,) of a bank (control points
+    (B, F + 1, strips)), moved by offsets[i] at the frame's first point and offsets[i'] at its last,
+    from the neighbouring leaves of the bank that the frame shows (``seen`` (B, F, strips)), half of
+    each point's (each control point is shared by two frames)."""
+    count = bank_points.shape[-1]
+    moved = bank_points[..., rows, None] + offsets  # (B, F + 1, L, S)
+    ends = [torch.zeros_like(moved[:, :-1]), torch.zeros_like(moved[:, 1:])]
+    for step in (-1, 1):
+        neighbour = (rows + step).clamp(0, count - 1)
+        weight = (seen[..., neighbour] & ((rows + step >= 0) & (rows + step < count))).to(moved.dtype)[..., None]
+        apart = (moved - bank_points[..., neighbour, None]).abs()  # (B, F + 1, L, S)
+        ends[0] += weight * apart[:, :-1]
+        ends[1] += weight * apart[:, 1:]
+    return 0.5 * (ends[0][..., :, None] + ends[1][..., None, :])
 
 
 def _own_weights(domain: RowDomain, coupling: tuple[Tensor, Tensor], points: Tensor, bank: int) -> Tensor:

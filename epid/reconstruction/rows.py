@@ -130,6 +130,14 @@ class RowDomain:
         return self.response_filter.broad(self.grid)
 
     @property
+    def blurs_neighbours(self) -> bool:
+        """Whether the response is broad relative to strips of 5 mm (``ResponseFilter.broad`` of the
+        legacy strips), where the tracking pulls each leaf towards its neighbours
+        (``epid.reconstruction.leaves.NEIGHBOUR_COST``); on HD120's 2.5 mm strips under the built-in
+        response, not."""
+        return self.response_filter.broad(STRIPS)
+
+    @property
     def reach(self) -> int:
         return (len(self.taps) - 1) // 2
 

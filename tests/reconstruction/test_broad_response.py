@@ -22,7 +22,7 @@ from epid.synthesis.frames import render_frames
 from epid.synthesis.mlc import MLC_GEOMETRIES
 from epid.synthesis.physics import Physics
 from epid.synthesis.sequences import generate_control_points, leaf_band
-from tests.reconstruction.test_estimate import ShiftedTruth, with_real_mlc
+from tests.reconstruction.test_estimate import ShiftedTruth, render, with_real_mlc
 
 MLC_PHYSICS = Physics(leaf_transmission_percent=0.5, jaw_transmission_percent=0.1, interleaf_leakage_percent=0.5,
                       tongue_groove_mm=0.8, leaf_end_offset_mm=0.6)
@@ -252,7 +252,7 @@ def test_the_tracking_reads_the_frames_through_the_starts_rendering():
         return leaf_mae(fallback.ControlPointRun(reconstruction.leaf_a[None], reconstruction.leaf_b[None],
                                                  reconstruction.jaws[None]), truth, band)
 
-    assert mae(estimate) < 0.35 and mae(plain) > 1.5  # the start is 0.8 mm off
+    assert mae(estimate) < 0.35 and mae(plain) > 1.0  # worse than its start, 0.8 mm off
 
 
 def test_rendering_again_only_the_changed_frames_matches_a_whole_rendering():
@@ -303,3 +303,82 @@ def test_a_broad_responses_arc_reconstruction_on_cuda_is_the_cpus(mlc):
         results.append(fallback.ControlPointRun(arc.leaf_a[None].cpu(), arc.leaf_b[None].cpu(), arc.jaws[None].cpu()))
     assert rows.RowDomain.of(forward.to("cuda"), torch.device("cuda")).broad
     assert leaf_mae(results[1], results[0], band) < 0.05
+
+
+def neighbour_costs_by_loop(points: torch.Tensor, seen: torch.Tensor, moving: list[int],
+                            offsets: torch.Tensor) -> torch.Tensor:
+    """``leaves._neighbour_costs`` one entry at a time: half of each end's distance to each shown neighbour."""
+    runs, frames, count = points.shape[0], points.shape[1] - 1, points.shape[2]
+    out = torch.zeros(runs, frames, len(moving), len(offsets), len(offsets), dtype=points.dtype)
+    for run in range(runs):
+        for frame in range(frames):
+            for index, leaf in enumerate(moving):
+                for i, first in enumerate(offsets.tolist()):
+                    for j, last in enumerate(offsets.tolist()):
+                        for neighbour in (leaf - 1, leaf + 1):
+                            if 0 <= neighbour < count and seen[run, frame, neighbour]:
+                                out[run, frame, index, i, j] += 0.5 * (
+                                    abs(points[run, frame, leaf] + first - points[run, frame, neighbour])
+                                    + abs(points[run, frame + 1, leaf] + last - points[run, frame + 1, neighbour]))
+    return out
+
+
+def test_the_neighbour_costs_are_the_distances_to_the_shown_neighbours():
+    gen = torch.Generator().manual_seed(0)
+    points = 5.0 * torch.randn(2, 4, 6, generator=gen, dtype=torch.float64)
+    seen = torch.rand(2, 3, 6, generator=gen) > 0.3
+    offsets = torch.linspace(-1.0, 1.0, 5, dtype=torch.float64)
+    for moving in ([0, 2, 5], [1, 3], [4]):
+        torch.testing.assert_close(leaves._neighbour_costs(points, seen, torch.tensor(moving), offsets),
+                                   neighbour_costs_by_loop(points, seen, moving, offsets))
+
+
+def tracked_from(forward: nn.Module, signals: torch.Tensor, start: fallback.ControlPointRun) -> leaves.Tracked:
+    """The tracking of ``signals`` (N, 256, 256) read relative to the forward model's rendering of ``start``."""
+    prepared = estimate_module.render_run(forward, signals[None], start, 64, residuals=True)
+    return leaves.track_leaves(rows.RowDomain.of(forward), prepared.residuals, start.leaf_a, start.leaf_b,
+                               start.jaws, ((4.0, 0.5), (2.0, 0.2), (1.0, 0.1), (1.0, 0.1)),
+                               start_mu=prepared.mu)
+
+
+def test_leaves_a_broad_response_cannot_tell_apart_come_together_and_a_step_it_shows_stays():
+    """Under a 16.5 mm wide response (sigma 7 mm) leaves alternately 1 mm out and in along y reach the
+    frames through a transfer of about 1e-3: started so about the truth, aligned leaves or leaves that
+    step 12 mm halfway up the field, the tracking leaves them apart without the neighbour cost and
+    brings them over halfway back with it, each half of the step where it was."""
+    forward = forward_with_response(7.0)
+    assert rows.RowDomain.of(forward).blurs_neighbours
+    points, open_rows, below, above = 8, slice(19, 34), slice(19, 27), slice(27, 34)
+    jaws = torch.tensor((-40.0, 45.0)).repeat(points, 1)
+    alternation = (-1.0) ** torch.arange(52)
+    for step_mm in (0.0, 12.0):
+        leaf_a = (-20.3 + step_mm * (torch.arange(52) >= 27)).repeat(points, 1)
+        leaf_b = leaf_a + 40.0
+        signals = render(forward, leaf_a, leaf_b, jaws) * 10.0
+        start = fallback.ControlPointRun(leaf_a[None] + alternation, leaf_b[None] - alternation, jaws[None])
+        with mock.patch.object(leaves, "NEIGHBOUR_COST", 0.0):
+            apart = tracked_from(forward, signals, start)
+        tracked = tracked_from(forward, signals, start)
+        for fit, truth in ((apart.leaf_a[0], leaf_a), (apart.leaf_b[0], leaf_b)):
+            assert float((fit - truth)[:, open_rows].abs().mean()) > 0.65
+        for fit, truth in ((tracked.leaf_a[0], leaf_a), (tracked.leaf_b[0], leaf_b)):
+            assert float((fit - truth)[:, open_rows].abs().mean()) < 0.45
+            for half in (below, above):
+                assert abs(float((fit - truth)[:, half].mean())) < 0.2
+
+
+def test_the_neighbour_cost_leaves_a_sharp_responses_tracking_as_it_was():
+    forward = forward_with_response(2.0)
+    assert not rows.RowDomain.of(forward).blurs_neighbours
+    fine = rows.RowDomain.of(forward_with_response(2.0, "hd120"))
+    assert fine.broad and not fine.blurs_neighbours  # HD120's 2.5 mm strips under a 2 mm response: as they were
+    points = 6
+    leaf_a = (-20.3 + 0.7 * (torch.arange(52) % 5)).repeat(points, 1) + torch.linspace(0, 5, points)[:, None]
+    jaws = torch.tensor((-40.0, 45.0)).repeat(points, 1)
+    signals = render(forward, leaf_a, leaf_a + 30.0, jaws) * 10.0
+    start = fallback.ControlPointRun((leaf_a + 0.8)[None], (leaf_a + 29.0)[None], jaws[None])
+    tracked = tracked_from(forward, signals, start)
+    with mock.patch.object(leaves, "NEIGHBOUR_COST", 1.0):
+        again = tracked_from(forward, signals, start)
+    torch.testing.assert_close(again.leaf_a, tracked.leaf_a, rtol=0, atol=0)
+    torch.testing.assert_close(again.leaf_b, tracked.leaf_b, rtol=0, atol=0)
