@@ -365,30 +365,30 @@ def _track_bank(domain: RowDomain, profiles: Tensor, coupling: tuple[Tensor, Ten
     return result
 
 
-def _shown_costs(costs_of: Callable[[Tensor, Tensor], Tensor], moving: Tensor, shown: Tensor,
-                 offsets: Tensor) -> Tensor:
-    """The costs (B, F, L, S, S) of the leaves ``moving`` (L,) over a chunk of frames, ``costs_of(leaves,
-    shown)`` (``_chunk_costs`` of the chunk), computed on a ``SHOWN_ONLY`` device for only the leaves some
+def _shown_costs(costs_of: Callable[[Tensor], Tensor], moving: Tensor, shown: Tensor, offsets: Tensor) -> Tensor:
+    """The costs (B, F, L, S, S) of the leaves ``moving`` (L,) over a chunk of frames, ``costs_of(leaves)``
+    (``_chunk_costs`` of the chunk), computed on a ``SHOWN_ONLY`` device for only the leaves some
     frame of it shows (``shown`` (B, F, L)): the others' are exactly 0. ``offsets`` (S,) the search's."""
     if offsets.device.type not in SHOWN_ONLY:
-        return costs_of(moving, shown)
+        return costs_of(moving)
     active = shown.flatten(0, -2).any(0)  # (L,)
     if bool(active.all()):
-        return costs_of(moving, shown)
+        return costs_of(moving)
     costs = offsets.new_zeros(*shown.shape, len(offsets), len(offsets))
     if bool(active.any()):
-        costs[:, :, active] = costs_of(moving[active], shown[..., active])
+        costs[:, :, active] = costs_of(moving[active])
     return costs
 
 
 def _chunk_costs(domain: RowDomain, profiles: Tensor, coupling: tuple[Tensor, Tensor], points: list[Tensor], bank: int,
-                 offsets: Tensor, travel_scale: float, seen: Tensor, rows: Tensor, shown: Tensor) -> Tensor:
+                 offsets: Tensor, travel_scale: float, seen: Tensor, rows: Tensor) -> Tensor:
     """The misfit plus travel (B, F, L, S, S) of each of F frames moving each edge of the leaves ``rows``
     (L,) of ``bank`` from points[k] + offsets[i] to points[k + 1] + offsets[i'] (``_track_bank``), every
     other edge held, each frame's MU refitted on those leaves' profiles; under a response broad to 5 mm
     strips, plus the pull to the neighbouring edges (``_neighbour_costs``). profiles (B, F, strips, 255) and
     ``coupling`` of the F frames, both banks' points (B, F + 1, strips), ``seen`` (B, F, strips) the
-    leaves each frame shows, ``shown`` (B, F, L) those of ``rows`` (where their travel costs)."""
+    leaves each frame shows (where their travel costs)."""
+    shown = seen[..., rows]  # (B, F, L)
     sign = 1.0 if bank == 0 else -1.0
     model = _model(domain, coupling, points, rows=rows)
     frame_mu = _best_mu(profiles[:, :, rows], model)

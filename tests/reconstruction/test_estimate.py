@@ -193,7 +193,7 @@ def test_a_leaf_no_frame_shows_costs_nothing_so_its_costs_can_be_skipped(mlc):
     offsets = torch.linspace(-2.0, 2.0, 11)
     for bank in (0, 1):
         costs = leaves._chunk_costs(domain, observed.profiles, observed.coupling, banks, bank, offsets, 1.0,
-                                    observed.seen, every, observed.seen)
+                                    observed.seen, every)
         unseen = ~observed.seen[0].any(0)
         assert 0 < int(unseen.sum()) < count and bool((costs[0][:, unseen] == 0).all())
         assert bool((costs[0][:, ~unseen].abs().amax((-2, -1)) > 0).any(0).all())
