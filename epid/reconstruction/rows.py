@@ -120,22 +120,14 @@ class RowDomain:
     def broad(self) -> bool:
         """Whether the frames are seen through a Gaussian wider, relative to the strips, than
         ``MIN_TARGET_SIGMA_MM`` is to strips of 5 mm (``ResponseFilter.broad``: a response broader
-        than the tracking was tuned with; polishing stages, leaf groups and the passes read relative to the
-        fit before them apply).
+        than the tracking was tuned with; polishing stages, leaf groups, the passes read relative to the
+        fit before them and the pull of each leaf towards its neighbours, ``leaves.NEIGHBOUR_COST``, apply).
         Every response is broad to HD120's 2.5 mm strips: on 300 frames of the tuning arcs 5, 85, 165 (20-minute HD120
         checkpoint, realistic physics, built-in kernel) the leaves came to 0.460 mm, 91.3 % within 1
         mm (the 2.5 mm leaves 84.5 %) without the broad stages and 0.311 mm, 96.3 % (93.6 %) with
         them, at 7.3 frames/s against 12.4; the polishing stages alone 0.394 mm, 92.8 %; the second
         pass alone 0.401 mm, 93.6 %."""
         return self.response_filter.broad(self.grid)
-
-    @property
-    def blurs_neighbours(self) -> bool:
-        """Whether the response is broad relative to strips of 5 mm (``ResponseFilter.broad`` of the
-        legacy strips), where the tracking pulls each leaf towards its neighbours
-        (``epid.reconstruction.leaves.NEIGHBOUR_COST``); on HD120's 2.5 mm strips under the built-in
-        response, not."""
-        return self.response_filter.broad(STRIPS)
 
     @property
     def reach(self) -> int:

@@ -307,7 +307,8 @@ def test_a_broad_responses_arc_reconstruction_on_cuda_is_the_cpus(mlc):
 
 def neighbour_costs_by_loop(points: torch.Tensor, seen: torch.Tensor, moving: list[int],
                             offsets: torch.Tensor) -> torch.Tensor:
-    """``leaves._neighbour_costs`` one entry at a time: half of each end's distance to each shown neighbour."""
+    """``leaves._neighbour_distances`` summed over a frame's two ends, one entry at a time: half of each
+    end's distance to each shown neighbour."""
     runs, frames, count = points.shape[0], points.shape[1] - 1, points.shape[2]
     out = torch.zeros(runs, frames, len(moving), len(offsets), len(offsets), dtype=points.dtype)
     for run in range(runs):
@@ -329,7 +330,8 @@ def test_the_neighbour_costs_are_the_distances_to_the_shown_neighbours():
     seen = torch.rand(2, 3, 6, generator=gen) > 0.3
     offsets = torch.linspace(-1.0, 1.0, 5, dtype=torch.float64)
     for moving in ([0, 2, 5], [1, 3], [4]):
-        torch.testing.assert_close(leaves._neighbour_costs(points, seen, torch.tensor(moving), offsets),
+        first, last = leaves._neighbour_distances(points, seen, torch.tensor(moving), offsets)
+        torch.testing.assert_close(first[..., :, None] + last[..., None, :],
                                    neighbour_costs_by_loop(points, seen, moving, offsets))
 
 
@@ -347,7 +349,7 @@ def test_leaves_a_broad_response_cannot_tell_apart_come_together_and_a_step_it_s
     step 12 mm halfway up the field, the tracking leaves them apart without the neighbour cost and
     brings them over halfway back with it, each half of the step where it was."""
     forward = forward_with_response(7.0)
-    assert rows.RowDomain.of(forward).blurs_neighbours
+    assert rows.RowDomain.of(forward).broad
     points, open_rows, below, above = 8, slice(19, 34), slice(19, 27), slice(27, 34)
     jaws = torch.tensor((-40.0, 45.0)).repeat(points, 1)
     alternation = (-1.0) ** torch.arange(52)
@@ -367,11 +369,35 @@ def test_leaves_a_broad_response_cannot_tell_apart_come_together_and_a_step_it_s
                 assert abs(float((fit - truth)[:, half].mean())) < 0.2
 
 
+@pytest.mark.parametrize("sigma_mm, share", [(2.25, 0.97), (3.5, 0.9)])
+def test_hd120s_fine_strips_take_the_neighbour_cost(sigma_mm, share):
+    """HD120's 2.5 mm strips, broad to every response: under one as wide as the built-in kernel's core
+    (2.25 mm, not broad to 5 mm strips) and a wider one, started alternately 1 mm out and in about
+    aligned leaves, the fit ends nearer the truth with the neighbour cost than without it (by ``share``),
+    each bank's mean where it was."""
+    forward = forward_with_response(sigma_mm, "hd120")
+    assert rows.RowDomain.of(forward).broad
+    points, strips, open_rows = 8, 104, slice(38, 69)
+    jaws = torch.tensor((-40.0, 45.0)).repeat(points, 1)
+    leaf_a = torch.full((points, strips), -20.3)
+    signals = render(forward, leaf_a, leaf_a + 40.0, jaws) * 10.0
+    alternation = (-1.0) ** torch.arange(strips)
+    start = fallback.ControlPointRun(leaf_a[None] + alternation, leaf_a[None] + 40.0 - alternation, jaws[None])
+    with mock.patch.object(leaves, "NEIGHBOUR_COST", 0.0):
+        apart = tracked_from(forward, signals, start)
+    tracked = tracked_from(forward, signals, start)
+
+    def off(fit: leaves.Tracked) -> float:
+        return float(((fit.leaf_a[0] - leaf_a).abs() + (fit.leaf_b[0] - leaf_a - 40.0).abs())[:, open_rows].mean()) / 2
+
+    assert off(tracked) < share * off(apart)
+    for fit, truth in ((tracked.leaf_a[0], leaf_a), (tracked.leaf_b[0], leaf_a + 40.0)):
+        assert abs(float((fit - truth)[:, open_rows].mean())) < 0.2
+
+
 def test_the_neighbour_cost_leaves_a_sharp_responses_tracking_as_it_was():
     forward = forward_with_response(2.0)
-    assert not rows.RowDomain.of(forward).blurs_neighbours
-    fine = rows.RowDomain.of(forward_with_response(2.0, "hd120"))
-    assert fine.broad and not fine.blurs_neighbours  # HD120's 2.5 mm strips under a 2 mm response: as they were
+    assert not rows.RowDomain.of(forward).broad
     points = 6
     leaf_a = (-20.3 + 0.7 * (torch.arange(52) % 5)).repeat(points, 1) + torch.linspace(0, 5, points)[:, None]
     jaws = torch.tensor((-40.0, 45.0)).repeat(points, 1)
