@@ -55,7 +55,12 @@ response, tracking alone 0.754 mm / 82.1 % / 0.126 mm, 2 steps 0.688 / 86.0 / 0.
 `elongated` one 0.397 / 95.6 / 0.080 -> 0.385 / 96.2 / 0.050. A step costs a rendering with its
 gradient and the curvature, about 11 ms per frame on 2 CPU cores: on 300 frames of the held-out arcs
 6, 86, 166, 326, 406, 486 (16 mm wide response) 2 steps ran at 12.2 frames/s (0.844 mm, 79.6 %), 3
-at 10.1 (0.830 mm, 80.2 %), too near the 10 frames/s a whole arc must keep."""
+at 10.1 (0.830 mm, 80.2 %), too near the 10 frames/s a whole arc must keep. With the neighbour cost of
+the tracking (``epid.reconstruction.leaves.NEIGHBOUR_COST``), on the same held-out frames, one run after
+the other on an AVX-512 EPYC: 4 steps against 2 took the 16 mm response from 0.510 mm / 89.1 % to
+0.487 / 90.1 % at 12.0 against 15.5 frames/s, the 12 mm one from 0.283 / 97.4 to 0.269 / 97.6 at 11.8
+against 13.6, `elongated` from 0.190 / 98.9 to 0.176 / 99.0 at 13.6 against 16.0 (on the tuning arcs 6
+steps: 16 mm 91.6 % at 11.2 frames/s): kept at 2 for the margin slower CPUs need."""
 SUB_SAMPLES = 3
 """Positions per frame the curvature is built from (the 7 sub-apertures' weights split between the
 nearest two): 3, 4 and 7 gave the same leaves within 0.002 mm (16 mm wide response, 3 steps), 7 at
