@@ -343,6 +343,18 @@ def tracked_from(forward: nn.Module, signals: torch.Tensor, start: fallback.Cont
                                start_mu=prepared.mu)
 
 
+def tracked_apart_and_pulled(forward: nn.Module, leaf_a: torch.Tensor, leaf_b: torch.Tensor,
+                             jaws: torch.Tensor) -> tuple[leaves.Tracked, leaves.Tracked]:
+    """The forward model's frames of ``leaf_a``, ``leaf_b`` (N, strips) and ``jaws`` (N, 2), tracked from
+    a start of leaves alternately 1 mm out and in about them, without the neighbour cost and with it."""
+    signals = render(forward, leaf_a, leaf_b, jaws) * 10.0
+    alternation = (-1.0) ** torch.arange(leaf_a.shape[-1])
+    start = fallback.ControlPointRun(leaf_a[None] + alternation, leaf_b[None] - alternation, jaws[None])
+    with mock.patch.object(leaves, "NEIGHBOUR_COST", 0.0):
+        apart = tracked_from(forward, signals, start)
+    return apart, tracked_from(forward, signals, start)
+
+
 def test_leaves_a_broad_response_cannot_tell_apart_come_together_and_a_step_it_shows_stays():
     """Under a 16.5 mm wide response (sigma 7 mm) leaves alternately 1 mm out and in along y reach the
     frames through a transfer of about 1e-3: started so about the truth, aligned leaves or leaves that
@@ -352,15 +364,10 @@ def test_leaves_a_broad_response_cannot_tell_apart_come_together_and_a_step_it_s
     assert rows.RowDomain.of(forward).broad
     points, open_rows, below, above = 8, slice(19, 34), slice(19, 27), slice(27, 34)
     jaws = torch.tensor((-40.0, 45.0)).repeat(points, 1)
-    alternation = (-1.0) ** torch.arange(52)
     for step_mm in (0.0, 12.0):
         leaf_a = (-20.3 + step_mm * (torch.arange(52) >= 27)).repeat(points, 1)
         leaf_b = leaf_a + 40.0
-        signals = render(forward, leaf_a, leaf_b, jaws) * 10.0
-        start = fallback.ControlPointRun(leaf_a[None] + alternation, leaf_b[None] - alternation, jaws[None])
-        with mock.patch.object(leaves, "NEIGHBOUR_COST", 0.0):
-            apart = tracked_from(forward, signals, start)
-        tracked = tracked_from(forward, signals, start)
+        apart, tracked = tracked_apart_and_pulled(forward, leaf_a, leaf_b, jaws)
         for fit, truth in ((apart.leaf_a[0], leaf_a), (apart.leaf_b[0], leaf_b)):
             assert float((fit - truth)[:, open_rows].abs().mean()) > 0.65
         for fit, truth in ((tracked.leaf_a[0], leaf_a), (tracked.leaf_b[0], leaf_b)):
@@ -380,18 +387,14 @@ def test_hd120s_fine_strips_take_the_neighbour_cost(sigma_mm, share):
     points, strips, open_rows = 8, 104, slice(38, 69)
     jaws = torch.tensor((-40.0, 45.0)).repeat(points, 1)
     leaf_a = torch.full((points, strips), -20.3)
-    signals = render(forward, leaf_a, leaf_a + 40.0, jaws) * 10.0
-    alternation = (-1.0) ** torch.arange(strips)
-    start = fallback.ControlPointRun(leaf_a[None] + alternation, leaf_a[None] + 40.0 - alternation, jaws[None])
-    with mock.patch.object(leaves, "NEIGHBOUR_COST", 0.0):
-        apart = tracked_from(forward, signals, start)
-    tracked = tracked_from(forward, signals, start)
+    leaf_b = leaf_a + 40.0
+    apart, tracked = tracked_apart_and_pulled(forward, leaf_a, leaf_b, jaws)
 
     def off(fit: leaves.Tracked) -> float:
-        return float(((fit.leaf_a[0] - leaf_a).abs() + (fit.leaf_b[0] - leaf_a - 40.0).abs())[:, open_rows].mean()) / 2
+        return float(((fit.leaf_a[0] - leaf_a).abs() + (fit.leaf_b[0] - leaf_b).abs())[:, open_rows].mean()) / 2
 
     assert off(tracked) < share * off(apart)
-    for fit, truth in ((tracked.leaf_a[0], leaf_a), (tracked.leaf_b[0], leaf_a + 40.0)):
+    for fit, truth in ((tracked.leaf_a[0], leaf_a), (tracked.leaf_b[0], leaf_b)):
         assert abs(float((fit - truth)[:, open_rows].mean())) < 0.2
 
 
