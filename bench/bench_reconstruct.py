@@ -101,13 +101,15 @@ def held_out_arcs(trained: set[int]) -> list[int]:
 def forward_gamma(forward_model: torch.nn.Module, segment: ArcSegment, settings: SynthesisSettings,
                   device: torch.device) -> float:
     """Mean gamma pass rate (%, 2 %/2 mm, global, 10 % cutoff) of the segment's frames predicted
-    from its control points alone against its synthesised frames (the segment starts at frame 1)."""
-    points = generate_control_points(segment.dataset_id, settings.control_points, settings.mlc)
+    from its control points alone (their X jaws too, where they have them) against its synthesised
+    frames (the segment starts at frame 1)."""
+    points = generate_control_points(segment.dataset_id, settings.control_points, settings.mlc).folded_into_x_jaws()
     stop = len(segment) + 1
     plan = ControlPoints(**{name: getattr(points, name)[:stop] for name in
                             ("leaf_a", "leaf_b", "jaw_1", "jaw_2", "mu", "leaf_weight")},
                          dataset_id=points.dataset_id, pattern=points.pattern, mlc=points.mlc)
-    predicted = predict_plan_frames(forward_model, plan, device)
+    x_jaws = None if points.x_jaws is None else points.x_jaws[:stop]
+    predicted = predict_plan_frames(forward_model, plan, device, x_jaws=x_jaws)
     criteria = GammaCriteria(dose_percent=2.0, distance_mm=2.0, cutoff_percent=10.0)
     return float(gamma_pass_rates(segment.frames[1:], predicted, criteria, device).mean())
 
@@ -178,6 +180,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{method:8} {row['frames_per_second']:9.2f} {row['leaf_mae_mm']:8.3f}  {row['leaf_rms_mm']:6.2f} "
               f"{row['within_0.5mm']:7.1f}% {row['within_1mm']:7.2f}% {row['jaw_mae_mm']:8.3f} "
               f"{row['mu_error_percent']:6.2f}% {row['from_start_percent']:5.2f}%")
+        if "x_jaw_positions" in row:
+            print(f"{'':8} X jaws, the edges where they hide a leaf: MAE {row['x_jaw_mae_mm']:.3f} mm "
+                  f"({row['x_jaw_positions']} positions)")
         if "narrow_leaves" in row:
             print(f"{'':8} leaves narrower than 5 mm alone: leaf MAE {row['narrow_leaf_mae_mm']:.3f} mm, within 1 mm "
                   f"{row['narrow_within_1mm']:.2f} % ({row['narrow_leaves']} positions)")

@@ -155,6 +155,8 @@ def test_a_stuck_leaf_sticks_every_strip_of_its_mlc_leaf(tmp_path):
     """From half way through the arc bank A's leaf over the named strip stands still (closed no further
     than bank B): on HD120 the 5 mm leaf over strip 26 is strips 26 and 27, and both stick; the 2.5 mm
     leaf over strip 41 is strip 41 alone; the other strips move as planned."""
+    import dataclasses
+
     import numpy as np
 
     from bench.clinic_delivery import DeliveryErrors, delivered_plan
@@ -163,8 +165,8 @@ def test_a_stuck_leaf_sticks_every_strip_of_its_mlc_leaf(tmp_path):
     from epid.synthesis.sequences import generate_control_points
 
     hd120 = MLC_GEOMETRIES["hd120"]
-    write_plan(tmp_path / "arc.dcm", generate_control_points(14, 9, hd120), beam_mu=20.0, label="arc 14",
-               mlc=hd120)
+    arc = dataclasses.replace(generate_control_points(14, 9, hd120), x_jaws=None)  # no X jaw hides the two leaves
+    write_plan(tmp_path / "arc.dcm", arc, beam_mu=20.0, label="arc 14", mlc=hd120)
     (beam,) = read_plan(tmp_path / "arc.dcm")
     planned = beam.control_points
     for strip, stuck in ((26, [26, 27]), (41, [41])):

@@ -150,6 +150,11 @@ class SynthesisVariables:
         "EPID_JAW_TRANSMISSION_PERCENT", 0.0, Real(0.0, maximum=LIMITS["jaw_transmission_percent"]),
         example="0.1", derived_when_unset=True,
         meaning="share of the open fluence that passes through the Y jaws, % (unset: EPID_PHYSICS's)")
+    x_jaw_transmission_percent: float = setting(
+        "EPID_X_JAW_TRANSMISSION_PERCENT", 0.0, Real(0.0, maximum=LIMITS["x_jaw_transmission_percent"]),
+        example="0.5", derived_when_unset=True,
+        meaning="share of the open fluence that passes through the X jaws of an MLC that has them (not the legacy "
+                "grid), % (unset: EPID_PHYSICS's)")
     leaf_end_offset_mm: float = setting(
         "EPID_LEAF_END_OFFSET_MM", 0.0, Real(0.0, maximum=LIMITS["leaf_end_offset_mm"]),
         example="0.8", derived_when_unset=True,

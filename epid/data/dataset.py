@@ -36,7 +36,7 @@ from epid.synthesis.geometry import FRAME_SHAPE
 from epid.synthesis.kernel import default_kernel
 from epid.synthesis.mlc import LEGACY_GRID, MlcGeometry
 from epid.synthesis.physics import Physics
-from epid.synthesis.sequences import ControlPoints, generate_control_points
+from epid.synthesis.sequences import X_JAW_OPEN_MM, ControlPoints, generate_control_points
 
 FrameRender = Callable[[ControlPoints, int, np.ndarray, torch.device], torch.Tensor]
 
@@ -48,8 +48,11 @@ FrameRender = Callable[[ControlPoints, int, np.ndarray, torch.device], torch.Ten
 class Batch:
     """A window of consecutive samples of one dataset (tensors in mm and MU).
 
-    leaf_a, leaf_b: (B, 104), [prev 52, curr 52] leaf positions, mm.
-    scalars: (B, 5), [mu_curr (MU), jaw_1 prev, jaw_1 curr, jaw_2 prev, jaw_2 curr (mm)].
+    leaf_a, leaf_b: (B, 104), [prev 52, curr 52] leaf positions, mm (the edges frames show: a leaf an
+        X jaw hides at that jaw's edge, ``ControlPoints.folded_into_x_jaws``).
+    scalars: (B, 5), [mu_curr (MU), jaw_1 prev, jaw_1 curr, jaw_2 prev, jaw_2 curr (mm)]; (B, 9) on an
+        MLC with X jaws other than the legacy grid, [X1 prev, X1 curr, X2 prev, X2 curr (mm)] appended
+        (open at +-``X_JAW_OPEN_MM`` where the control points have none).
     leaf_weight_a, leaf_weight_b: (B, 104), loss weights in the leaf layout.
     epid_prev, epid_curr: (B, 1, 256, 256), frames ``s + 1`` and ``s + 2``.
     dataset_id, first_sample: where the window starts (-1 when not from a dataset).
@@ -120,10 +123,13 @@ def assemble_batch(control_points: ControlPoints, window: Window, frames: torch.
         both = np.concatenate([values[prev], values[curr]], axis=1)
         return torch.from_numpy(both.astype(np.float32)).to(frames.device)
 
-    cp = control_points
-    scalars = np.stack(
-        [cp.mu[curr], cp.jaw_1[prev], cp.jaw_1[curr], cp.jaw_2[prev], cp.jaw_2[curr]], axis=1
-    )
+    cp = control_points.folded_into_x_jaws()
+    columns = [cp.mu[curr], cp.jaw_1[prev], cp.jaw_1[curr], cp.jaw_2[prev], cp.jaw_2[curr]]
+    if cp.mlc.x_jaws and cp.mlc != LEGACY_GRID:
+        x_jaws = cp.x_jaws if cp.x_jaws is not None else np.tile(np.float32([-X_JAW_OPEN_MM, X_JAW_OPEN_MM]),
+                                                                  (len(cp), 1))
+        columns += [x_jaws[prev, 0], x_jaws[curr, 0], x_jaws[prev, 1], x_jaws[curr, 1]]
+    scalars = np.stack(columns, axis=1)
     stacked = frames.unsqueeze(1)
     return Batch(
         leaf_a=pair(cp.leaf_a),

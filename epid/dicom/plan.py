@@ -61,14 +61,12 @@ from epid.dicom.files import check_sop_class, new_dataset, read_dataset, save_da
 from epid.dicom.mlc_devices import MAX_TRAVEL_MM, MLC_TYPE, read_mlc
 from epid.synthesis.geometry import LEAF_WIDTH_MM, MLC_Y_MIN_MM, NUM_LEAF_PAIRS, TENTHS_PER_MM
 from epid.synthesis.mlc import LEGACY_GRID, MLC_GEOMETRIES, ROUNDING_SLACK, MlcGeometry
-from epid.synthesis.sequences import ControlPoints, mlc_leaf_weights
+from epid.synthesis.sequences import ControlPoints, behind_x_jaws, fold_into_x_jaws, mlc_leaf_weights
 
 RT_PLAN_STORAGE = "1.2.840.10008.5.1.4.1.1.481.5"
 MLC_Y_MAX_MM = MLC_Y_MIN_MM + NUM_LEAF_PAIRS * LEAF_WIDTH_MM
 SAD_MM = 1000.0
 JAW_TYPES = {"ASYMY": "y", "Y": "y", "ASYMX": "x", "X": "x"}
-X_JAW_MATCH_MM = 0.05
-"""A leaf within this of an X jaw (or behind it) is taken as hidden by it (``PlanBeam.behind_x_jaws``)."""
 LEAF_JAW_POSITIONS = Tag("LeafJawPositions")
 CROSSED_TOLERANCE_MM = 0.01
 """How far a bank A leaf may lie past its bank B leaf (a closed pair written with rounding), mm."""
@@ -115,13 +113,11 @@ class PlanBeam:
 
     def behind_x_jaws(self) -> np.ndarray | None:
         """(2, N, 52) int8 for bank A's and bank B's leaves: 1 where the leaf lies at or behind the X1
-        jaw, 2 where at or behind X2 (within ``X_JAW_MATCH_MM``), so that an image shows that jaw's
-        edge, not the leaf's; 0 elsewhere. None without X jaws."""
+        jaw, 2 where at or behind X2 (``epid.synthesis.sequences.behind_x_jaws``), so that an image shows
+        that jaw's edge, not the leaf's; 0 elsewhere. None without X jaws."""
         if self.x_jaws is None:
             return None
-        low, high = self.x_jaws[:, :1] + X_JAW_MATCH_MM, self.x_jaws[:, 1:] - X_JAW_MATCH_MM
-        return np.stack([np.where(leaves <= low, 1, np.where(leaves >= high, 2, 0)).astype(np.int8)
-                         for leaves in (self.control_points.leaf_a, self.control_points.leaf_b)])
+        return behind_x_jaws(self.control_points.leaf_a, self.control_points.leaf_b, self.x_jaws)
 
 
 # --------------------------------------------------------------------------- reading
@@ -273,20 +269,18 @@ def _read_beam(path: str, beam: Dataset, metersets: dict[int, float], dataset_id
     leaf_a, leaf_b = geometry.strips([(layer[:, 0], layer[:, 1]) for layer in layers])
     x_jaws = jaws["x"]
     has_x_jaws = bool(np.isfinite(x_jaws).all())
-    leaf_a = np.clip(leaf_a, x_jaws[:, :1], x_jaws[:, 1:])
-    leaf_b = np.maximum(np.clip(leaf_b, x_jaws[:, :1], x_jaws[:, 1:]), leaf_a)
+    leaf_a, leaf_b = fold_into_x_jaws(leaf_a, leaf_b, x_jaws)
     jaw_1, jaw_2 = (_tenth(np.clip(jaws["y"][:, side], MLC_Y_MIN_MM, MLC_Y_MAX_MM)) for side in (0, 1))
     control = ControlPoints(
         leaf_a=_tenth(leaf_a), leaf_b=_tenth(leaf_b), jaw_1=jaw_1, jaw_2=jaw_2, mu=_read_only(mu.astype(np.float32)),
         leaf_weight=_read_only(mlc_leaf_weights(jaw_1, jaw_2, geometry)), dataset_id=int(dataset_id), pattern="plan",
-        mlc=geometry,
+        mlc=geometry, x_jaws=_tenth(x_jaws) if has_x_jaws else None,
     )
     return PlanBeam(
         path=path, beam_number=int(number), beam_name=name,
         machine=str(beam.get("TreatmentMachineName", "")), mlc=mlc.description, beam_mu=float(metersets[number]),
         gantry_deg=_read_only(gantry.astype(np.float32)), collimator_deg=float(collimator[0]), control_points=control,
-        final_meterset_weight=final_weight, geometry=geometry,
-        x_jaws=_tenth(x_jaws) if has_x_jaws else None,
+        final_meterset_weight=final_weight, geometry=geometry, x_jaws=control.x_jaws,
     )
 
 
@@ -371,7 +365,8 @@ def write_plan(
     x_jaws: np.ndarray | None = None,
 ) -> None:
     """Write ``control_points`` as a single-arc VMAT RT Plan (RT Plan Storage) to ``path``: beam 1,
-    "ARC" (``write_arcs`` with one ``Arc`` of these settings)."""
+    "ARC" (``write_arcs`` with one ``Arc`` of these settings; ``x_jaws`` default the control points' own)."""
+    x_jaws = control_points.x_jaws if x_jaws is None else x_jaws
     write_arcs(path, [Arc(control_points, beam_mu, gantry_start_deg, gantry_stop_deg, gantry_direction, x_jaws)],
                machine=machine, label=label, mlc=mlc)
 

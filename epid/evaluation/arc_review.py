@@ -25,8 +25,10 @@ from epid.reconstruction import estimate as estimate_module
 from epid.synthesis.frames import render_frames
 from epid.synthesis.geometry import strip_grid
 from epid.synthesis.mlc import LEGACY_GRID, MlcGeometry
-from epid.synthesis.sequences import ControlPoints, generate_control_points
+from epid.synthesis.sequences import ControlPoints, behind_x_jaws, generate_control_points
 
+X_JAW_EDGE_OPEN_MM = 1.0
+"""A leaf pair hidden by an X jaw shows that jaw's edge where the plan opens it by more than this, mm."""
 ERROR_KEYS = ("leaf_mae_mm", "leaf_rms_mm", "within_0.5mm", "within_1mm", "jaw_mae_mm", "mu_error_percent")
 """The figures of ``arc_errors``, in the order tables print them."""
 
@@ -99,6 +101,13 @@ class LeafErrors:
         return np.concatenate([self.banks[bank][mask if strips is None else mask & strips]
                                for bank, mask in self.scored().items()])
 
+    def x_jaw_edges(self, opening: np.ndarray) -> np.ndarray:
+        """The errors (1-D) of the in-band positions an X jaw hides where the pair's ``opening`` (N, 52) mm
+        (of the plan, folded) exceeds ``X_JAW_EDGE_OPEN_MM``: where the frames show that jaw's edge."""
+        shown = self.band & (opening > X_JAW_EDGE_OPEN_MM)
+        return np.concatenate([self.banks[bank][shown & (hidden > 0)]
+                               for bank, hidden in zip(self.banks, self.behind_x_jaws, strict=True)])
+
     def x_jaws(self) -> dict[str, np.ndarray]:
         """Per X jaw ("X1", "X2"), the errors of the in-band leaf positions of both banks it hides
         (1-D; empty without X jaws)."""
@@ -142,11 +151,16 @@ def synthesise_segment(dataset_id: int, first: int, count: int, settings: Synthe
 
 
 def _segment(control_points: ControlPoints, first: int, frames: Tensor) -> ArcSegment:
+    """The segment of ``frames`` from ``first``: the leaves as the frames show them (folded into the X
+    jaws, which are scored as jaws where they hide a leaf)."""
     points = slice(first, first + len(frames) - 1)
+    shown = control_points.folded_into_x_jaws()
+    x_jaws = None if shown.x_jaws is None else np.array(shown.x_jaws[points])
+    values = {name: np.array(getattr(shown, name)[points]) for name in ("leaf_a", "leaf_b", "jaw_1", "jaw_2", "mu")}
     return ArcSegment(
-        dataset_id=control_points.dataset_id, pattern=control_points.pattern, first=first, frames=frames,
-        **{name: np.array(getattr(control_points, name)[points])
-           for name in ("leaf_a", "leaf_b", "jaw_1", "jaw_2", "mu")},
+        dataset_id=control_points.dataset_id, pattern=control_points.pattern, first=first, frames=frames, **values,
+        behind_x_jaws=None if x_jaws is None else behind_x_jaws(values["leaf_a"], values["leaf_b"], x_jaws),
+        x_jaws=x_jaws,
     )
 
 
@@ -207,12 +221,16 @@ def arc_errors(estimate: ArcEstimate, segment: ArcSegment, narrow: np.ndarray | 
     (``LeafErrors.scored``), jaw MAE (mm), MU relative error (%, mean over frames) and ``leaves``
     (how many scored); with ``narrow`` (strips,) bool (``MlcGeometry.narrow_strips``) where any is
     set, the leaf MAE and share within 1 mm of those strips' leaves too (``narrow_leaf_mae_mm``,
-    ``narrow_within_1mm``, ``narrow_leaves``)."""
+    ``narrow_within_1mm``, ``narrow_leaves``); for a segment with X jaws, the MAE of the estimated edges
+    where they show an X jaw's (``LeafErrors.x_jaw_edges``: ``x_jaw_mae_mm``, ``x_jaw_positions``)."""
     errors = leaf_errors(estimate, segment)
     leaf = torch.from_numpy(errors.scored_errors()).abs()
     jaws = torch.from_numpy(np.stack([segment.jaw_1, segment.jaw_2], 1))
     mu = torch.from_numpy(segment.mu)
     figures = {}
+    if segment.x_jaws is not None:
+        edges = np.abs(errors.x_jaw_edges(segment.leaf_b - segment.leaf_a))
+        figures = {"x_jaw_mae_mm": float(edges.mean()) if edges.size else math.nan, "x_jaw_positions": int(edges.size)}
     if narrow is not None and narrow.any():
         fine = np.abs(errors.scored_errors(narrow))
         figures = {"narrow_leaf_mae_mm": float(fine.mean()) if fine.size else math.nan,
@@ -243,6 +261,11 @@ def pooled_errors(per_arc: Sequence[Mapping[str, float]]) -> dict[str, float]:
     pooled["leaf_rms_mm"] = math.sqrt(sum(errors["leaf_rms_mm"] ** 2 * errors["leaves"] for errors in per_arc) / leaves)
     for key in ("jaw_mae_mm", "mu_error_percent", "from_start_percent"):
         pooled[key] = float(np.mean([errors[key] for errors in per_arc]))
+    edges = sum(errors.get("x_jaw_positions", 0) for errors in per_arc)
+    if edges:
+        pooled["x_jaw_mae_mm"] = sum(errors["x_jaw_mae_mm"] * errors["x_jaw_positions"] for errors in per_arc
+                                     if errors.get("x_jaw_positions")) / edges
+        pooled["x_jaw_positions"] = edges
     pooled["leaves"] = leaves
     return pooled
 

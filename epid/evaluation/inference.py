@@ -98,7 +98,8 @@ class SynthesisSettings:
 class SampleSet:
     """Selected samples with their parameters and frames (CPU tensors; row i is ``refs[i]``).
 
-    Fields follow ``epid.data.dataset.Batch``: leaf_a, leaf_b (S, 104) mm; scalars (S, 5);
+    Fields follow ``epid.data.dataset.Batch``: leaf_a, leaf_b (S, 104) mm; scalars (S, 5), or (S, 9)
+    with the X jaws of an MLC that has them;
     leaf_weight_a, leaf_weight_b (S, 104); epid_prev, epid_curr (S, 1, 256, 256); and the ``mlc``
     the arcs were synthesised on (what the estimates are reported as, ``reported_by_mlc``).
     """
@@ -507,7 +508,7 @@ def sample_metrics(samples: SampleSet, predictions: Predictions, gamma: Tensor) 
     curr = torch.cat([torch.zeros(strips, dtype=torch.bool), torch.ones(strips, dtype=torch.bool)])
     curr_band = band & curr.repeat(2)
     curr_leaf_band = (leaf_error * curr_band).sum(1) / curr_band.sum(1).clamp(min=1)
-    scalar_error = (predictions.scalars - samples.scalars).abs()
+    scalar_error = (predictions.scalars - samples.scalars[:, :predictions.scalars.shape[1]]).abs()
 
     records = []
     for i, ref in enumerate(samples.refs):

@@ -71,8 +71,6 @@ OUTSIDE_WARNING_PERCENT = 1.0
 LEAF_PASS_PERCENT = 95.0
 """Share of the in-band leaf positions that must lie within the TG-142 tolerance: the
 reconstruction has an error of its own, so single positions beyond 1 mm are expected."""
-X_JAW_EDGE_OPEN_MM = 1.0
-"""A leaf pair hidden by an X jaw shows that jaw's edge where the plan opens it by more than this, mm."""
 
 BANK_NAMES = ("A = X1 (IEC 61217: the -x side, the first half of each MLCX LeafJawPositions; Varian's bank B), "
               "B = X2 (+x, the second half; Varian's bank A)")
@@ -351,7 +349,7 @@ def read_x_jaws(forward_model: nn.Module, segment: arc_review.ArcSegment,
     leaf_a - offset_a, a hidden bank B leaf as X2 at leaf_b + offset_b (a pair closed behind a jaw
     shows no edge and stays), and each frame's signal MU is scaled by its rendering without X jaws
     over its rendering with them: each X jaw at the mean of the hidden positions that show its edge
-    (in the jaw band, the pair open by ``X_JAW_EDGE_OPEN_MM``), the plan's where none does (frame
+    (in the jaw band, the pair open by ``arc_review.X_JAW_EDGE_OPEN_MM``), the plan's where none does (frame
     0's motion taken as its control point's alone). On a simulated clinic's error-free deliveries
     with X jaws following the leaves (``bench_error_detection --x-jaws``), without this: X1 +0.32
     mm, X2 -0.30 mm, the total MU -3.9 %."""
@@ -367,7 +365,8 @@ def read_x_jaws(forward_model: nn.Module, segment: arc_review.ArcSegment,
     if estimate.signal_mu is None:
         return read
     x_jaws = segment.x_jaws.copy()
-    shown = arc_review.leaf_errors(estimate, segment).band & (segment.leaf_b - segment.leaf_a > X_JAW_EDGE_OPEN_MM)
+    opening = segment.leaf_b - segment.leaf_a
+    shown = arc_review.leaf_errors(estimate, segment).band & (opening > arc_review.X_JAW_EDGE_OPEN_MM)
     for side, (code, edges) in enumerate(((1, leaf_a), (2, leaf_b))):
         seen = (hidden[side] == code) & shown
         count = seen.sum(1)

@@ -71,6 +71,7 @@ from epid.synthesis.geometry import (
 LATENT_POOL = GRID_SIZE // LATENT_SIZE
 PHYSICS_LR_FACTOR = 10.0
 """Learning-rate factor of the few physical parameters (response, edge shift, in-field weights)."""
+X_JAW_PARAMETERS = ("aperture.x_jaw_edge_offset", "aperture.x_jaw_transmission_change_percent")  # older lack them
 X_JAW_SCALARS = 4
 """Columns a beam with X jaws appends to the scalars: [X1 prev, X1 curr, X2 prev, X2 curr] mm."""
 MIN_EXPECTED_SUM = 1.0
@@ -131,8 +132,9 @@ class ApertureFluence(nn.Module):
     """Leaves and jaws of a frame's motion -> mean fluence of each 1 mm cell per MU, with the
     physics of a real MLC learned (``epid.synthesis.fluence.aperture_fluence``, the synthesis's own
     rendering): a shift of every edge (mm, widening), a leaf-end offset per bank (mm), leaf, jaw
-    and interleaf transmission (%), and the tongue-and-groove strip's width (mm); all start at 0,
-    an opaque aperture with its nominal edges. Returns the fluence (B, 260, 256), y ascending.
+    and interleaf transmission (%), the tongue-and-groove strip's width (mm), and the X jaws' edge
+    offset and transmission, each added to the Y jaws' (``X_JAW_PARAMETERS``); all start at 0, an
+    opaque aperture with its nominal edges. Returns the fluence (B, 260, 256), y ascending.
 
     ``strip_leaves`` (per layer, the leaf of each strip) renders a real MLC as the synthesis does:
     interleaf leakage only between two leaves of a layer, and for a dual layer each layer's leaves
@@ -147,6 +149,7 @@ class ApertureFluence(nn.Module):
         self.jaw_transmission_percent = nn.Parameter(torch.zeros(()))
         self.interleaf_leakage_percent = nn.Parameter(torch.zeros(()))
         self.tongue_groove_mm = nn.Parameter(torch.zeros(()))
+        self.x_jaw_edge_offset, self.x_jaw_transmission_change_percent = (nn.Parameter(torch.zeros(())) for _ in "xy")
         self.layers = len(strip_leaves)
         self.grid = layout_grid(strip_leaves)
         beyond = None  # (layers, strips): the strips beyond each layer's leaves, where any are
@@ -186,17 +189,14 @@ class ApertureFluence(nn.Module):
 
     def forward(self, leaf_a: Tensor, leaf_b: Tensor, scalars: Tensor) -> Tensor:
         """The fluence (B, 260, 256) of leaves (B, 2 x strips) [prev, curr] and scalars (B, 5), or
-        (B, 9) with the X jaws' [X1 prev, X1 curr, X2 prev, X2 curr] appended (``X_JAW_SCALARS``),
-        rendered with the Y jaws' edge offset and transmission."""
+        (B, 9) with the X jaws' [X1 prev, X1 curr, X2 prev, X2 curr] appended (``X_JAW_SCALARS``)."""
         batch = leaf_a.shape[0]
         jaw_1 = sub_aperture_positions(scalars[:, 1], scalars[:, 2])  # (B, 7)
         jaw_2 = sub_aperture_positions(scalars[:, 3], scalars[:, 4])
-        layers: dict[str, object] = {}
+        layers: dict[str, object] = {"interleaf": self.interleaf} if self.layers else {}
         if scalars.shape[1] == NUM_SCALARS + X_JAW_SCALARS:
             layers["x_jaws"] = (sub_aperture_positions(scalars[:, 5], scalars[:, 6]),
                                 sub_aperture_positions(scalars[:, 7], scalars[:, 8]))
-        if self.layers:
-            layers["interleaf"] = self.interleaf
         if self.layers > 1:
             strips = (leaf_a.unflatten(1, (2, self.grid.count)), leaf_b.unflatten(1, (2, self.grid.count)))
             layers["second_layer"] = self.moving_leaves(*(e.flatten(1) for e in self.layer_edges(*strips, 1)))
@@ -214,6 +214,8 @@ class ApertureFluence(nn.Module):
             leaf_transmission=self.leaf_transmission_percent / 100.0,
             interleaf_leakage=self.interleaf_leakage_percent / 100.0,
             jaw_transmission=self.jaw_transmission_percent / 100.0,
+            x_jaw_edge_offset=self.edge_shift + self.x_jaw_edge_offset,
+            x_jaw_transmission=(self.jaw_transmission_percent + self.x_jaw_transmission_change_percent) / 100.0,
         )
 
     @staticmethod
@@ -251,7 +253,7 @@ class ApertureForwardModel(nn.Module):
                         "aperture.tongue_groove_mm", "lag_percent", "response.radial_log_width",
                         "response.radial_weight", "response.broad_log_width", "response.broad_gain",
                         "response.measured_logit", "response.measured", "response.measured_present",
-                        *COMMISSIONING_PARAMETERS)
+                        *COMMISSIONING_PARAMETERS, *X_JAW_PARAMETERS)
     """Parameters that checkpoints written before the realistic physics (and before commissioning's
     beam and panel forms) lack; their initial values leave the model as it was."""
 
@@ -459,7 +461,8 @@ forward model's (``ApertureForwardConfig.response_reach``)."""
 class LeafEdgeInverseModel(nn.Module):
     """EPID frame pair -> control points through leaf-edge moments (see the module docstring)."""
 
-    ADDED_PARAMETERS = (*ApertureForwardModel.ADDED_PARAMETERS[:6], "response_kernel", "response_present")
+    ADDED_PARAMETERS = (*ApertureForwardModel.ADDED_PARAMETERS[:6], *X_JAW_PARAMETERS, "response_kernel",
+                        "response_present")
     """As ``ApertureForwardModel.ADDED_PARAMETERS``: the aperture's physics, the lag and the measured
     response read through (``read_through``)."""
 

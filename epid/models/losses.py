@@ -12,7 +12,8 @@ Terms (unweighted; ``total`` applies the weights):
 * ``forward``: per sample, mean over pixels of (epid_pred - epid_curr)**2, divided by the
   sample's MU (``scalars[:, 0]`` of the batch, clamped at 1e-6); mean over samples.
 * ``leaf_a``, ``leaf_b``: weighted MSE of the normalised leaves with ``leaf_weight_a/b``.
-* ``scalars``: MSE of the normalised scalars.
+* ``scalars``: MSE of the normalised scalars the inverse model estimates (the first 5: a batch's X
+  jaws, on an MLC with them, are the forward model's inputs only).
 * ``ordering``: mean of relu(a.detach() - b)**2 on the normalised predicted leaves; bank A is
   detached, so the penalty only pushes bank B open.
 * ``consistency``: predicted leaves, curr half of sample i against the prev half of sample
@@ -117,7 +118,7 @@ def cross_training_loss(
     """
     epid_pred, forward_latent = (t.float() for t in forward_out)
     leaf_a_pred, leaf_b_pred, scalars_pred, inverse_latent = (t.float() for t in inverse_out)
-    scalars = batch.scalars.float()
+    scalars = batch.scalars.float()[:, :len(SCALAR_SCALE)]
     scalar_scale = scalars.new_tensor(SCALAR_SCALE)
     leaf_a_norm = leaf_a_pred / LEAF_SCALE_MM
     leaf_b_norm = leaf_b_pred / LEAF_SCALE_MM

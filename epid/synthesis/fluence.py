@@ -189,7 +189,8 @@ def aperture_fluence(leaf_a: torch.Tensor, leaf_b: torch.Tensor, jaw_1: torch.Te
                      leaf_transmission: Setting = 0.0, interleaf_leakage: Setting = 0.0,
                      jaw_transmission: Setting = 0.0, second_layer: tuple[torch.Tensor, torch.Tensor] | None = None,
                      interleaf: torch.Tensor | None = None,
-                     x_jaws: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                     x_jaws: tuple[torch.Tensor, torch.Tensor] | None = None, x_jaw_edge_offset: Setting | None = None,
+                     x_jaw_transmission: Setting | None = None) -> torch.Tensor:
     """The fluence of B apertures on the leaf grid, (B, 260, 256), y ascending: the sum of the S
     sub-apertures of each (leaves (B, S, strips), jaws (B, S), mm) weighted by ``weights`` (B, S),
     rendered on the rows of the strips' grid (``StripGrid``: 0.5 mm for the fine strips, each 1 mm
@@ -216,9 +217,10 @@ def aperture_fluence(leaf_a: torch.Tensor, leaf_b: torch.Tensor, jaw_1: torch.Te
     each layer (``MlcGeometry.interleaf``; default every one, in one layer).
 
     ``x_jaws`` (X1, X2: (B, S) mm each, a beam with X jaws, one layer of leaves): jaws along x with
-    the Y jaws' edge offset and transmission, whose transmission multiplies the leaves' and the Y
-    jaws' at every point (exact over each cell: where a leaf end and an X jaw share a cell, the part
-    both leave open is their openings' overlap).
+    their own edge offset and transmission (``x_jaw_edge_offset``, ``x_jaw_transmission``; None: the
+    Y jaws'), whose transmission multiplies the leaves' and the Y jaws' at every point (exact over
+    each cell: where a leaf end and an X jaw share a cell, the part both leave open is their
+    openings' overlap).
     """
     device, batch, sub_apertures = leaf_a.device, leaf_a.shape[0], leaf_a.shape[1]
     grid = strip_grid(leaf_a.shape[-1])
@@ -232,14 +234,16 @@ def aperture_fluence(leaf_a: torch.Tensor, leaf_b: torch.Tensor, jaw_1: torch.Te
     if isinstance(tongue_groove_mm, torch.Tensor) or tongue_groove_mm > 0:
         shares = groove_shares(torch.as_tensor(tongue_groove_mm, device=device) / 2.0, grid)
     tongue = None if interleaf is None else interleaf.amax(0).view(-1, 1, 1)  # (strips - 1, 1, 1)
+    x_edge = jaw_edge_offset if x_jaw_edge_offset is None else x_jaw_edge_offset
+    x_transmission = jaw_transmission if x_jaw_transmission is None else x_jaw_transmission
 
     def open_sum(lower: torch.Tensor, upper: torch.Tensor, within_x_jaws: bool = False) -> torch.Tensor:
         """(B, rows, 256) sum over the sub-apertures of jaws x the open fraction of leaf edges (B, S, strips),
         or with ``within_x_jaws`` of the part of the opening that the X jaws leave open too."""
         low, high = lower - leaf_end_offset_a, upper + leaf_end_offset_b
         if within_x_jaws:
-            low = torch.maximum(low, (x_jaws[0] - jaw_edge_offset)[..., None])
-            high = torch.minimum(high, (x_jaws[1] + jaw_edge_offset)[..., None])
+            low = torch.maximum(low, (x_jaws[0] - x_edge)[..., None])
+            high = torch.minimum(high, (x_jaws[1] + x_edge)[..., None])
         leaf_open = cell_coverage(low, high, columns).transpose(1, 2)  # (B, strips, S, 256)
         first_rows, last_rows = [leaf_open] * band, [leaf_open] * band  # k-th row from the lower / upper boundary
         if shares is not None:
@@ -267,11 +271,10 @@ def aperture_fluence(leaf_a: torch.Tensor, leaf_b: torch.Tensor, jaw_1: torch.Te
             raise ValueError("X jaws are rendered for a single layer of leaves only")
         # a cell passes t_x + (1 - t_x) x its share the X jaws leave open, times the leaves' and Y jaws' own:
         # the leaves' open part splits into the part the X jaws leave open and the rest
-        x_open = cell_coverage(x_jaws[0] - jaw_edge_offset, x_jaws[1] + jaw_edge_offset, columns)  # (B, S, 256)
+        x_open = cell_coverage(x_jaws[0] - x_edge, x_jaws[1] + x_edge, columns)  # (B, S, 256)
         x_sum = torch.matmul(jaw_fluence.reshape(batch, grid.rows, sub_apertures), x_open)
-        leaves = jaw_transmission * open_sum(leaf_a, leaf_b) + (1.0 - jaw_transmission) * open_sum(leaf_a, leaf_b,
-                                                                                                   True)
-        behind = jaw_transmission * jaw_sum + (1.0 - jaw_transmission) * x_sum
+        leaves = x_transmission * open_sum(leaf_a, leaf_b) + (1.0 - x_transmission) * open_sum(leaf_a, leaf_b, True)
+        behind = x_transmission * jaw_sum + (1.0 - x_transmission) * x_sum
         fluence = leaves * (1.0 - closed[0]) + behind * closed[0]
     elif second_layer is None:
         fluence = open_sum(leaf_a, leaf_b) * (1.0 - closed[0]) + jaw_sum * closed[0]
@@ -302,13 +305,18 @@ def frame_positions(control_points: ControlPoints, frames: np.ndarray,
     """The positions of ``frames`` (F,) at their 7 sub-apertures on ``device``: [leaf_a, leaf_b
     (F, 7, strips), jaw_1, jaw_2 (F, 7)] float32 mm, the leaves those of the first layer of the control
     points' MLC, and the rest of its layers as ``aperture_fluence`` takes them (``second_layer``,
-    ``interleaf``; none for an MLC whose strips are its leaves). A single layer's leaves are the
-    strips' own positions; only a dual layer's are placed per layer (``layer_positions``)."""
+    ``interleaf``; none for an MLC whose strips are its leaves), with the X jaws (``x_jaws``: X1, X2
+    (F, 7) each) where the control points have them. A single layer's leaves are the strips' own
+    positions; only a dual layer's are placed per layer (``layer_positions``)."""
     positions = [torch.from_numpy(v).to(device, torch.float32) for v in interpolated_positions(control_points, frames)]
     mlc = control_points.mlc
+    layers: dict[str, Any] = {}
+    if control_points.x_jaws is not None:
+        x_jaws = torch.from_numpy(_sub_apertures(control_points.x_jaws[frames - 1], control_points.x_jaws[frames]))
+        layers["x_jaws"] = tuple(x_jaws.to(device, torch.float32).unbind(-1))
     if mlc.identity:
-        return positions, {}
-    layers: dict[str, Any] = {"interleaf": torch.from_numpy(mlc.interleaf).to(device)}
+        return positions, layers
+    layers["interleaf"] = torch.from_numpy(mlc.interleaf).to(device)
     if len(mlc.layers) > 1:
         first, second = ([torch.from_numpy(v).to(device, torch.float32) for v in layer]
                          for layer in layer_positions(control_points, frames))
@@ -328,7 +336,8 @@ def physics_fluence(leaf_a: torch.Tensor, leaf_b: torch.Tensor, jaw_1: torch.Ten
         leaf_end_offset_a=physics.leaf_end_offset_mm, leaf_end_offset_b=physics.leaf_end_offset_mm,
         tongue_groove_mm=physics.tongue_groove_mm, leaf_transmission=physics.leaf_transmission_percent / 100.0,
         interleaf_leakage=physics.interleaf_leakage_percent / 100.0,
-        jaw_transmission=physics.jaw_transmission_percent / 100.0, **layers,
+        jaw_transmission=physics.jaw_transmission_percent / 100.0,
+        x_jaw_transmission=physics.x_jaw_transmission_percent / 100.0, **layers,
     )
 
 

@@ -173,7 +173,7 @@ class FrameRenderer:
                 mu = control_points.mu[chunk].astype(np.float64)
                 target = out[start : start + len(chunk)]
                 if physics.is_ideal:
-                    edges = frame_edges(control_points, chunk).to(self.device)
+                    edges = frame_edges(control_points.folded_into_x_jaws(), chunk).to(self.device)
                     weights = np.repeat((mu / SUB_APERTURES)[:, None], SUB_APERTURES, axis=1).astype(np.float32)
                     self._render_chunk(edges, torch.from_numpy(weights).to(self.device), target)
                 else:

@@ -6,6 +6,7 @@ unit (all zero in ``ideal``):
 
 * leaf transmission (%): the fraction of the open fluence that passes through a closed leaf;
 * jaw transmission (%): the same for the Y jaws (jaw_1, jaw_2);
+* X jaw transmission (%): the same for the X jaws of an MLC that has them (X1, X2);
 * leaf-end offset (mm): rounded leaf ends put the radiation edge of every leaf this far
   outside its nominal position (half the dosimetric leaf gap), so each opening is widened by
   the offset at both ends;
@@ -41,6 +42,7 @@ LAG_TAIL = 1e-9
 LIMITS = {
     "leaf_transmission_percent": 20.0,
     "jaw_transmission_percent": 20.0,
+    "x_jaw_transmission_percent": 20.0,
     "leaf_end_offset_mm": 3.0,
     "tongue_groove_mm": 2.0,
     "interleaf_leakage_percent": 20.0,
@@ -56,6 +58,7 @@ class Physics:
 
     leaf_transmission_percent: float = 0.0
     jaw_transmission_percent: float = 0.0
+    x_jaw_transmission_percent: float = 0.0
     leaf_end_offset_mm: float = 0.0
     tongue_groove_mm: float = 0.0
     interleaf_leakage_percent: float = 0.0
@@ -109,6 +112,7 @@ PRESETS: dict[str, Physics] = {
     "realistic": Physics(
         leaf_transmission_percent=0.4,
         jaw_transmission_percent=0.1,
+        x_jaw_transmission_percent=0.3,
         leaf_end_offset_mm=0.6,
         tongue_groove_mm=0.8,
         interleaf_leakage_percent=0.6,
@@ -117,8 +121,9 @@ PRESETS: dict[str, Physics] = {
     ),
 }
 """``ideal``: the legacy synthesis. ``realistic``: an Agility-like MLC (0.4 % leaf and 0.1 % jaw
-transmission, 0.6 mm leaf-end offset, a 0.8 mm tongue-and-groove strip, 1 % transmission
-between leaves) on an aSi panel with 2 % lag and 5 % arm backscatter (up to 10 % at the arm)."""
+transmission, 0.3 % through the X jaws of an MLC with them, 0.6 mm leaf-end offset, a 0.8 mm
+tongue-and-groove strip, 1 % transmission between leaves) on an aSi panel with 2 % lag and 5 %
+arm backscatter (up to 10 % at the arm)."""
 
 
 def physics_of(preset: str, **overrides: float | None) -> Physics:

@@ -24,6 +24,12 @@ at a segment speed. The whole arc is built with array operations, with no loop o
   shows before and after are held within 20 mm of its parked position, so that the change
   stays within 40 mm. The parked positions themselves satisfy every constraint, so a fit
   always exists; it is found exactly with min-plus envelopes (cumulative minima).
+
+On an MLC with X jaws other than the legacy grid, each arc also has X jaws (``x_jaw_path``), drawn
+from a stream of their own so that the leaves and Y jaws are the same arc's: open (outside the
+imager), tracking the open leaves with a margin as planning systems' jaw tracking sets them, or
+static over the arc, standing inside the widest openings at some control points so that frames show
+their edges and hide leaves behind them.
 """
 
 from __future__ import annotations
@@ -53,6 +59,19 @@ EDGE_COPY_LEAVES = 2
 LEAF_RANGE_MM = (-120.0, 120.0)
 """Travel allowed to band leaves, so that both field edges stay inside the imager."""
 MU_RANGE = (1.0, 40.0)
+X_JAW_MODES = ("open", "tracking", "static")
+"""How an arc's X jaws move (``x_jaw_path``), one drawn per arc with equal chances."""
+X_JAW_OPEN_MM = 200.0
+"""Where open X jaws stand, mm from the beam axis: outside the imager."""
+X_JAW_MARGIN_MM = (0.0, 5.0)
+"""Range of the margin between tracking X jaws and the open leaves, mm (one per jaw and arc)."""
+X_JAW_HIDING_SHARE = (0.05, 0.25)
+"""Range of the share of an arc's control points at which a static X jaw stands inside the widest
+opening on its side (one per jaw and arc)."""
+X_JAW_MATCH_MM = 0.05
+"""A leaf within this of an X jaw (or behind it) is taken as hidden by it (``behind_x_jaws``)."""
+X_JAW_STREAM = 0x58
+"""Second word of the seed of the X jaws' random stream (``seed_for`` the first)."""
 
 
 
@@ -95,6 +114,8 @@ class ControlPoints:
     a strip beyond the MLC's leaves (``MlcGeometry.under_leaves``: open, nothing to estimate).
     mlc: the MLC whose strips these are (``epid.synthesis.mlc``): its layers and leaf boundaries
     shape the fluence of a real MLC (``epid.synthesis.fluence.physics_fluence``).
+    x_jaws: (N, 2) [X1, X2] mm along x, the X jaws, or None (a beam without them): the leaves are
+    the planned positions, also where a jaw hides them (``folded_into_x_jaws``: what frames show).
     """
 
     leaf_a: np.ndarray
@@ -106,6 +127,7 @@ class ControlPoints:
     dataset_id: int
     pattern: str
     mlc: MlcGeometry = LEGACY_GRID
+    x_jaws: np.ndarray | None = None
 
     def __len__(self) -> int:
         return int(self.mu.shape[0])
@@ -113,7 +135,35 @@ class ControlPoints:
     @property
     def nbytes(self) -> int:
         """Bytes held by the arrays."""
-        return sum(a.nbytes for a in (self.leaf_a, self.leaf_b, self.jaw_1, self.jaw_2, self.mu, self.leaf_weight))
+        arrays = (self.leaf_a, self.leaf_b, self.jaw_1, self.jaw_2, self.mu, self.leaf_weight, self.x_jaws)
+        return sum(a.nbytes for a in arrays if a is not None)
+
+    def folded_into_x_jaws(self) -> ControlPoints:
+        """These control points with every leaf edge an X jaw hides at that jaw's edge
+        (``fold_into_x_jaws``), the edges frames show and the inverse models estimate; themselves
+        without X jaws."""
+        if self.x_jaws is None:
+            return self
+        leaf_a, leaf_b = fold_into_x_jaws(self.leaf_a, self.leaf_b, self.x_jaws)
+        return dataclasses.replace(self, leaf_a=_read_only(leaf_a), leaf_b=_read_only(leaf_b))
+
+
+def behind_x_jaws(leaf_a: np.ndarray, leaf_b: np.ndarray, x_jaws: np.ndarray) -> np.ndarray:
+    """(2, N, strips) int8 for bank A's and bank B's edges (N, strips) mm: 1 where the edge lies at or
+    behind the X1 jaw, 2 where at or behind X2 (within ``X_JAW_MATCH_MM`` of the jaws (N, 2) [X1, X2]
+    mm), so that an image shows that jaw's edge, not the leaf's; 0 elsewhere."""
+    low, high = x_jaws[:, :1] + X_JAW_MATCH_MM, x_jaws[:, 1:] - X_JAW_MATCH_MM
+    return np.stack([np.where(leaves <= low, 1, np.where(leaves >= high, 2, 0)).astype(np.int8)
+                     for leaves in (leaf_a, leaf_b)])
+
+
+def fold_into_x_jaws(leaf_a: np.ndarray, leaf_b: np.ndarray, x_jaws: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Leaf edges (N, strips) mm with the part of each opening outside the X jaws (N, 2) [X1, X2] mm
+    cut off: bank A's edges clipped into [X1, X2], bank B's too and never below bank A's (a pair
+    wholly behind one jaw closed at its edge)."""
+    low, high = x_jaws[:, :1], x_jaws[:, 1:]
+    folded_a = np.clip(leaf_a, low, high)
+    return folded_a, np.maximum(np.clip(leaf_b, low, high), folded_a)
 
 
 def pattern_for(dataset_id: int) -> str:
@@ -187,6 +237,10 @@ def generate_control_points(dataset_id: int, n_control_points: int = DEFAULT_CON
         shown_a, shown_b = mlc.shown(leaves[:, 0] / TENTHS_PER_MM, leaves[:, 1] / TENTHS_PER_MM)
         leaves = np.rint(np.stack([shown_a, shown_b], axis=1).astype(np.float64) * TENTHS_PER_MM).astype(np.int64)
     jaw_1, jaw_2 = _read_only_mm(jaws[:, 0]), _read_only_mm(jaws[:, 1])
+    x_jaws = None
+    if mlc.x_jaws and mlc != LEGACY_GRID:
+        x_jaws = _read_only_mm(x_jaw_path(np.random.default_rng([seed_for(dataset_id), X_JAW_STREAM]), leaves, jaws,
+                                          grid))
     return ControlPoints(
         leaf_a=_read_only_mm(leaves[:, 0]),
         leaf_b=_read_only_mm(leaves[:, 1]),
@@ -197,7 +251,43 @@ def generate_control_points(dataset_id: int, n_control_points: int = DEFAULT_CON
         dataset_id=int(dataset_id),
         pattern=pattern,
         mlc=mlc,
+        x_jaws=x_jaws,
     )
+
+
+def x_jaw_path(rng: np.random.Generator, leaves: np.ndarray, jaws: np.ndarray, grid: StripGrid) -> np.ndarray:
+    """X jaws (n, 2) [X1, X2] in tenths for leaves (n, 2, strips) and Y jaws (n, 2) in tenths, in one of
+    ``X_JAW_MODES``: open at +-``X_JAW_OPEN_MM``; tracking, each jaw a margin (``X_JAW_MARGIN_MM``)
+    outside the outermost open leaf the Y jaws show at the control point and its two neighbours, so
+    that no leaf is hidden during a frame; static, each jaw where the outermost open leaf on its side
+    reaches beyond it at a share ``X_JAW_HIDING_SHARE`` of the control points. Static jaws stand at
+    least 10 mm apart, within the leaves' travel."""
+    mode = X_JAW_MODES[int(rng.integers(len(X_JAW_MODES)))]
+    margins = rng.integers(_tenths(X_JAW_MARGIN_MM[0]), _tenths(X_JAW_MARGIN_MM[1]) + 1, size=2)
+    shares = rng.uniform(*X_JAW_HIDING_SHARE, size=2)
+    n = len(leaves)
+    if mode == "open":
+        return np.tile([-_tenths(X_JAW_OPEN_MM), _tenths(X_JAW_OPEN_MM)], (n, 1))
+    step = _tenths(grid.strip_mm)
+    lower = _MLC_Y_MIN + step * np.arange(grid.count)
+    seen = (lower + step > jaws[:, :1]) & (lower < jaws[:, 1:])  # (n, strips): the strips the Y jaws show
+    leaf_a, leaf_b = leaves[:, 0], leaves[:, 1]
+    open_pairs = seen & (leaf_b > leaf_a)
+    counted = np.where(open_pairs.any(1, keepdims=True), open_pairs, seen)
+    widest = np.stack([np.where(counted, leaf_a, _LEAF_MAX).min(1), np.where(counted, leaf_b, _LEAF_MIN).max(1)], 1)
+    if mode == "tracking":
+        padded = np.pad(widest, ((1, 1), (0, 0)), mode="edge")
+        x1 = np.minimum(np.minimum(padded[:-2, 0], padded[1:-1, 0]), padded[2:, 0]) - margins[0]
+        x2 = np.maximum(np.maximum(padded[:-2, 1], padded[1:-1, 1]), padded[2:, 1]) + margins[1]
+        return np.stack([x1, x2], 1)
+    x1 = int(np.quantile(widest[:, 0], shares[0], method="inverted_cdf"))
+    x2 = int(np.quantile(widest[:, 1], 1.0 - shares[1], method="inverted_cdf"))
+    gap = _tenths(10.0)
+    if x2 - x1 < gap:
+        middle = (x1 + x2) // 2
+        x1, x2 = middle - gap // 2, middle + gap // 2
+    x1, x2 = max(x1, _LEAF_MIN), min(x2, _LEAF_MAX)
+    return np.tile([x1, x2], (n, 1))
 
 
 def _check_dataset_id(dataset_id: int) -> None:

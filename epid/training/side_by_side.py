@@ -43,6 +43,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from epid.models.families import predict_frames
+
 if TYPE_CHECKING:
     from epid.models.families import CrossModel
 
@@ -146,7 +148,8 @@ class SideBySide:
         forward_model, inverse_model = self.model.forward_model, self.model.inverse_model
         forward_worker, inverse_worker = self._workers
         if not self.towers:
-            forward_job = forward_worker.submit(_run, grad, dtype, forward_model, leaf_a, leaf_b, scalars)
+            forward_job = forward_worker.submit(_run, grad, dtype, predict_frames, forward_model, leaf_a, leaf_b,
+                                                scalars, epid_prev)
             inverse_job = inverse_worker.submit(_run, grad, dtype, inverse_model, epid_prev, epid_curr)
             forward_out, inverse_out = _handover(forward_job.result(), grad), _handover(inverse_job.result(), grad)
             self._pending = [(forward_worker, forward_out, None), (inverse_worker, inverse_out, None)] if grad else []
@@ -161,7 +164,8 @@ class SideBySide:
             return _handover(_run(grad, dtype, inverse_model.decode, prev[1], curr[1]), grad), curr, prev
 
         prev_job = forward_worker.submit(tower, "prev", epid_prev)
-        forward_job = forward_worker.submit(_run, grad, dtype, forward_model, leaf_a, leaf_b, scalars)
+        forward_job = forward_worker.submit(_run, grad, dtype, predict_frames, forward_model, leaf_a, leaf_b, scalars,
+                                            epid_prev)
         inverse_job = inverse_worker.submit(inverse_part, prev_job)
         forward_out = _handover(forward_job.result(), grad)
         inverse_out, curr, prev = inverse_job.result()

@@ -162,6 +162,7 @@ def bad_values(tmp_path):
         "EPID_PHYSICS": ("real", "ideal or realistic"),
         "EPID_LEAF_TRANSMISSION_PERCENT": ("25", "a number in 0..20"),
         "EPID_JAW_TRANSMISSION_PERCENT": ("-0.1", "a number in 0..20"),
+        "EPID_X_JAW_TRANSMISSION_PERCENT": ("21", "a number in 0..20"),
         "EPID_LEAF_END_OFFSET_MM": ("5", "a number in 0..3"),
         "EPID_TONGUE_GROOVE_MM": ("wide", "not a number"),
         "EPID_INTERLEAF_LEAKAGE_PERCENT": ("inf", "a number in 0..20"),

@@ -450,3 +450,29 @@ def test_truncation_after_first_open_is_caught(tmp_path, caplog):
         again = data.make_batch(windows_module.Window(3, 0, 4), "cpu")
     assert "wrong size" in caplog.text
     assert_same_batch(expected, again)
+
+
+def test_a_batch_on_an_mlc_with_x_jaws_shows_the_leaves_they_leave_and_appends_them():
+    """Millennium 120, a static-X-jaw arc: each sample's leaves are the arc's cut at the X jaws (a
+    loop over positions), its scalars the 5 of the design plus [X1 prev, X1 curr, X2 prev, X2 curr];
+    the legacy grid's batch keeps its 5."""
+    from epid.synthesis.mlc import MLC_GEOMETRIES
+
+    arc = generate_control_points(162, 20, MLC_GEOMETRIES["millennium120"])
+    window = windows_module.Window(162, 0, 8)
+    batch = dataset.assemble_batch(arc, window, torch.zeros(len(window) + 1, 256, 256))
+    prev = np.arange(window.start + 1, window.stop + 1)
+    x_jaws = arc.x_jaws
+    for row, point in enumerate(prev):
+        np.testing.assert_array_equal(batch.scalars[row, 5:].numpy(), [x_jaws[point, 0], x_jaws[point + 1, 0],
+                                                                        x_jaws[point, 1], x_jaws[point + 1, 1]])
+        for half, index in ((0, point), (1, point + 1)):
+            for strip in range(52):
+                low, high = float(x_jaws[index, 0]), float(x_jaws[index, 1])
+                a = min(max(float(arc.leaf_a[index, strip]), low), high)
+                b = max(min(max(float(arc.leaf_b[index, strip]), low), high), a)
+                assert batch.leaf_a[row, 52 * half + strip].item() == pytest.approx(a, abs=1e-6)
+                assert batch.leaf_b[row, 52 * half + strip].item() == pytest.approx(b, abs=1e-6)
+    assert bool((batch.leaf_a != torch.from_numpy(np.concatenate([arc.leaf_a[prev], arc.leaf_a[prev + 1]], 1))).any())
+    legacy = dataset.assemble_batch(generate_control_points(162, 20), window, torch.zeros(len(window) + 1, 256, 256))
+    assert legacy.scalars.shape == (len(window), 5)

@@ -1,6 +1,7 @@
 """DICOM RT Plans and RT Images: round trips, real MLC geometries, geometry of measured images,
 the validator's verdict, and a one-line error for each kind of bad file."""
 
+import dataclasses
 import shutil
 import subprocess
 import warnings
@@ -173,7 +174,7 @@ def test_pymedphys_reads_an_arc_written_on_a_clinical_mlcs_own_leaves(tmp_path, 
     from epid.synthesis.mlc import MLC_GEOMETRIES
 
     geometry = MLC_GEOMETRIES[name]
-    arc = generate_control_points(300, CONTROL_POINTS, geometry)
+    arc = dataclasses.replace(generate_control_points(300, CONTROL_POINTS, geometry), x_jaws=None)  # MLCX, ASYMY only
     path = tmp_path / f"{name}.dcm"
     write_plan(path, arc, mlc=geometry)
     mlc = np.asarray(pymedphys.Delivery.from_dicom(path).mlc)[:, ::-1]
@@ -823,11 +824,16 @@ def test_an_arc_on_each_mlc_is_written_on_its_own_leaves_and_read_back_the_same(
     write_plan(path, arc, mlc=geometry)
     (beam,) = read_plan(path)
     assert beam.geometry is geometry
+    shown = arc.folded_into_x_jaws()  # the reader folds the leaves into the X jaws it reads back
     for field in ("leaf_a", "leaf_b", "jaw_1", "jaw_2"):
-        np.testing.assert_allclose(getattr(beam.control_points, field), getattr(arc, field), atol=1e-4)
+        np.testing.assert_allclose(getattr(beam.control_points, field), getattr(shown, field), atol=1e-4)
+    assert (beam.x_jaws is None) == (arc.x_jaws is None) == (name == "halcyon")
+    if arc.x_jaws is not None:
+        np.testing.assert_allclose(beam.x_jaws, arc.x_jaws, atol=1e-4)
     devices = {str(item.RTBeamLimitingDeviceType): int(item.NumberOfLeafJawPairs)
                for item in pydicom.dcmread(path).BeamSequence[0].BeamLimitingDeviceSequence}
-    expected = {"MLCX1": 28, "MLCX2": 29} if name == "halcyon" else {"ASYMY": 1, "MLCX": geometry.pairs[0]}
+    expected = ({"MLCX1": 28, "MLCX2": 29} if name == "halcyon"
+                else {"ASYMX": 1, "ASYMY": 1, "MLCX": geometry.pairs[0]})
     assert devices == expected
     if shutil.which("dciodvfy"):
         # the standard enumerates MLCX and MLCY only; MLCX1 and MLCX2 are the names Halcyon plans use

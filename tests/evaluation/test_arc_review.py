@@ -44,6 +44,30 @@ def test_a_segment_is_the_synthesis_of_its_frames_with_the_frame_before():
         arc_review.synthesise_segment(200, 10, 3, SETTINGS, kernel)
 
 
+def test_a_segment_on_an_mlc_with_x_jaws_scores_what_they_hide_as_theirs():
+    """Millennium 120, static X jaws (arc 162 of 20 control points): the segment's leaves are the arc's
+    cut at its X jaws, and the positions they cut are marked behind X1 or X2, never scored as leaves."""
+    import dataclasses
+
+    from epid.synthesis.mlc import MLC_GEOMETRIES
+
+    mlc = MLC_GEOMETRIES["millennium120"]
+    settings = dataclasses.replace(SETTINGS, control_points=20, mlc=mlc)
+    arc = generate_control_points(162, 20, mlc)
+    segment = arc_review.synthesise_segment(162, 1, 8, settings, default_kernel())
+    x_jaws = arc.x_jaws[1:9]
+    np.testing.assert_array_equal(segment.x_jaws, x_jaws)
+    np.testing.assert_array_equal(segment.leaf_a, np.clip(arc.leaf_a[1:9], x_jaws[:, :1], x_jaws[:, 1:]))
+    cut = np.stack([arc.leaf_a[1:9] < x_jaws[:, :1], arc.leaf_b[1:9] > x_jaws[:, 1:]])
+    assert cut.any() and np.all(segment.behind_x_jaws[cut] > 0)
+    estimate = arc_review.ArcEstimate(torch.from_numpy(segment.leaf_a), torch.from_numpy(segment.leaf_b),
+                                      torch.from_numpy(np.stack([segment.jaw_1, segment.jaw_2], 1)),
+                                      torch.from_numpy(segment.mu), method="arc")
+    errors = arc_review.leaf_errors(estimate, segment)
+    for bank, mask in errors.scored().items():
+        assert not (mask & cut["AB".index(bank)]).any()
+
+
 def test_the_validation_segment_starts_after_every_training_curr_frame():
     n_train = split_range(12, "val").start
     assert arc_review.first_frame("val", 12) == n_train + 2 == 10

@@ -38,6 +38,7 @@ from epid.models.checkpoint import load_checkpoint
 from epid.models.families import build_models, predict_frames
 from epid.synthesis.frames import render_frames
 from epid.synthesis.kernel import default_kernel
+from epid.synthesis.mlc import LEGACY_GRID, MlcGeometry
 from epid.synthesis.sequences import ControlPoints, generate_control_points
 from tests.dicom.test_series import raw_image, save
 from tests.evaluation.test_timeline import direct_integral, series_of
@@ -61,9 +62,9 @@ def run(script: str, *arguments: str, **environment: str) -> subprocess.Complete
                           cwd=ROOT, capture_output=True, text=True, timeout=180, check=False)
 
 
-def synthesised(dataset_id: int, count: int) -> np.ndarray:
-    """Frames 1..count-1 of a synthetic arc, as training renders them (no noise)."""
-    control_points = generate_control_points(dataset_id, count)
+def synthesised(dataset_id: int, count: int, mlc: MlcGeometry = LEGACY_GRID) -> np.ndarray:
+    """Frames 1..count-1 of a synthetic arc on ``mlc``, as training renders them (no noise)."""
+    control_points = generate_control_points(dataset_id, count, mlc)
     return render_frames(control_points, range(1, count), default_kernel(), dataset_id=dataset_id,
                          noise_std=0.0).numpy()
 
@@ -195,9 +196,11 @@ def test_exports_read_back(report):
     folder = report["folder"]
     (beam,) = read_plan(folder / "arc5.dcm")
     np.testing.assert_allclose(beam.control_points.jaw_1, generate_control_points(5, 12).jaw_1, atol=1e-4)
+    assert beam.geometry.name == "agility" and beam.x_jaws is not None  # the arc on the plans' MLC, its X jaws
+    np.testing.assert_allclose(beam.x_jaws, generate_control_points(5, 12, beam.geometry).x_jaws, atol=1e-4)
     measured = read_frames(folder / "arc5_frames.dcm")
     assert measured.control_point_index.tolist() == list(range(1, 12))
-    expected = synthesised(5, 12)
+    expected = synthesised(5, 12, beam.geometry)
     noise_std = 0.005 * generate_control_points(5, 12).mu[1:] / np.sqrt(7)  # the checkpoint's noise per frame
     error = np.abs(measured.frames - expected).max(axis=(1, 2))
     assert np.all(error <= 6 * noise_std + 1e-3 * expected.max())

@@ -157,3 +157,19 @@ def test_hd120_reports_its_2_5_mm_leaves_apart():
     assert figures["curr_leaf_mae_mm"] == pytest.approx(0.8 * 32 / (2 * 48), abs=1e-5)
     assert figures["prev_narrow_leaf_mae_mm"] == 0.0
     assert "curr leaf MAE in band, 2.5 mm leaves" in quality.QualityReport({"all": figures}).table()
+
+
+def test_leaf_positions_an_x_jaw_hides_are_out_of_the_scored_band():
+    """A target edge at X1 or beyond X2 shows the jaw's edge, not the leaf's: out of the mask; the
+    others in the jaw band stay in."""
+    strips = 52
+    target_a, target_b = torch.full((1, 2 * strips), -10.0), torch.full((1, 2 * strips), 10.0)
+    target_a[0, strips + 10], target_b[0, strips + 11] = -20.0, 25.0  # curr: at X1, at X2
+    predicted_a, predicted_b = target_a + 0.5, target_b - 0.5
+    jaw_1, jaw_2 = torch.tensor([-100.0]), torch.tensor([100.0])
+    errors, band = quality.leaf_errors(predicted_a, predicted_b, target_a, target_b, jaw_1, jaw_2, "curr")
+    _, hidden = quality.leaf_errors(predicted_a, predicted_b, target_a, target_b, jaw_1, jaw_2, "curr",
+                                    torch.tensor([[-20.0, 25.0]]))
+    assert torch.equal(errors, torch.stack([torch.full((1, strips), 0.5), torch.full((1, strips), -0.5)], 1))
+    dropped = band & ~hidden
+    assert dropped.sum() == 2 and dropped[0, 0, 10] and dropped[0, 1, 11] and not (hidden & ~band).any()

@@ -218,6 +218,8 @@ def realistic_aperture(strip_leaves) -> aperture_module.ApertureFluence:
         fluence.jaw_transmission_percent.fill_(physics.jaw_transmission_percent)
         fluence.interleaf_leakage_percent.fill_(physics.interleaf_leakage_percent)
         fluence.tongue_groove_mm.fill_(physics.tongue_groove_mm)
+        fluence.x_jaw_transmission_change_percent.fill_(physics.x_jaw_transmission_percent
+                                                        - physics.jaw_transmission_percent)
     return fluence
 
 
@@ -226,9 +228,10 @@ def realistic_aperture(strip_leaves) -> aperture_module.ApertureFluence:
 def test_a_real_mlcs_aperture_renders_its_layers_as_the_synthesis_does(name, one_layer_miss):
     """The models' aperture of a real MLC (each layer's leaves placed from the strips' edges at each
     control point in torch; HD120 on its 104 strips of 2.5 mm, those beyond its leaves open) against
-    the synthesis's frames of an irregular arc (placed per layer in numpy, ``frame_positions``): the
-    same fluence. The 52 strips rendered as one layer miss by more than ``one_layer_miss`` of an open
-    cell (Millennium 120's 10 mm leaves lie beyond the jaws here)."""
+    the synthesis's frames of an irregular arc (placed per layer in numpy, ``frame_positions``), with
+    its X jaws where the MLC has them: the same fluence. The 52 strips rendered as one layer miss by
+    more than ``one_layer_miss`` of an open cell (Millennium 120's 10 mm leaves lie beyond the jaws
+    here)."""
     mlc = MLC_GEOMETRIES[name]
     control_points = generate_control_points(162, 40, mlc)
     frames = np.arange(1, 40)
@@ -238,6 +241,9 @@ def test_a_real_mlcs_aperture_renders_its_layers_as_the_synthesis_does(name, one
             for values in (control_points.leaf_a, control_points.leaf_b)]
     jaws = [control_points.jaw_1[frames - 1], control_points.jaw_1[frames], control_points.jaw_2[frames - 1],
             control_points.jaw_2[frames]]
+    if control_points.x_jaws is not None:  # the X jaws with their own transmission
+        x_jaws = control_points.x_jaws
+        jaws += [x_jaws[frames - 1, 0], x_jaws[frames, 0], x_jaws[frames - 1, 1], x_jaws[frames, 1]]
     scalars = torch.from_numpy(np.stack([np.ones(len(frames)), *jaws], 1)).float()
     with torch.no_grad():
         layered = realistic_aperture(mlc.strip_layout)(*pair, scalars)

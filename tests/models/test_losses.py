@@ -207,3 +207,16 @@ def test_loss_never_reads_values_back_to_the_host():
     with ScalarReads() as reads:
         terms["total"].item()
     assert reads.count == 1
+
+
+def test_a_batch_with_x_jaws_scores_the_five_scalars_the_inverse_model_estimates():
+    """The X jaws a batch of an MLC with them appends (the forward model's inputs) are not scored: the
+    scalars term of 5 estimated scalars against 9 targets is the one against their first 5."""
+    forward_out, inverse_out, targets = make_case()
+    inverse_out[2][0, 2] += 13.0
+    expected = cross_training_loss(forward_out, inverse_out, targets)["scalars"]
+    targets.scalars = torch.cat([targets.scalars, torch.tensor([[-30.0, -31.0, 40.0, 41.0]]).repeat(2, 1)], 1)
+    terms = cross_training_loss(forward_out, inverse_out, targets)
+    assert terms["scalars"].item() == pytest.approx(expected.item()) and expected.item() == pytest.approx(
+        (13.0 / 130.0) ** 2 / 10)
+    only_nonzero(terms, "scalars")

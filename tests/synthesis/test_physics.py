@@ -135,7 +135,8 @@ def layered_reference(control_points, frame: int, physics: Physics) -> np.ndarra
     the strip edges under it (a dual layer's at their most open, as the synthetic arcs place it)
     and moves linearly between the control points; a sample behind a layer's leaf is multiplied
     by that layer's transmission, plus the interleaf leakage in the 1 mm rows beside a boundary
-    between two of its leaves (none inside a leaf)."""
+    between two of its leaves (none inside a leaf), and one outside the X jaws (where the control
+    points have them) by theirs."""
     mlc = control_points.mlc
     t_leaf, leak = physics.leaf_transmission_percent / 100, physics.interleaf_leakage_percent / 100
     t_jaw, offset = physics.jaw_transmission_percent / 100, physics.leaf_end_offset_mm
@@ -170,6 +171,9 @@ def layered_reference(control_points, frame: int, physics: Physics) -> np.ndarra
             b = before[1] + t * (after[1] - before[1]) + offset
             inside = (samples[None, :] >= a[:, None]) & (samples[None, :] < b[:, None])
             transmitted *= np.where(inside, 1.0, closed[:, None])
+        if control_points.x_jaws is not None:
+            x_1, x_2 = control_points.x_jaws[frame - 1] * (1 - t) + control_points.x_jaws[frame] * t
+            transmitted *= np.where((samples >= x_1) & (samples < x_2), 1.0, physics.x_jaw_transmission_percent / 100)
         fluence += transmitted / 7
     return fluence.reshape(260, 256, 100).mean(-1)
 

@@ -176,3 +176,66 @@ def test_semiregular_fields_vary_between_leaves_and_irregular_more():
     semiregular, irregular = neighbour_steps(100), neighbour_steps(500)
     assert semiregular.mean() > 0 and semiregular.max() <= 100
     assert irregular.mean() > 2 * semiregular.mean() and irregular.max() > 100
+
+
+def open_band_extremes(control_points: ControlPoints) -> tuple[np.ndarray, np.ndarray]:
+    """Per control point, the outermost bank A and bank B edges of the pairs the Y jaws show open (a loop
+    over strips with their edges from the grid; +-inf where none is open)."""
+    grid = control_points.mlc.grid
+    lowest, highest = np.full(len(control_points), np.inf), np.full(len(control_points), -np.inf)
+    for point in range(len(control_points)):
+        for strip in range(grid.count):
+            bottom, top = grid.edges_mm[strip], grid.edges_mm[strip + 1]
+            a, b = control_points.leaf_a[point, strip], control_points.leaf_b[point, strip]
+            if top > control_points.jaw_1[point] and bottom < control_points.jaw_2[point] and b > a:
+                lowest[point], highest[point] = min(lowest[point], a), max(highest[point], b)
+    return lowest, highest
+
+
+def test_x_jaws_open_track_the_leaves_or_stand_still_and_leave_the_arc_as_it_was():
+    """On an MLC with X jaws each arc has them, drawn apart from its leaves and Y jaws (the same as on
+    the MLC without X jaws): open outside the imager, tracking (never inside an open leaf of the
+    control point or its neighbours, within 5 mm of the outermost), or static (at least 10 mm apart,
+    inside the outermost open leaf at some control points, never at most). The legacy grid has none."""
+    import dataclasses
+
+    from epid.synthesis.mlc import MLC_GEOMETRIES
+
+    mlc = MLC_GEOMETRIES["millennium120"]
+    assert generate_control_points(14, 30).x_jaws is None
+    modes = []
+    for dataset_id in range(2, 640, 23):
+        arc = generate_control_points(dataset_id, 30, mlc)
+        without = generate_control_points(dataset_id, 30, dataclasses.replace(mlc, x_jaws=False))
+        assert without.x_jaws is None and arc.x_jaws.shape == (30, 2) and arc.x_jaws.dtype == np.float32
+        for name in ("leaf_a", "leaf_b", "jaw_1", "jaw_2", "mu"):
+            np.testing.assert_array_equal(getattr(arc, name), getattr(without, name))
+        x_1, x_2 = arc.x_jaws[:, 0].astype(np.float64), arc.x_jaws[:, 1].astype(np.float64)
+        lowest, highest = open_band_extremes(arc)
+        if np.all(x_1 == -200) and np.all(x_2 == 200):
+            modes.append("open")
+        elif np.ptp(x_1) == 0 and np.ptp(x_2) == 0 and np.any(lowest < x_1) | np.any(highest > x_2):
+            modes.append("static")
+            assert x_2[0] - x_1[0] >= 10 - 1e-4
+            assert np.mean((lowest < x_1) | (highest > x_2)) <= 0.5
+        else:
+            modes.append("tracking")
+            for shift in (-1, 0, 1):
+                points = slice(max(shift, 0), 30 + min(shift, 0))
+                others = slice(max(-shift, 0), 30 + min(-shift, 0))
+                assert np.all(x_1[points] <= lowest[others] + 1e-4) and np.all(x_2[points] >= highest[others] - 1e-4)
+            seen = np.isfinite(lowest)
+            assert np.all(lowest[seen] - x_1[seen] <= 5 + 40 + 1e-4)  # the margin plus a neighbour's leaf step
+    assert set(modes) == {"open", "tracking", "static"} and min(modes.count(mode) for mode in set(modes)) >= 4
+
+
+def test_folding_into_the_x_jaws_cuts_each_opening_at_them():
+    """A pair open across X1 starts at X1; one wholly behind X2 closes at X2; one inside is as it was."""
+    from epid.synthesis.sequences import behind_x_jaws, fold_into_x_jaws
+
+    leaf_a, leaf_b = np.array([[-50.0, 30.0, -10.0]]), np.array([[10.0, 45.0, 5.0]])
+    x_jaws = np.array([[-20.0, 25.0]])
+    folded_a, folded_b = fold_into_x_jaws(leaf_a, leaf_b, x_jaws)
+    np.testing.assert_array_equal(folded_a, [[-20.0, 25.0, -10.0]])
+    np.testing.assert_array_equal(folded_b, [[10.0, 25.0, 5.0]])
+    np.testing.assert_array_equal(behind_x_jaws(folded_a, folded_b, x_jaws), [[[1, 2, 0]], [[0, 2, 0]]])
