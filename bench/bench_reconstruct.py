@@ -101,9 +101,9 @@ def held_out_arcs(trained: set[int]) -> list[int]:
 def forward_gamma(forward_model: torch.nn.Module, segment: ArcSegment, settings: SynthesisSettings,
                   device: torch.device) -> float:
     """Mean gamma pass rate (%, 2 %/2 mm, global, 10 % cutoff) of the segment's frames predicted
-    from its control points alone (their X jaws too, where they have them) against its synthesised
-    frames (the segment starts at frame 1)."""
-    points = generate_control_points(segment.dataset_id, settings.control_points, settings.mlc).folded_into_x_jaws()
+    from its control points alone (as delivered, with their X jaws where they have them) against its
+    synthesised frames (the segment starts at frame 1)."""
+    points = generate_control_points(segment.dataset_id, settings.control_points, settings.mlc)
     stop = len(segment) + 1
     plan = ControlPoints(**{name: getattr(points, name)[:stop] for name in
                             ("leaf_a", "leaf_b", "jaw_1", "jaw_2", "mu", "leaf_weight")},

@@ -48,8 +48,8 @@ FrameRender = Callable[[ControlPoints, int, np.ndarray, torch.device], torch.Ten
 class Batch:
     """A window of consecutive samples of one dataset (tensors in mm and MU).
 
-    leaf_a, leaf_b: (B, 104), [prev 52, curr 52] leaf positions, mm (the edges frames show: a leaf an
-        X jaw hides at that jaw's edge, ``ControlPoints.folded_into_x_jaws``).
+    leaf_a, leaf_b: (B, 104), [prev 52, curr 52] leaf positions, mm (as delivered, also behind an X
+        jaw: the edges the frames show are ``epid.models.losses.shown_leaves``).
     scalars: (B, 5), [mu_curr (MU), jaw_1 prev, jaw_1 curr, jaw_2 prev, jaw_2 curr (mm)]; (B, 9) on an
         MLC with X jaws other than the legacy grid, [X1 prev, X1 curr, X2 prev, X2 curr (mm)] appended
         (open at +-``X_JAW_OPEN_MM`` where the control points have none).
@@ -123,7 +123,7 @@ def assemble_batch(control_points: ControlPoints, window: Window, frames: torch.
         both = np.concatenate([values[prev], values[curr]], axis=1)
         return torch.from_numpy(both.astype(np.float32)).to(frames.device)
 
-    cp = control_points.folded_into_x_jaws()
+    cp = control_points
     columns = [cp.mu[curr], cp.jaw_1[prev], cp.jaw_1[curr], cp.jaw_2[prev], cp.jaw_2[curr]]
     if cp.mlc.x_jaws and cp.mlc != LEGACY_GRID:
         x_jaws = cp.x_jaws if cp.x_jaws is not None else np.tile(np.float32([-X_JAW_OPEN_MM, X_JAW_OPEN_MM]),

@@ -34,6 +34,7 @@ from epid.data.dataset import assemble_batch
 from epid.data.windows import Window, num_samples, split_range
 from epid.evaluation.gamma import gamma_pass_rate
 from epid.models.families import predict_frames
+from epid.models.legacy import NUM_SCALARS
 from epid.reconstruction import estimate as estimate_module
 from epid.synthesis.frames import render_frames
 from epid.synthesis.geometry import STRIPS, StripGrid, strip_grid
@@ -44,6 +45,7 @@ from epid.synthesis.sequences import (
     JAW_1_MIN_MM,
     JAW_2_MAX_MM,
     PATTERNS,
+    behind_x_jaws,
     generate_control_points,
     leaf_band,
     pattern_for,
@@ -482,13 +484,26 @@ def jaw_band(jaw_1: Tensor, jaw_2: Tensor, grid: StripGrid = STRIPS) -> Tensor:
     return torch.from_numpy((leaf >= lo[..., None]) & (leaf < hi[..., None])).to(jaw_1.device)
 
 
+def hidden_by_x_jaws(leaf_a: Tensor, leaf_b: Tensor, scalars: Tensor) -> Tensor | None:
+    """(S, 2, 2 x strips) bool [bank A, bank B] over the sample layout [prev, curr]: the leaves (S, 2 x
+    strips) mm at or behind an X jaw of the scalars (S, 9) (``behind_x_jaws``), whose edge the frames
+    show instead; None for scalars without X jaws (S, 5)."""
+    if scalars.shape[1] <= NUM_SCALARS:
+        return None
+    half = leaf_a.shape[1] // 2
+    parts = [behind_x_jaws(leaf_a[:, part].numpy(), leaf_b[:, part].numpy(),
+                           scalars[:, [NUM_SCALARS + k, NUM_SCALARS + 2 + k]].numpy()) > 0
+             for k, part in enumerate((slice(None, half), slice(half, None)))]
+    return torch.from_numpy(np.concatenate(parts, -1)).transpose(0, 1)
+
+
 def sample_metrics(samples: SampleSet, predictions: Predictions, gamma: Tensor) -> list[SampleMetrics]:
     """Per-sample errors of ``predictions`` against ``samples`` (gamma maps from ``epid.evaluation.gamma.gamma_maps``).
 
     Forward: MSE and MAE over the 256 x 256 pixels of the curr frame, gamma pass rate.
     Inverse: leaf MAE (mm) over both banks and both control points, overall and inside the
-    target jaw band; jaw MAE (mm) over jaw_1 and jaw_2 at both control points; absolute MU
-    error of the curr control point.
+    target jaw band (less the positions an X jaw hides, ``hidden_by_x_jaws``); jaw MAE (mm) over
+    jaw_1 and jaw_2 at both control points; absolute MU error of the curr control point.
     """
     image_error = (predictions.epid - samples.epid_curr).flatten(1)
     forward_mse = image_error.square().mean(1)
@@ -504,6 +519,9 @@ def sample_metrics(samples: SampleSet, predictions: Predictions, gamma: Tensor) 
         jaw_band(samples.scalars[:, 1], samples.scalars[:, 3], grid),
         jaw_band(samples.scalars[:, 2], samples.scalars[:, 4], grid),
     ], dim=1).repeat(1, 2)
+    hidden = hidden_by_x_jaws(samples.leaf_a, samples.leaf_b, samples.scalars)
+    if hidden is not None:
+        band = band & ~hidden.flatten(1)
     leaf_band = (leaf_error * band).sum(1) / band.sum(1).clamp(min=1)
     curr = torch.cat([torch.zeros(strips, dtype=torch.bool), torch.ones(strips, dtype=torch.bool)])
     curr_band = band & curr.repeat(2)

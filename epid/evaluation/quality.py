@@ -31,10 +31,9 @@ from torch import Tensor
 
 from epid.core.tables import format_table
 from epid.evaluation.gamma import GammaCriteria, gamma_pass_rates
-from epid.evaluation.inference import Predictions, SampleSet, jaw_band
-from epid.models.legacy import NUM_SCALARS
+from epid.evaluation.inference import Predictions, SampleSet, hidden_by_x_jaws, jaw_band
 from epid.synthesis.geometry import strip_grid
-from epid.synthesis.sequences import PATTERNS, behind_x_jaws
+from epid.synthesis.sequences import PATTERNS
 
 ALL = "all"
 QUALITY_CRITERIA = {
@@ -98,32 +97,24 @@ def pass_rates(samples: SampleSet, predictions: Predictions, device: torch.devic
 
 
 def leaf_errors(predicted_a: Tensor, predicted_b: Tensor, target_a: Tensor, target_b: Tensor, jaw_1: Tensor,
-                jaw_2: Tensor, point: str, x_jaws: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                jaw_2: Tensor, point: str, hidden: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Signed errors (mm) of one control point's leaves, both banks, and their in-band mask.
 
     Leaves (S, 2 x strips) in the sample layout [prev, curr]; jaw_1, jaw_2 (S,) mm of that control
-    point (``point``, "curr" or "prev"); with its ``x_jaws`` (S, 2) [X1, X2] mm, the target edges an X
-    jaw hides are out of the mask (the jaw's edge, not a leaf's: ``behind_x_jaws``). Returns errors
-    and mask, each (S, 2, strips) [bank A, bank B].
+    point (``point``, "curr" or "prev"); ``hidden`` (S, 2, 2 x strips): the target positions an X jaw
+    hides (``inference.hidden_by_x_jaws``), out of the mask (the jaw's edge, not a leaf's). Returns
+    errors and mask, each (S, 2, strips) [bank A, bank B].
     """
     strips = predicted_a.shape[-1] // 2
     half = slice(strips, None) if point == "curr" else slice(None, strips)
     errors = torch.stack([predicted_a[:, half] - target_a[:, half], predicted_b[:, half] - target_b[:, half]], 1)
     band = jaw_band(jaw_1, jaw_2, strip_grid(strips)).unsqueeze(1).expand_as(errors)
-    if x_jaws is not None:
-        hidden = behind_x_jaws(target_a[:, half].numpy(), target_b[:, half].numpy(), x_jaws.numpy())
-        band = band & torch.from_numpy(hidden == 0).transpose(0, 1)
-    return errors, band
+    return errors, band if hidden is None else band & ~hidden[..., half]
 
 
 def _jaw_columns(point: str) -> tuple[int, int]:
     """Columns of jaw_1 and jaw_2 of a control point in the scalars layout."""
     return (2, 4) if point == "curr" else (1, 3)
-
-
-def _x_jaw_columns(point: str) -> list[int]:
-    """Columns of X1 and X2 of a control point in the scalars layout of a beam with X jaws."""
-    return [NUM_SCALARS + 1, NUM_SCALARS + 3] if point == "curr" else [NUM_SCALARS, NUM_SCALARS + 2]
 
 
 def leaf_statistics(errors: np.ndarray) -> dict[str, float]:
@@ -149,11 +140,11 @@ def _group_metrics(samples: SampleSet, predictions: Predictions, rates: Mapping[
         values[gamma_key(name, "p5")] = float(np.percentile(chosen, GAMMA_PERCENTILE)) if chosen.size else math.nan
     index = torch.from_numpy(rows)
     target, predicted = samples.scalars[index], predictions.scalars[index]
+    hidden = hidden_by_x_jaws(samples.leaf_a[index], samples.leaf_b[index], target)
     for point in CONTROL_POINTS:
         first, second = _jaw_columns(point)
-        x_jaws = target[:, _x_jaw_columns(point)] if target.shape[1] > NUM_SCALARS else None
         errors, band = leaf_errors(predictions.leaf_a[index], predictions.leaf_b[index], samples.leaf_a[index],
-                                   samples.leaf_b[index], target[:, first], target[:, second], point, x_jaws)
+                                   samples.leaf_b[index], target[:, first], target[:, second], point, hidden)
         statistics = leaf_statistics(errors[band].numpy())
         for name, value in statistics.items():
             values[f"{point}_leaf_{name}"] = value

@@ -1,43 +1,39 @@
 """The aperture family: models shaped by the physics of an MLC aperture seen by an EPID.
 
-Forward model (``ApertureForwardModel``): the leaves and jaws of the frame's motion, from the
-prev to the curr control point, are interpolated at the 7 sub-apertures the delivery integrates
-(t = 0, 1/6, ..., 1); each covers a 1 mm cell of the leaf grid by the length of its opening
-inside the cell, with a real MLC's physics learned (``ApertureFluence``: edge shift, leaf-end
-offset per bank, leaf, jaw and interleaf transmission, tongue-and-groove strip; the rendering
-``epid.synthesis.fluence.aperture_fluence`` that the synthesis uses too). The mean over the sub-apertures
-is the frame's fluence per MU; a learned detector response (``epid.models.response.DetectorResponse``: a separable
-mixture of Gaussians starting as a 1 mm Gaussian, isotropic 2-D Gaussians that make it
-non-separable, a broad term weighted along y, one FFT convolution) turns it into the frame per
-MU, scaled by ``mu_curr``; given the recorded previous frame, a learned share of it (the
-detector's lag) is mixed in. Nothing of the frame synthesis is read: every physical parameter
-starts generic and is fitted by training, so the same model can be trained on measured frames;
-the one exception is a measured response (``DetectorResponse.start_from``, when the run names
-a kernel file): the response then starts as that kernel, which the generic mixture fitted too
-loosely for the reconstruction (its leaves' motion within a frame is read from the shape of the
-blurred edges, and under a 12 mm wide response a learned kernel a little too narrow or wide
-reads as motion that is not there). The beam's off-axis profile and field-size output and the
-panel's sag (``epid.models.panel``) are held at zero in training and fitted by commissioning.
-Latent: the fluence pooled to 4 mm (B, 1, 64, 64).
+Forward model (``ApertureForwardModel``): the leaves and jaws of the frame's motion, from the prev to the curr
+control point, are interpolated at the 7 sub-apertures the delivery integrates (t = 0, 1/6, ..., 1); each covers a
+1 mm cell of the leaf grid by the length of its opening inside the cell, with a real MLC's physics learned
+(``ApertureFluence``: edge shift, leaf-end offset per bank, leaf, jaw and interleaf transmission, tongue-and-groove
+strip, the X jaws' own edge offset and transmission where the arcs have X jaws; the rendering
+``epid.synthesis.fluence.aperture_fluence`` that the synthesis uses too). The mean over the sub-apertures is the
+frame's fluence per MU; a learned detector response (``epid.models.response.DetectorResponse``: a separable mixture
+of Gaussians starting as a 1 mm Gaussian, isotropic 2-D Gaussians that make it non-separable, a broad term weighted
+along y, one FFT convolution) turns it into the frame per MU, scaled by ``mu_curr``; given the recorded previous
+frame, a learned share of it (the detector's lag) is mixed in. Nothing of the frame synthesis is read: every
+physical parameter starts generic and is fitted by training, so the same model can be trained on measured frames;
+the one exception is a measured response (``DetectorResponse.start_from``, when the run names a kernel file): the
+response then starts as that kernel, which the generic mixture fitted too loosely for the reconstruction (its
+leaves' motion within a frame is read from the shape of the blurred edges, and under a 12 mm wide response a learned
+kernel a little too narrow or wide reads as motion that is not there). The beam's off-axis profile and field-size
+output and the panel's sag (``epid.models.panel``) are held at zero in training and fitted by commissioning. Latent:
+the fluence pooled to 4 mm (B, 1, 64, 64).
 
-Inverse model (``LeafEdgeInverseModel``): each frame is normalised by its maximum; where the run
-names a broad measured response, the frames are first read through its Wiener filter (the rows the
-tracking reads, ``read_through``). Per leaf row, a learned combination of the pixel rows around the
-leaf (the row deblur) gives a profile along x; its rising steps are bank A's edges, its falling
-steps bank B's. A small CNN on the (leaf row, x) grid of both frames, with a coarse branch for
-context, places a soft window on each edge of each frame; the window's centroid, spread and mass of the step density
-(``edge_moments``) of the prev and the curr frame, and how long the row was open between the
-jaws during the frame, feed a per-row MLP that returns the prev and curr positions (a staircase
-of 7 sub-aperture edges spans prev to curr, so centroid and spread carry the motion). Jaws: the
-same along y on each frame's row maxima. MU: the curr frame's sum over the expected frame sum of
-the predicted aperture (learned in-field weights per row and column account for the response
-reaching past the imager). The curr frame's lag (a learned share of the prev frame) is taken out
-first. Latent: the predicted aperture's fluence pooled to 4 mm.
+Inverse model (``LeafEdgeInverseModel``): each frame is normalised by its maximum; where the run names a broad
+measured response, the frames are first read through its Wiener filter (the rows the tracking reads,
+``read_through``). Per leaf row, a learned combination of the pixel rows around the leaf (the row deblur) gives a
+profile along x; its rising steps are bank A's edges, its falling steps bank B's. A small CNN on the (leaf row, x)
+grid of both frames, with a coarse branch for context, places a soft window on each edge of each frame; the window's
+centroid, spread and mass of the step density (``edge_moments``) of the prev and the curr frame, and how long the
+row was open between the jaws during the frame, feed a per-row MLP that returns the prev and curr positions (a
+staircase of 7 sub-aperture edges spans prev to curr, so centroid and spread carry the motion). Jaws: the same along
+y on each frame's row maxima. MU: the curr frame's sum over the expected frame sum of the predicted aperture
+(learned in-field weights per row and column account for the response reaching past the imager). The curr frame's
+lag (a learned share of the prev frame) is taken out first. Latent: the predicted aperture's fluence pooled to 4 mm.
 
-Both models work on the strips of their MLC (``epid.synthesis.geometry.StripGrid``, told by the
-length of ``strip_leaves``): the 52 strips of 5 mm, or for leaves of 2.5 mm (HD120) 104 strips of
-2.5 mm, for which the inverse model's CNN and row deblur see the frames on rows of 0.5 mm (each
-pixel row twice) and a strip beyond the MLC's leaves is rendered open (the jaws close it).
+Both models work on the strips of their MLC (``epid.synthesis.geometry.StripGrid``, told by the length of
+``strip_leaves``): the 52 strips of 5 mm, or for leaves of 2.5 mm (HD120) 104 strips of 2.5 mm, for which the
+inverse model's CNN and row deblur see the frames on rows of 0.5 mm (each pixel row twice) and a strip beyond the
+MLC's leaves is rendered open (the jaws close it).
 
 The inverse model returns the network's estimate; ``epid.reconstruction.estimate`` refines it by tracking the leaf
 edges through the measured frames with the forward model's physics (``epid.reconstruction.leaves``: pair or arc).
@@ -132,16 +128,16 @@ class ApertureFluence(nn.Module):
     """Leaves and jaws of a frame's motion -> mean fluence of each 1 mm cell per MU, with the
     physics of a real MLC learned (``epid.synthesis.fluence.aperture_fluence``, the synthesis's own
     rendering): a shift of every edge (mm, widening), a leaf-end offset per bank (mm), leaf, jaw
-    and interleaf transmission (%), the tongue-and-groove strip's width (mm), and the X jaws' edge
-    offset and transmission, each added to the Y jaws' (``X_JAW_PARAMETERS``); all start at 0, an
-    opaque aperture with its nominal edges. Returns the fluence (B, 260, 256), y ascending.
+    and interleaf transmission (%), the tongue-and-groove strip's width (mm), and the X jaws' edge offset
+    and transmission added to the Y jaws' (``X_JAW_PARAMETERS``, learned with ``x_jaws``, else held); all
+    start at 0, an opaque aperture with its nominal edges. Returns the fluence (B, 260, 256), y ascending.
 
     ``strip_leaves`` (per layer, the leaf of each strip) renders a real MLC as the synthesis does:
     interleaf leakage only between two leaves of a layer, and for a dual layer each layer's leaves
     at the most open position their strips' edges allow at each control point (``layer_edges``),
     a cell behind both layers transmitting the leaf transmission squared."""
 
-    def __init__(self, strip_leaves: StripLeaves = ()) -> None:
+    def __init__(self, strip_leaves: StripLeaves = (), x_jaws: bool = False) -> None:
         super().__init__()
         self.edge_shift = nn.Parameter(torch.zeros(()))
         self.leaf_end_offset = nn.Parameter(torch.zeros(2))
@@ -149,7 +145,8 @@ class ApertureFluence(nn.Module):
         self.jaw_transmission_percent = nn.Parameter(torch.zeros(()))
         self.interleaf_leakage_percent = nn.Parameter(torch.zeros(()))
         self.tongue_groove_mm = nn.Parameter(torch.zeros(()))
-        self.x_jaw_edge_offset, self.x_jaw_transmission_change_percent = (nn.Parameter(torch.zeros(())) for _ in "xy")
+        self.x_jaw_edge_offset = nn.Parameter(torch.zeros(()), requires_grad=x_jaws)
+        self.x_jaw_transmission_change_percent = nn.Parameter(torch.zeros(()), requires_grad=x_jaws)
         self.layers = len(strip_leaves)
         self.grid = layout_grid(strip_leaves)
         beyond = None  # (layers, strips): the strips beyond each layer's leaves, where any are
@@ -229,12 +226,14 @@ class ApertureFluence(nn.Module):
 @dataclass(frozen=True)
 class ApertureForwardConfig:
     """The forward model's response: reach (mm each side), the Gaussians' starting widths (mm) and
-    the width that holds the weight at the start; the MLC's leaves over the strips (``ApertureFluence``)."""
+    the width that holds the weight at the start; the MLC's leaves over the strips and whether its arcs
+    have X jaws, whose own physics is then learned (``ApertureFluence``)."""
 
     response_reach: int = 128
     response_widths_mm: tuple[float, ...] = (0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0)
     start_width_mm: float = 1.0
     strip_leaves: StripLeaves = ()
+    x_jaws: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "response_widths_mm", tuple(float(w) for w in self.response_widths_mm))
@@ -260,7 +259,7 @@ class ApertureForwardModel(nn.Module):
     def __init__(self, config: ApertureForwardConfig | None = None) -> None:
         super().__init__()
         self.config = config or ApertureForwardConfig()
-        self.aperture = ApertureFluence(self.config.strip_leaves)
+        self.aperture = ApertureFluence(self.config.strip_leaves, self.config.x_jaws)
         self.response = DetectorResponse(
             self.config.response_reach, self.config.response_widths_mm, self.config.start_width_mm
         )
@@ -521,9 +520,11 @@ class LeafEdgeInverseModel(nn.Module):
     def parameter_groups(self) -> list[tuple[list[nn.Parameter], float]]:
         """The network at factor 1, the physical parameters (edge shift, in-field weights) at
         ``PHYSICS_LR_FACTOR``."""
-        physical = [*self.aperture.parameters(), self.in_field_y, self.in_field_x, self.lag_percent]
+        physical = [p for p in (*self.aperture.parameters(), self.in_field_y, self.in_field_x, self.lag_percent)
+                    if p.requires_grad]
         ids = {id(p) for p in physical}
-        return [([p for p in self.parameters() if id(p) not in ids], 1.0), (physical, PHYSICS_LR_FACTOR)]
+        network = [p for p in self.parameters() if p.requires_grad and id(p) not in ids]
+        return [(network, 1.0), (physical, PHYSICS_LR_FACTOR)]
 
     def forward(self, epid_prev: Tensor, epid_curr: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """The network's estimate ``(leaf_a (B, 2 x strips) mm, leaf_b (B, 2 x strips) mm, scalars (B,5),

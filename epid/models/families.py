@@ -104,12 +104,15 @@ class PairConfig:
 
     def for_mlc(self, mlc: MlcGeometry) -> PairConfig:
         """This pair for the MLC ``mlc``: the configs that render apertures (a ``strip_leaves`` field)
-        take its leaves over the strips (``MlcGeometry.strip_layout``); the legacy family's stay."""
-        layout = mlc.strip_layout
-        forward, inverse = (dataclasses.replace(config, strip_leaves=layout)
-                            if any(f.name == "strip_leaves" for f in dataclasses.fields(config)) else config
-                            for config in (self.forward, self.inverse))
-        return dataclasses.replace(self, forward=forward, inverse=inverse)
+        take its leaves over the strips (``MlcGeometry.strip_layout``), and one that learns X jaws (an
+        ``x_jaws`` field) learns them where the synthetic arcs have them (every MLC with X jaws but the
+        legacy grid, ``epid.synthesis.sequences.x_jaw_path``); the legacy family's stay."""
+        def fitted(config: Any) -> Any:
+            fields = {field.name for field in dataclasses.fields(config)}
+            changes = {"strip_leaves": mlc.strip_layout, "x_jaws": mlc.x_jaws and mlc != LEGACY_GRID}
+            return dataclasses.replace(config, **{name: value for name, value in changes.items() if name in fields})
+
+        return dataclasses.replace(self, forward=fitted(self.forward), inverse=fitted(self.inverse))
 
     def to_dict(self) -> dict[str, Any]:
         return {"family": self.family, "forward": _plain(self.forward), "inverse": _plain(self.inverse)}

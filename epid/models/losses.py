@@ -11,7 +11,8 @@ Terms (unweighted; ``total`` applies the weights):
 
 * ``forward``: per sample, mean over pixels of (epid_pred - epid_curr)**2, divided by the
   sample's MU (``scalars[:, 0]`` of the batch, clamped at 1e-6); mean over samples.
-* ``leaf_a``, ``leaf_b``: weighted MSE of the normalised leaves with ``leaf_weight_a/b``.
+* ``leaf_a``, ``leaf_b``: weighted MSE of the normalised leaves with ``leaf_weight_a/b``, against the
+  edges the frames show (``shown_leaves``: cut at a batch's X jaws).
 * ``scalars``: MSE of the normalised scalars the inverse model estimates (the first 5: a batch's X
   jaws, on an MLC with them, are the forward model's inputs only).
 * ``ordering``: mean of relu(a.detach() - b)**2 on the normalised predicted leaves; bank A is
@@ -37,6 +38,7 @@ from torch import Tensor
 
 from epid.core.devices import autocast
 from epid.models.legacy import LEAF_SCALE_MM, SCALAR_SCALE
+from epid.synthesis.sequences import fold_into_x_jaws
 
 LOSS_TERMS = ("total", "forward", "leaf_a", "leaf_b", "scalars", "ordering", "consistency", "latent")
 LOSS_WEIGHTS = {
@@ -105,6 +107,18 @@ def consistency_loss(leaf_banks: Sequence[Tensor], weight_banks: Sequence[Tensor
     return total
 
 
+def shown_leaves(leaf_a: Tensor, leaf_b: Tensor, scalars: Tensor) -> tuple[Tensor, Tensor]:
+    """The leaf edges (B, 2 x strips) [prev, curr] frames show for a batch's leaves and scalars: cut at
+    the X jaws (``fold_into_x_jaws``) where the scalars carry them ((B, 9)), else the leaves. What
+    the inverse model estimates."""
+    if scalars.shape[1] <= len(SCALAR_SCALE):
+        return leaf_a, leaf_b
+    half, first = leaf_a.shape[1] // 2, len(SCALAR_SCALE)  # [X1 prev, X1 curr, X2 prev, X2 curr] follow
+    parts = [fold_into_x_jaws(leaf_a[:, part], leaf_b[:, part], scalars[:, [first + k, first + 2 + k]])
+             for k, part in enumerate((slice(None, half), slice(half, None)))]
+    return torch.cat([parts[0][0], parts[1][0]], 1), torch.cat([parts[0][1], parts[1][1]], 1)
+
+
 def cross_training_loss(
     forward_out: tuple[Tensor, Tensor],
     inverse_out: tuple[Tensor, Tensor, Tensor, Tensor],
@@ -118,6 +132,7 @@ def cross_training_loss(
     """
     epid_pred, forward_latent = (t.float() for t in forward_out)
     leaf_a_pred, leaf_b_pred, scalars_pred, inverse_latent = (t.float() for t in inverse_out)
+    target_a, target_b = shown_leaves(batch.leaf_a.float(), batch.leaf_b.float(), batch.scalars.float())
     scalars = batch.scalars.float()[:, :len(SCALAR_SCALE)]
     scalar_scale = scalars.new_tensor(SCALAR_SCALE)
     leaf_a_norm = leaf_a_pred / LEAF_SCALE_MM
@@ -126,8 +141,8 @@ def cross_training_loss(
     weight_b = batch.leaf_weight_b.float()
     terms = {
         "forward": forward_loss(epid_pred, batch.epid_curr.float(), scalars[:, 0]),
-        "leaf_a": weighted_mse(leaf_a_norm, batch.leaf_a.float() / LEAF_SCALE_MM, weight_a),
-        "leaf_b": weighted_mse(leaf_b_norm, batch.leaf_b.float() / LEAF_SCALE_MM, weight_b),
+        "leaf_a": weighted_mse(leaf_a_norm, target_a / LEAF_SCALE_MM, weight_a),
+        "leaf_b": weighted_mse(leaf_b_norm, target_b / LEAF_SCALE_MM, weight_b),
         "scalars": (scalars_pred / scalar_scale - scalars / scalar_scale).square().mean(),
         "ordering": ordering_loss(leaf_a_norm, leaf_b_norm),
         "consistency": consistency_loss((leaf_a_norm, leaf_b_norm), (weight_a, weight_b)),

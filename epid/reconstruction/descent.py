@@ -60,7 +60,16 @@ the tracking (``epid.reconstruction.leaves.NEIGHBOUR_COST``), on the same held-o
 the other on an AVX-512 EPYC: 4 steps against 2 took the 16 mm response from 0.510 mm / 89.1 % to
 0.487 / 90.1 % at 12.0 against 15.5 frames/s, the 12 mm one from 0.283 / 97.4 to 0.269 / 97.6 at 11.8
 against 13.6, `elongated` from 0.190 / 98.9 to 0.176 / 99.0 at 13.6 against 16.0 (on the tuning arcs 6
-steps: 16 mm 91.6 % at 11.2 frames/s): kept at 2 for the margin slower CPUs need."""
+steps: 16 mm 91.6 % at 11.2 frames/s): kept at 2 for the margin slower CPUs need.
+
+What holds the 16 mm response back is where the steps start, not the frames. On 150 frames of the
+tuning arcs 85, 165, 405 (realistic physics, noise, the 20-minute checkpoint): 10 steps alone from
+the truth moved by 0.5 mm of Gaussian noise per position ended at 0.21-0.25 mm, 99.2-99.7 % within
+1 mm (from 1 mm of noise 91-97 %), while the tracking started there took the leaves to 88-93 %, and
+started at the truth itself to 86 % (94 % without its travel and neighbour costs); 20 steps after
+the tracking from the network's estimate reached only 85.6-92.3 %, at a misfit 0.1 to 1.3 % above
+the truth's: the row domain's reduction leaves the leaves where the frames tell them from the truth
+little, and steps that are local do not find their way back."""
 SUB_SAMPLES = 3
 """Positions per frame the curvature is built from (the 7 sub-apertures' weights split between the
 nearest two): 3, 4 and 7 gave the same leaves within 0.002 mm (16 mm wide response, 3 steps), 7 at

@@ -36,11 +36,17 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 
 from epid.synthesis.geometry import LEAF_WIDTH_MM, MLC_Y_MIN_MM, STRIPS, TENTHS_PER_MM, StripGrid
 from epid.synthesis.mlc import LEGACY_GRID, MlcGeometry
+
+if TYPE_CHECKING:
+    import torch
+
+Positions = TypeVar("Positions", "np.ndarray", "torch.Tensor")
 
 NUM_DATASETS = 640
 DEFAULT_CONTROL_POINTS = 2050
@@ -157,13 +163,13 @@ def behind_x_jaws(leaf_a: np.ndarray, leaf_b: np.ndarray, x_jaws: np.ndarray) ->
                      for leaves in (leaf_a, leaf_b)])
 
 
-def fold_into_x_jaws(leaf_a: np.ndarray, leaf_b: np.ndarray, x_jaws: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def fold_into_x_jaws(leaf_a: Positions, leaf_b: Positions, x_jaws: Positions) -> tuple[Positions, Positions]:
     """Leaf edges (N, strips) mm with the part of each opening outside the X jaws (N, 2) [X1, X2] mm
     cut off: bank A's edges clipped into [X1, X2], bank B's too and never below bank A's (a pair
-    wholly behind one jaw closed at its edge)."""
+    wholly behind one jaw closed at its edge). numpy arrays or torch tensors alike."""
     low, high = x_jaws[:, :1], x_jaws[:, 1:]
-    folded_a = np.clip(leaf_a, low, high)
-    return folded_a, np.maximum(np.clip(leaf_b, low, high), folded_a)
+    folded_a = leaf_a.clip(low, high)
+    return folded_a, leaf_b.clip(low, high).clip(folded_a)
 
 
 def pattern_for(dataset_id: int) -> str:

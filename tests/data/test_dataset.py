@@ -452,16 +452,23 @@ def test_truncation_after_first_open_is_caught(tmp_path, caplog):
     assert_same_batch(expected, again)
 
 
-def test_a_batch_on_an_mlc_with_x_jaws_shows_the_leaves_they_leave_and_appends_them():
-    """Millennium 120, a static-X-jaw arc: each sample's leaves are the arc's cut at the X jaws (a
-    loop over positions), its scalars the 5 of the design plus [X1 prev, X1 curr, X2 prev, X2 curr];
-    the legacy grid's batch keeps its 5."""
+def test_a_batch_on_an_mlc_with_x_jaws_appends_them_and_shows_the_leaves_they_leave():
+    """Millennium 120, a static-X-jaw arc: each sample's leaves are the arc's as delivered, its scalars
+    the 5 of the design plus [X1 prev, X1 curr, X2 prev, X2 curr], and the edges its frames show
+    (``shown_leaves``, the inverse model's targets) the leaves cut at the X jaws (a loop over
+    positions); the legacy grid's batch keeps its 5 scalars and shows its leaves."""
+    from epid.models.losses import shown_leaves
     from epid.synthesis.mlc import MLC_GEOMETRIES
 
     arc = generate_control_points(162, 20, MLC_GEOMETRIES["millennium120"])
     window = windows_module.Window(162, 0, 8)
     batch = dataset.assemble_batch(arc, window, torch.zeros(len(window) + 1, 256, 256))
     prev = np.arange(window.start + 1, window.stop + 1)
+    for name in ("leaf_a", "leaf_b"):
+        delivered = getattr(arc, name)
+        np.testing.assert_array_equal(getattr(batch, name).numpy(),
+                                      np.concatenate([delivered[prev], delivered[prev + 1]], 1))
+    shown_a, shown_b = shown_leaves(batch.leaf_a, batch.leaf_b, batch.scalars)
     x_jaws = arc.x_jaws
     for row, point in enumerate(prev):
         np.testing.assert_array_equal(batch.scalars[row, 5:].numpy(), [x_jaws[point, 0], x_jaws[point + 1, 0],
@@ -471,8 +478,10 @@ def test_a_batch_on_an_mlc_with_x_jaws_shows_the_leaves_they_leave_and_appends_t
                 low, high = float(x_jaws[index, 0]), float(x_jaws[index, 1])
                 a = min(max(float(arc.leaf_a[index, strip]), low), high)
                 b = max(min(max(float(arc.leaf_b[index, strip]), low), high), a)
-                assert batch.leaf_a[row, 52 * half + strip].item() == pytest.approx(a, abs=1e-6)
-                assert batch.leaf_b[row, 52 * half + strip].item() == pytest.approx(b, abs=1e-6)
-    assert bool((batch.leaf_a != torch.from_numpy(np.concatenate([arc.leaf_a[prev], arc.leaf_a[prev + 1]], 1))).any())
+                assert shown_a[row, 52 * half + strip].item() == pytest.approx(a, abs=1e-6)
+                assert shown_b[row, 52 * half + strip].item() == pytest.approx(b, abs=1e-6)
+    assert bool((shown_a != batch.leaf_a).any())
     legacy = dataset.assemble_batch(generate_control_points(162, 20), window, torch.zeros(len(window) + 1, 256, 256))
     assert legacy.scalars.shape == (len(window), 5)
+    assert all(shown is leaves for shown, leaves in zip(shown_leaves(legacy.leaf_a, legacy.leaf_b, legacy.scalars),
+                                                        (legacy.leaf_a, legacy.leaf_b), strict=True))

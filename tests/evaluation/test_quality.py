@@ -160,16 +160,25 @@ def test_hd120_reports_its_2_5_mm_leaves_apart():
 
 
 def test_leaf_positions_an_x_jaw_hides_are_out_of_the_scored_band():
-    """A target edge at X1 or beyond X2 shows the jaw's edge, not the leaf's: out of the mask; the
-    others in the jaw band stay in."""
+    """A target edge at X1 or behind X2 shows the jaw's edge, not the leaf's: out of the mask; the
+    others in the jaw band stay in (scalars of a beam with X jaws, [X1 prev, X1 curr, X2 prev, X2 curr])."""
+    from epid.evaluation.inference import hidden_by_x_jaws
+
     strips = 52
     target_a, target_b = torch.full((1, 2 * strips), -10.0), torch.full((1, 2 * strips), 10.0)
-    target_a[0, strips + 10], target_b[0, strips + 11] = -20.0, 25.0  # curr: at X1, at X2
+    target_a[0, strips + 10], target_b[0, strips + 11] = -20.0, 31.0  # curr: at X1, behind X2
+    target_a[0, 3] = -40.0  # prev: inside that control point's X1
+    scalars = torch.tensor([[5.0, -100.0, -100.0, 100.0, 100.0, -45.0, -20.0, 45.0, 25.0]])
+    hidden = hidden_by_x_jaws(target_a, target_b, scalars)
+    assert hidden.shape == (1, 2, 2 * strips) and int(hidden.sum()) == 2
     predicted_a, predicted_b = target_a + 0.5, target_b - 0.5
     jaw_1, jaw_2 = torch.tensor([-100.0]), torch.tensor([100.0])
     errors, band = quality.leaf_errors(predicted_a, predicted_b, target_a, target_b, jaw_1, jaw_2, "curr")
-    _, hidden = quality.leaf_errors(predicted_a, predicted_b, target_a, target_b, jaw_1, jaw_2, "curr",
-                                    torch.tensor([[-20.0, 25.0]]))
+    _, scored = quality.leaf_errors(predicted_a, predicted_b, target_a, target_b, jaw_1, jaw_2, "curr", hidden)
     assert torch.equal(errors, torch.stack([torch.full((1, strips), 0.5), torch.full((1, strips), -0.5)], 1))
-    dropped = band & ~hidden
-    assert dropped.sum() == 2 and dropped[0, 0, 10] and dropped[0, 1, 11] and not (hidden & ~band).any()
+    dropped = band & ~scored
+    assert dropped.sum() == 2 and dropped[0, 0, 10] and dropped[0, 1, 11] and not (scored & ~band).any()
+    prev = [quality.leaf_errors(predicted_a, predicted_b, target_a, target_b, jaw_1, jaw_2, "prev", given)[1]
+            for given in (None, hidden)]
+    assert torch.equal(*prev)  # X1 stood at -45 mm then: the leaf at -40 mm showed
+    assert hidden_by_x_jaws(target_a, target_b, scalars[:, :5]) is None

@@ -5,6 +5,8 @@ a real MLC's layers rendered as the synthesis renders them."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import scipy.signal
@@ -161,7 +163,10 @@ def test_inverse_model_layout_and_parameter_groups(size):
         grouped = [id(p) for params, _ in model.parameter_groups() for p in params]
         assert sorted(grouped) == sorted(id(p) for p in model.parameters() if p.requires_grad)
     held = {name for name, p in forward.named_parameters() if not p.requires_grad}
-    assert held == set(COMMISSIONING_PARAMETERS)
+    assert held == {*COMMISSIONING_PARAMETERS, *aperture_module.X_JAW_PARAMETERS}  # the legacy grid has no X jaws
+    learning = build_models(size, "aperture", MLC_GEOMETRIES["millennium120"])
+    assert {name for name, p in learning[0].named_parameters() if not p.requires_grad} == set(COMMISSIONING_PARAMETERS)
+    assert not any(p.requires_grad for name, p in learning[1].named_parameters() if "x_jaw" in name)
     sum(t.sum() for t in out).backward()
     assert inverse.stem.weight.grad is not None and inverse.leaf_readout[0].net[0].weight.grad is not None
 
@@ -255,10 +260,12 @@ def test_a_real_mlcs_aperture_renders_its_layers_as_the_synthesis_does(name, one
 
 
 def test_a_pair_built_for_an_mlc_keeps_it_through_a_checkpoint():
-    """Models for the legacy grid and Agility (strips are leaves) have the configs they always had;
-    a real MLC's leaves over the strips are in both configs, rebuilt from a checkpoint, and in the
-    row domain's leakage (none inside a 10 mm leaf)."""
-    assert build_models("tiny", "aperture", MLC_GEOMETRIES["agility"])[0].config == build_models("tiny")[0].config
+    """Models for the legacy grid and Agility (strips are leaves) have the configs they always had, but
+    for Agility's X jaws, which its forward model learns; a real MLC's leaves over the strips are in
+    both configs, rebuilt from a checkpoint, and in the row domain's leakage (none inside a 10 mm leaf)."""
+    agility = build_models("tiny", "aperture", MLC_GEOMETRIES["agility"])
+    assert agility[0].config == dataclasses.replace(build_models("tiny")[0].config, x_jaws=True)
+    assert agility[1].config == build_models("tiny")[1].config
     mlc = MLC_GEOMETRIES["halcyon"]
     forward, inverse = build_models("tiny", "aperture", mlc)
     assert forward.config.strip_leaves == inverse.config.strip_leaves == mlc.strip_layout

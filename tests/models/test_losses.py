@@ -220,3 +220,17 @@ def test_a_batch_with_x_jaws_scores_the_five_scalars_the_inverse_model_estimates
     assert terms["scalars"].item() == pytest.approx(expected.item()) and expected.item() == pytest.approx(
         (13.0 / 130.0) ** 2 / 10)
     only_nonzero(terms, "scalars")
+
+
+def test_the_leaf_terms_score_the_edges_the_x_jaws_leave():
+    """Targets with X jaws: bank A's leaf at -30 mm behind X1 = -25 mm (prev and curr) is scored as -25 mm,
+    the edge the frames show; predicting the hidden -30 mm costs what a 5 mm error costs."""
+    forward_out, inverse_out, targets = make_case()
+    targets.leaf_a[:, [7, 52 + 7]] = -30.0
+    targets.scalars = torch.cat([targets.scalars, torch.tensor([[-25.0, -25.0, 40.0, 40.0]]).repeat(2, 1)], 1)
+    inverse_out[0][:, [7, 52 + 7]] = -25.0
+    terms = cross_training_loss(forward_out, inverse_out, targets)
+    assert terms["leaf_a"].item() == 0.0 and terms["total"].item() == 0.0
+    inverse_out[0][:, [7, 52 + 7]] = -30.0
+    assert cross_training_loss(forward_out, inverse_out, targets)["leaf_a"].item() == pytest.approx(
+        2 * (5.0 / 130.0) ** 2 / LEAVES)
