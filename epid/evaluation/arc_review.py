@@ -233,7 +233,7 @@ def arc_errors(estimate: ArcEstimate, segment: ArcSegment, narrow: np.ndarray | 
         figures = {"x_jaw_mae_mm": float(edges.mean()) if edges.size else math.nan, "x_jaw_positions": int(edges.size)}
     if narrow is not None and narrow.any():
         fine = np.abs(errors.scored_errors(narrow))
-        figures = {"narrow_leaf_mae_mm": float(fine.mean()) if fine.size else math.nan,
+        figures |= {"narrow_leaf_mae_mm": float(fine.mean()) if fine.size else math.nan,
                    "narrow_within_1mm": float(100 * (fine <= 1).mean()) if fine.size else math.nan,
                    "narrow_leaves": int(fine.size)}
     return figures | {

@@ -66,6 +66,10 @@ def test_a_segment_on_an_mlc_with_x_jaws_scores_what_they_hide_as_theirs():
     errors = arc_review.leaf_errors(estimate, segment)
     for bank, mask in errors.scored().items():
         assert not (mask & cut["AB".index(bank)]).any()
+    shifted = dataclasses.replace(estimate, leaf_a=estimate.leaf_a + 0.25, leaf_b=estimate.leaf_b + 0.25)
+    figures = arc_review.arc_errors(shifted, segment, np.ones(52, dtype=bool))
+    assert figures["x_jaw_positions"] > 0 and figures["x_jaw_mae_mm"] == pytest.approx(0.25, abs=1e-5)
+    assert figures["narrow_leaves"] == figures["leaves"]
 
 
 def test_the_validation_segment_starts_after_every_training_curr_frame():
