@@ -472,3 +472,18 @@ def test_the_dry_run_makes_the_launch_checks_and_starts_nothing(two_rank_run, tm
     assert "rank 0: " in result.stdout and not re.search(r"^epoch \d", result.stdout, re.MULTILINE)
     assert not (tmp_path / "run").exists() and load_checkpoint(checkpoint)["epoch"] == 2
 
+
+
+def test_two_ranks_train_the_aperture_family_on_an_mlc_with_x_jaws(tmp_path):
+    """Millennium 120, whose arcs have X jaws: two gloo ranks train the aperture family without a
+    parameter DistributedDataParallel waits for in vain; the forward model learns the X jaws' own
+    physics, the inverse model's aperture holds it."""
+    checkpoint = tmp_path / "epid.pth"
+    result = run_script(run_env(checkpoint, EPID_MODEL="aperture", EPID_MLC="millennium120", EPID_WORLD_SIZE="2",
+                                EPID_BACKEND="gloo", EPID_EPOCHS="1", EPID_STEPS_PER_EPOCH="3",
+                                EPID_DATASET_IDS="18,34", EPID_PHYSICS="realistic", EPID_GAMMA_SAMPLES="0"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    saved = torch.load(checkpoint, map_location="cpu", weights_only=True)
+    assert saved["model_config"]["forward"]["x_jaws"] is True
+    assert float(saved["forward_model"]["aperture.x_jaw_transmission_change_percent"]) != 0.0
+    assert float(saved["inverse_model"]["aperture.x_jaw_transmission_change_percent"]) == 0.0
