@@ -104,12 +104,16 @@ class PlanBeam:
     """The beam's final cumulative meterset weight: a weight w lies at beam_mu x w / it MU."""
     geometry: MlcGeometry = LEGACY_GRID
     """The beam's MLC (``epid.dicom.mlc_devices``)."""
-    x_jaws: np.ndarray | None = None
-    """(N, 2) the X jaws' positions [X1, X2] at each control point, mm along x; None for a beam
-    without X jaws. The leaves are folded into them (no leaf opens past an X jaw)."""
 
     def __len__(self) -> int:
         return len(self.control_points)
+
+    @property
+    def x_jaws(self) -> np.ndarray | None:
+        """(N, 2) the X jaws' positions [X1, X2] at each control point, mm along x (the control
+        points' own); None for a beam without X jaws. The leaves are folded into them (no leaf opens
+        past an X jaw)."""
+        return self.control_points.x_jaws
 
     def behind_x_jaws(self) -> np.ndarray | None:
         """(2, N, 52) int8 for bank A's and bank B's leaves: 1 where the leaf lies at or behind the X1
@@ -280,7 +284,7 @@ def _read_beam(path: str, beam: Dataset, metersets: dict[int, float], dataset_id
         path=path, beam_number=int(number), beam_name=name,
         machine=str(beam.get("TreatmentMachineName", "")), mlc=mlc.description, beam_mu=float(metersets[number]),
         gantry_deg=_read_only(gantry.astype(np.float32)), collimator_deg=float(collimator[0]), control_points=control,
-        final_meterset_weight=final_weight, geometry=geometry, x_jaws=control.x_jaws,
+        final_meterset_weight=final_weight, geometry=geometry,
     )
 
 

@@ -304,11 +304,10 @@ def resample(beam: PlanBeam, boundaries: np.ndarray) -> PlanBeam:
         leaf_a=frozen(values["leaf_a"]), leaf_b=frozen(values["leaf_b"]), jaw_1=jaw_1, jaw_2=jaw_2, mu=frozen(mu),
         leaf_weight=frozen(mlc_leaf_weights(jaw_1, jaw_2, beam.control_points.mlc)),
         dataset_id=beam.control_points.dataset_id, pattern="plan",
-        mlc=beam.control_points.mlc,
+        mlc=beam.control_points.mlc, x_jaws=frozen(values["x_jaws"]) if "x_jaws" in values else None,
     )
     return replace(beam, gantry_deg=frozen(values["gantry_deg"]), control_points=control_points,
-                   beam_mu=float(boundaries[-1] - boundaries[0]),
-                   x_jaws=frozen(values["x_jaws"]) if "x_jaws" in values else None)
+                   beam_mu=float(boundaries[-1] - boundaries[0]))
 
 
 def pieces(plan: PlanBeam, boundaries: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

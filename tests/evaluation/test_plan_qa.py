@@ -343,8 +343,8 @@ def test_leaves_an_x_jaw_hides_are_scored_as_that_jaw_and_never_as_leaves(tmp_pa
     x1, x2 = 28.4, 62.0
     leaf_a = np.clip(cp.leaf_a, x1, x2)
     leaf_b = np.maximum(np.clip(cp.leaf_b, x1, x2), leaf_a)
-    beam = dataclasses.replace(qa.beam, control_points=dataclasses.replace(cp, leaf_a=leaf_a, leaf_b=leaf_b),
-                               x_jaws=np.tile(np.float32([x1, x2]), (len(cp), 1)))
+    beam = dataclasses.replace(qa.beam, control_points=dataclasses.replace(
+        cp, leaf_a=leaf_a, leaf_b=leaf_b, x_jaws=np.tile(np.float32([x1, x2]), (len(cp), 1))))
     segment = plan_qa.plan_segment(beam, qa.points, torch.from_numpy(np.array(qa.measured.frames)))
     rows = qa.points  # the scored control points (from frame 1: every frame's)
     band = inference.jaw_band(torch.from_numpy(cp.jaw_1[rows]), torch.from_numpy(cp.jaw_2[rows])).numpy()
@@ -383,9 +383,10 @@ def test_positions_an_x_jaw_hides_are_read_as_the_jaw_and_the_mu_with_the_jaws_r
     cp = qa.beam.control_points
     x1, x2 = 28.4, 62.0
     leaf_a = np.clip(cp.leaf_a, x1, x2)
-    folded = dataclasses.replace(cp, leaf_a=leaf_a, leaf_b=np.maximum(np.clip(cp.leaf_b, x1, x2), leaf_a))
     x_jaws = np.tile(np.float32([x1, x2]), (len(cp), 1))
-    beam = dataclasses.replace(qa.beam, control_points=folded, x_jaws=x_jaws)
+    folded = dataclasses.replace(cp, leaf_a=leaf_a, leaf_b=np.maximum(np.clip(cp.leaf_b, x1, x2), leaf_a),
+                                 x_jaws=x_jaws)
+    beam = dataclasses.replace(qa.beam, control_points=folded)
     segment = plan_qa.plan_segment(beam, qa.points, torch.from_numpy(np.array(qa.measured.frames)))
     torch.manual_seed(0)
     model = build_models("tiny", "aperture")[0].eval()
