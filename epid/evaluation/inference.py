@@ -34,7 +34,7 @@ from epid.data.dataset import assemble_batch
 from epid.data.windows import Window, num_samples, split_range
 from epid.evaluation.gamma import gamma_pass_rate
 from epid.models.families import predict_frames
-from epid.models.legacy import NUM_SCALARS
+from epid.models.losses import point_x_jaws
 from epid.reconstruction import estimate as estimate_module
 from epid.synthesis.frames import render_frames
 from epid.synthesis.geometry import STRIPS, StripGrid, strip_grid
@@ -486,14 +486,14 @@ def jaw_band(jaw_1: Tensor, jaw_2: Tensor, grid: StripGrid = STRIPS) -> Tensor:
 
 def hidden_by_x_jaws(leaf_a: Tensor, leaf_b: Tensor, scalars: Tensor) -> Tensor | None:
     """(S, 2, 2 x strips) bool [bank A, bank B] over the sample layout [prev, curr]: the leaves (S, 2 x
-    strips) mm at or behind an X jaw of the scalars (S, 9) (``behind_x_jaws``), whose edge the frames
-    show instead; None for scalars without X jaws (S, 5)."""
-    if scalars.shape[1] <= NUM_SCALARS:
+    strips) mm at or behind an X jaw of the scalars (``point_x_jaws``, ``behind_x_jaws``), whose edge
+    the frames show instead; None for scalars without X jaws (S, 5)."""
+    x_jaws = point_x_jaws(scalars)
+    if x_jaws is None:
         return None
     half = leaf_a.shape[1] // 2
-    parts = [behind_x_jaws(leaf_a[:, part].numpy(), leaf_b[:, part].numpy(),
-                           scalars[:, [NUM_SCALARS + k, NUM_SCALARS + 2 + k]].numpy()) > 0
-             for k, part in enumerate((slice(None, half), slice(half, None)))]
+    parts = [behind_x_jaws(leaf_a[:, part].numpy(), leaf_b[:, part].numpy(), jaws.numpy()) > 0
+             for jaws, part in zip(x_jaws, (slice(None, half), slice(half, None)), strict=True)]
     return torch.from_numpy(np.concatenate(parts, -1)).transpose(0, 1)
 
 

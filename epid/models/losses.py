@@ -107,15 +107,23 @@ def consistency_loss(leaf_banks: Sequence[Tensor], weight_banks: Sequence[Tensor
     return total
 
 
+def point_x_jaws(scalars: Tensor) -> list[Tensor] | None:
+    """[X1, X2] (B, 2) mm at the prev and at the curr control point, from scalars with a beam's X jaws
+    appended ((B, 9): [X1 prev, X1 curr, X2 prev, X2 curr] after the 5); None for scalars without (B, 5)."""
+    first = len(SCALAR_SCALE)
+    return None if scalars.shape[1] <= first else [scalars[:, [first + k, first + 2 + k]] for k in (0, 1)]
+
+
 def shown_leaves(leaf_a: Tensor, leaf_b: Tensor, scalars: Tensor) -> tuple[Tensor, Tensor]:
     """The leaf edges (B, 2 x strips) [prev, curr] frames show for a batch's leaves and scalars: cut at
-    the X jaws (``fold_into_x_jaws``) where the scalars carry them ((B, 9)), else the leaves. What
-    the inverse model estimates."""
-    if scalars.shape[1] <= len(SCALAR_SCALE):
+    the X jaws (``fold_into_x_jaws``) where the scalars carry them (``point_x_jaws``), else the leaves.
+    What the inverse model estimates."""
+    x_jaws = point_x_jaws(scalars)
+    if x_jaws is None:
         return leaf_a, leaf_b
-    half, first = leaf_a.shape[1] // 2, len(SCALAR_SCALE)  # [X1 prev, X1 curr, X2 prev, X2 curr] follow
-    parts = [fold_into_x_jaws(leaf_a[:, part], leaf_b[:, part], scalars[:, [first + k, first + 2 + k]])
-             for k, part in enumerate((slice(None, half), slice(half, None)))]
+    half = leaf_a.shape[1] // 2
+    parts = [fold_into_x_jaws(leaf_a[:, part], leaf_b[:, part], jaws)
+             for jaws, part in zip(x_jaws, (slice(None, half), slice(half, None)), strict=True)]
     return torch.cat([parts[0][0], parts[1][0]], 1), torch.cat([parts[0][1], parts[1][1]], 1)
 
 
