@@ -247,27 +247,27 @@ def arc_errors(estimate: ArcEstimate, segment: ArcSegment, narrow: np.ndarray | 
 
 
 def pooled_errors(per_arc: Sequence[Mapping[str, float]]) -> dict[str, float]:
-    """``arc_errors`` of several arcs pooled: leaf figures weighted by the leaves scored, jaw and
-    MU figures the mean over arcs."""
+    """``arc_errors`` of several arcs pooled: leaf figures weighted by the leaves scored (the narrow
+    leaves' and the X jaws' by theirs), jaw and MU figures the mean over arcs."""
     leaves = sum(errors["leaves"] for errors in per_arc)
-    pooled = {key: sum(errors[key] * errors["leaves"] for errors in per_arc) / leaves
-              for key in ("leaf_mae_mm", "within_0.5mm", "within_1mm")}
-    narrow = sum(errors.get("narrow_leaves", 0) for errors in per_arc)
-    if narrow:
-        for key in ("narrow_leaf_mae_mm", "narrow_within_1mm"):
-            pooled[key] = sum(errors[key] * errors["narrow_leaves"] for errors in per_arc
-                              if errors.get("narrow_leaves")) / narrow
-        pooled["narrow_leaves"] = narrow
+    pooled = _weighted(per_arc, "leaves", ("leaf_mae_mm", "within_0.5mm", "within_1mm"))
+    pooled |= _weighted(per_arc, "narrow_leaves", ("narrow_leaf_mae_mm", "narrow_within_1mm"))
     pooled["leaf_rms_mm"] = math.sqrt(sum(errors["leaf_rms_mm"] ** 2 * errors["leaves"] for errors in per_arc) / leaves)
     for key in ("jaw_mae_mm", "mu_error_percent", "from_start_percent"):
         pooled[key] = float(np.mean([errors[key] for errors in per_arc]))
-    edges = sum(errors.get("x_jaw_positions", 0) for errors in per_arc)
-    if edges:
-        pooled["x_jaw_mae_mm"] = sum(errors["x_jaw_mae_mm"] * errors["x_jaw_positions"] for errors in per_arc
-                                     if errors.get("x_jaw_positions")) / edges
-        pooled["x_jaw_positions"] = edges
+    pooled |= _weighted(per_arc, "x_jaw_positions", ("x_jaw_mae_mm",))
     pooled["leaves"] = leaves
     return pooled
+
+
+def _weighted(per_arc: Sequence[Mapping[str, float]], count: str, keys: Sequence[str]) -> dict[str, float]:
+    """The figures ``keys`` of the arcs that have ``count`` positions, weighted by them, and their total
+    ``count``; empty where no arc has any."""
+    total = sum(errors.get(count, 0) for errors in per_arc)
+    if not total:
+        return {}
+    return {**{key: sum(errors[key] * errors[count] for errors in per_arc if errors.get(count)) / total
+               for key in keys}, count: total}
 
 
 def first_frame(split: str, n_control_points: int) -> int:

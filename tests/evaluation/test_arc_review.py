@@ -99,6 +99,16 @@ def test_errors_of_a_hand_worked_estimate_count_only_the_jaw_band():
     pooled = arc_review.pooled_errors([errors, {**errors, "leaves": 3 * errors["leaves"], "jaw_mae_mm": 1.5}])
     assert pooled["leaf_mae_mm"] == pytest.approx(errors["leaf_mae_mm"])
     assert pooled["jaw_mae_mm"] == pytest.approx(1.0)
+    assert "narrow_leaves" not in pooled and "x_jaw_positions" not in pooled
+    some = {"narrow_leaves": 10, "narrow_leaf_mae_mm": 0.2, "narrow_within_1mm": 90.0, "x_jaw_positions": 30,
+            "x_jaw_mae_mm": 0.6}
+    more = {"narrow_leaves": 30, "narrow_leaf_mae_mm": 0.4, "narrow_within_1mm": 98.0, "x_jaw_positions": 10,
+            "x_jaw_mae_mm": 0.2}
+    pooled = arc_review.pooled_errors([{**errors, **some}, {**errors, **more}, errors])
+    assert (pooled["narrow_leaves"], pooled["x_jaw_positions"]) == (40, 40)
+    assert pooled["narrow_leaf_mae_mm"] == pytest.approx((10 * 0.2 + 30 * 0.4) / 40)
+    assert pooled["narrow_within_1mm"] == pytest.approx((10 * 90.0 + 30 * 98.0) / 40)
+    assert pooled["x_jaw_mae_mm"] == pytest.approx((30 * 0.6 + 10 * 0.2) / 40)
 
 
 def test_inference_visualize_arc_writes_a_figure_per_arc_and_the_table(checkpoint_path, tmp_path):  # noqa: F811
