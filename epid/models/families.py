@@ -24,6 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from epid.models import aperture, legacy
+from epid.models.losses import shown_leaves
 from epid.synthesis.geometry import STRIPS, StripGrid
 from epid.synthesis.mlc import LEGACY_GRID, MlcGeometry
 
@@ -156,6 +157,7 @@ def predict_frames(forward_model: nn.Module, leaf_a: Tensor, leaf_b: Tensor, sca
     X jaws appended (B, 9) reach a model that renders them (``renders_x_jaws``, the aperture family);
     the legacy family gets the first 5 and renders the leaves folded into the X jaws alone."""
     if scalars.shape[-1] > legacy.NUM_SCALARS and not getattr(forward_model, "renders_x_jaws", False):
+        leaf_a, leaf_b = shown_leaves(leaf_a, leaf_b, scalars)
         scalars = scalars[:, :legacy.NUM_SCALARS]
     if getattr(forward_model, "takes_prev_frame", False):
         return forward_model(leaf_a, leaf_b, scalars, epid_prev)

@@ -15,6 +15,7 @@ import torch
 from epid.models import aperture as aperture_module
 from epid.models.checkpoint import build_models_from_checkpoint
 from epid.models.families import PairConfig, build_models, predict_frames
+from epid.models.losses import shown_leaves
 from epid.models.panel import COMMISSIONING_PARAMETERS
 from epid.models.response import DetectorResponse, to_imager
 from epid.reconstruction.rows import RowDomain
@@ -77,10 +78,12 @@ def test_a_beams_x_jaws_reach_the_aperture_as_jaws_and_the_legacy_family_leaves_
     legacy_forward, _ = build_models("tiny", "legacy")
     legacy_forward.eval()
     previous = torch.zeros(3, 1, 256, 256)
+    folded_a, folded_b = shown_leaves(leaf_a, leaf_b, torch.cat([scalars, x_jaws], 1))
+    assert bool((folded_a != leaf_a).any()) and bool((folded_b != leaf_b).any())  # the X jaws cut both banks
     with torch.no_grad():
         torch.testing.assert_close(predict_frames(legacy_forward, leaf_a, leaf_b, torch.cat([scalars, x_jaws], 1),
                                                   previous)[0],
-                                   predict_frames(legacy_forward, leaf_a, leaf_b, scalars, previous)[0])
+                                   predict_frames(legacy_forward, folded_a, folded_b, scalars, previous)[0])
 
 
 def test_fluence_covers_a_cell_by_the_length_of_the_opening_in_it():
