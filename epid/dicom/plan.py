@@ -381,8 +381,8 @@ def write_arcs(path: str | Path, arcs: Sequence[Arc], *, machine: str = "EPID", 
 
     Beam k + 1 is arc k ("ARC" for a single arc, else "ARC 1", "ARC 2", ...), on ``mlc``
     (``MlcGeometry.leaves`` of the strips; the legacy grid written as Agility, whose central 52
-    pairs are the strips): an MLCX, or a dual-layer MLC's MLCX1 and MLCX2, ASYMY jaws where the
-    MLC has Y jaws and ASYMX jaws where an arc has ``x_jaws``, at every control point. The
+    pairs are the strips, with the legacy grid's X jaws): an MLCX, or a dual-layer MLC's MLCX1 and MLCX2,
+    ASYMY jaws where the MLC has Y jaws and ASYMX jaws where an arc has ``x_jaws``, at every control point. The
     cumulative meterset weight of control point k is the sum of ``mu[1..k]``; ``BeamMeterset`` is
     the arc's ``beam_mu`` (default that sum), so ``read_plan`` gives back ``mu[1:]`` scaled by
     beam_mu / sum. Positions are written in mm to 0.1, ``label`` is the RT Plan Label (at most 16
@@ -400,9 +400,9 @@ def write_arcs(path: str | Path, arcs: Sequence[Arc], *, machine: str = "EPID", 
         n = len(arc.control_points)
         if n < 2:
             raise ValueError(f"arc {number}: an arc needs at least 2 control points, got {n}")
-        if arc.x_jaws is not None and (not written.x_jaws or np.shape(arc.x_jaws) != (n, 2)):
+        if arc.x_jaws is not None and (not mlc.x_jaws or np.shape(arc.x_jaws) != (n, 2)):
             raise ValueError(f"arc {number}: x_jaws of shape {np.shape(arc.x_jaws)}: expected ({n}, 2) on an MLC "
-                             f"with X jaws ({written.name}: {'with' if written.x_jaws else 'without'})")
+                             f"with X jaws ({mlc.name}: {'with' if mlc.x_jaws else 'without'})")
         mu_tenths = np.rint(np.asarray(arc.control_points.mu, dtype=np.float64) * 10).astype(np.int64)
         cumulative = np.concatenate([[0], np.cumsum(mu_tenths[1:])])
         if cumulative[-1] <= 0:

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -75,12 +75,16 @@ class MlcGeometry:
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> MlcGeometry:
-        """Rebuild from ``to_dict`` output: the built-in MLC of that name when it is the same."""
+        """Rebuild from ``to_dict`` output: the built-in MLC of that name when it is the same, or when only
+        its X jaws differ (earlier releases flagged X jaws on Agility, whose head has none)."""
         geometry = cls(str(values["name"]), str(values["description"]),
                        tuple(tuple(float(v) for v in b) for b in values["layers"]), float(values["travel_mm"]),
                        bool(values.get("x_jaws", True)), bool(values.get("y_jaws", True)))
         known = MLC_GEOMETRIES.get(geometry.name)
-        return known if known == geometry else geometry
+        if known is not None and replace(geometry, description=known.description,
+                                                     x_jaws=known.x_jaws) == known:
+            return known
+        return geometry
 
     @property
     def pairs(self) -> tuple[int, ...]:
@@ -276,8 +280,8 @@ LEGACY_GRID = MlcGeometry(
 )
 MLC_GEOMETRIES: dict[str, MlcGeometry] = {geometry.name: geometry for geometry in (
     LEGACY_GRID,
-    MlcGeometry("agility", "Elekta Agility: 80 pairs of 5 mm", (_boundaries(-200.0, [(80, 5.0)]),),
-                travel_mm=200.0),
+    MlcGeometry("agility", "Elekta Agility: 80 pairs of 5 mm, Y diaphragms, no X jaws",
+                (_boundaries(-200.0, [(80, 5.0)]),), travel_mm=200.0, x_jaws=False),
     MlcGeometry("millennium120", "Varian Millennium 120: 10 x 10, 40 x 5, 10 x 10 mm",
                 (_boundaries(-200.0, [(10, 10.0), (40, 5.0), (10, 10.0)]),), travel_mm=200.0),
     MlcGeometry("hd120", "Varian HD120: 14 x 5, 32 x 2.5, 14 x 5 mm",

@@ -809,6 +809,9 @@ def test_an_arc_with_x_jaws_is_written_with_asymx_jaws_and_read_back_folded_into
     with pytest.raises(ValueError, match="halcyon: without"):
         write_plan(tmp_path / "bad.dcm", generate_control_points(300, CONTROL_POINTS, MLC_GEOMETRIES["halcyon"]),
                    mlc=MLC_GEOMETRIES["halcyon"], x_jaws=x_jaws)
+    with pytest.raises(ValueError, match="agility: without"):  # Y diaphragms only
+        write_plan(tmp_path / "bad.dcm", generate_control_points(300, CONTROL_POINTS, MLC_GEOMETRIES["agility"]),
+                   mlc=MLC_GEOMETRIES["agility"], x_jaws=x_jaws)
     if shutil.which("dciodvfy"):
         lines = [line for line in dciodvfy(path) if "Error" in line or "Warning" in line]
         assert not lines, lines
@@ -827,12 +830,13 @@ def test_an_arc_on_each_mlc_is_written_on_its_own_leaves_and_read_back_the_same(
     shown = arc.folded_into_x_jaws()  # the reader folds the leaves into the X jaws it reads back
     for field in ("leaf_a", "leaf_b", "jaw_1", "jaw_2"):
         np.testing.assert_allclose(getattr(beam.control_points, field), getattr(shown, field), atol=1e-4)
-    assert (beam.x_jaws is None) == (arc.x_jaws is None) == (name == "halcyon")
+    assert (beam.x_jaws is None) == (arc.x_jaws is None) == (name in ("halcyon", "agility"))
     if arc.x_jaws is not None:
         np.testing.assert_allclose(beam.x_jaws, arc.x_jaws, atol=1e-4)
     devices = {str(item.RTBeamLimitingDeviceType): int(item.NumberOfLeafJawPairs)
                for item in pydicom.dcmread(path).BeamSequence[0].BeamLimitingDeviceSequence}
     expected = ({"MLCX1": 28, "MLCX2": 29} if name == "halcyon"
+                else {"ASYMY": 1, "MLCX": geometry.pairs[0]} if name == "agility"
                 else {"ASYMX": 1, "ASYMY": 1, "MLCX": geometry.pairs[0]})
     assert devices == expected
     if shutil.which("dciodvfy"):

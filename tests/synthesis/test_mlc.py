@@ -6,15 +6,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from epid.synthesis.mlc import MLC_GEOMETRIES, identify
+from epid.synthesis.mlc import MLC_GEOMETRIES, MlcGeometry, identify
 
-LAYOUTS = {  # name: [(first boundary mm, [(leaves, width mm), ...]) per layer], travel mm, jaws
-    "legacy": ([(-130.0, [(52, 5.0)])], 200.0, True),
-    "agility": ([(-200.0, [(80, 5.0)])], 200.0, True),
-    "millennium120": ([(-200.0, [(10, 10.0), (40, 5.0), (10, 10.0)])], 200.0, True),
-    "hd120": ([(-110.0, [(14, 5.0), (32, 2.5), (14, 5.0)])], 200.0, True),
-    "mlci2": ([(-200.0, [(40, 10.0)])], 200.0, True),
-    "halcyon": ([(-140.0, [(28, 10.0)]), (-145.0, [(29, 10.0)])], 140.0, False),
+LAYOUTS = {  # name: [(first boundary mm, [(leaves, width mm), ...]) per layer], travel mm, (X jaws, Y jaws)
+    "legacy": ([(-130.0, [(52, 5.0)])], 200.0, (True, True)),
+    "agility": ([(-200.0, [(80, 5.0)])], 200.0, (False, True)),  # Y diaphragms only
+    "millennium120": ([(-200.0, [(10, 10.0), (40, 5.0), (10, 10.0)])], 200.0, (True, True)),
+    "hd120": ([(-110.0, [(14, 5.0), (32, 2.5), (14, 5.0)])], 200.0, (True, True)),
+    "mlci2": ([(-200.0, [(40, 10.0)])], 200.0, (True, True)),
+    "halcyon": ([(-140.0, [(28, 10.0)]), (-145.0, [(29, 10.0)])], 140.0, (False, False)),
 }
 
 
@@ -30,8 +30,19 @@ def test_each_built_in_mlc_has_its_published_layout(name):
     assert len(geometry.layers) == len(layers)
     for own, (first, runs) in zip(geometry.layers, layers, strict=True):
         np.testing.assert_allclose(own, layout(first, runs), atol=1e-9)
-    assert geometry.travel_mm == travel and geometry.x_jaws == jaws and geometry.y_jaws == jaws
+    assert geometry.travel_mm == travel and (geometry.x_jaws, geometry.y_jaws) == jaws
     assert identify([layout(first, runs) for first, runs in layers]) is geometry
+
+
+def test_a_stored_mlc_is_the_built_in_one_unless_its_leaves_or_jaws_differ():
+    agility = MLC_GEOMETRIES["agility"]
+    assert MlcGeometry.from_dict(agility.to_dict()) is agility
+    earlier = {**agility.to_dict(), "description": "Elekta Agility: 80 pairs of 5 mm", "x_jaws": True}
+    assert MlcGeometry.from_dict(earlier) is agility  # a checkpoint of a release that flagged X jaws on it
+    moved = MlcGeometry.from_dict({**agility.to_dict(), "travel_mm": 150.0})
+    assert moved != agility and moved.travel_mm == 150.0
+    open_halcyon = MlcGeometry.from_dict({**MLC_GEOMETRIES["halcyon"].to_dict(), "y_jaws": True})
+    assert open_halcyon != MLC_GEOMETRIES["halcyon"] and open_halcyon.y_jaws
 
 
 def test_halcyon_is_found_from_its_layers_in_either_order_and_unknown_mlcs_are_not():
