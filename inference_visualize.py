@@ -374,6 +374,7 @@ def review_arcs(args: argparse.Namespace, checkpoint: dict, models: tuple, setti
         begun = time.perf_counter()
         estimate = arc_review.reconstruct_segment(method, models, segment, device, mlc=settings.mlc)
         seconds = time.perf_counter() - begun
+        estimate = arc_review.read_hidden_edges(models[0], segment, estimate)
         errors = arc_review.arc_errors(estimate, segment)
         rows.append({"dataset_id": dataset_id, "pattern": segment.pattern, "first_frame": first, "frames": count,
                      "method": estimate.method, "seconds": seconds, **errors})

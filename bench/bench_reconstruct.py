@@ -37,7 +37,14 @@ from epid.core.cli import run_main
 from epid.core.devices import resolve_device
 from epid.core.errors import InputError
 from epid.core.memory import keep_freed_memory
-from epid.evaluation.arc_review import ArcSegment, arc_errors, pooled_errors, reconstruct_segment, synthesise_segment
+from epid.evaluation.arc_review import (
+    ArcSegment,
+    arc_errors,
+    pooled_errors,
+    read_hidden_edges,
+    reconstruct_segment,
+    synthesise_segment,
+)
 from epid.evaluation.gamma import GammaCriteria, gamma_pass_rates
 from epid.evaluation.inference import SynthesisSettings, load_synthesis_kernel, resolve_synthesis
 from epid.evaluation.plan_qa import predict_plan_frames
@@ -158,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             seconds = time.perf_counter() - started
+            estimate = read_hidden_edges(models[0], segment, estimate)
             figures = {**arc_errors(estimate, segment, settings.mlc.narrow_strips),
                        "frames_per_second": count / seconds, "seconds": seconds}
             results.setdefault(method, {})[f"{dataset_id} {segment.pattern}"] = figures

@@ -11,7 +11,7 @@ from __future__ import annotations
 import csv
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -122,7 +122,10 @@ class ArcEstimate:
     [jaw_1, jaw_2] mm and mu (N,), CPU float32; ``method`` names how (``estimate_module.METHODS``);
     ``from_start``: the share of open leaf positions where the arc fit kept the network's estimate
     (``epid.reconstruction.fallback``; 0 for the other methods); ``signal_mu`` (N,): each frame's MU
-    from its whole signal (``fallback.frame_misfits``), the arc fit's only."""
+    from its whole signal (``fallback.frame_misfits``), the arc fit's only; ``fitted`` (N, leaves) bool: the
+    positions a fit placed, as an edge it renders as a leaf's (the arc fit's where it did not keep the
+    network's estimate, every position of the pair method's; None for the network's estimate, whose
+    positions an X jaw hides are that jaw's edge: ``losses.shown_leaves``)."""
 
     leaf_a: Tensor
     leaf_b: Tensor
@@ -131,6 +134,7 @@ class ArcEstimate:
     method: str
     from_start: float = 0.0
     signal_mu: Tensor | None = None
+    fitted: Tensor | None = None
 
 
 def synthesise_segment(dataset_id: int, first: int, count: int, settings: SynthesisSettings,
@@ -187,6 +191,7 @@ def reconstruct_segment(method: str, models: tuple[nn.Module, nn.Module], segmen
             values = (arc.leaf_a[1:], arc.leaf_b[1:], arc.jaws[1:], arc.mu)
             from_start = arc.from_start
             signal_mu = None if arc.signal_mu is None else arc.signal_mu.float().cpu()
+            fitted = None if arc.leaves_from_start is None else ~arc.leaves_from_start[1:].cpu()
         else:
             from_start, signal_mu = 0.0, None
             pairs = [(begin, min(begin + batch, len(segment))) for begin in range(0, len(segment), batch)]
@@ -200,9 +205,35 @@ def reconstruct_segment(method: str, models: tuple[nn.Module, nn.Module], segmen
             leaf_a, leaf_b, scalars = (torch.cat(part) for part in zip(*parts, strict=True))
             strips = leaf_a.shape[-1] // 2
             values = (leaf_a[:, strips:], leaf_b[:, strips:], scalars[:, [2, 4]], scalars[:, 0])
+            fitted = torch.ones(values[0].shape, dtype=torch.bool) if used == "pair" else None
     leaf_a, leaf_b, jaws, mu = (value.float().cpu() for value in values)
     leaf_a, leaf_b, jaws = reported_by_mlc(leaf_a, leaf_b, jaws, mlc)
-    return ArcEstimate(leaf_a, leaf_b, jaws, mu, method=used, from_start=from_start, signal_mu=signal_mu)
+    if fitted is not None:  # a leaf over several strips is the fit's where all of them are
+        fitted = reported_by_mlc(fitted.float(), fitted.float(), jaws, mlc)[0] == 1
+    return ArcEstimate(leaf_a, leaf_b, jaws, mu, method=used, from_start=from_start, signal_mu=signal_mu,
+                       fitted=fitted)
+
+
+def read_hidden_edges(forward_model: nn.Module, segment: ArcSegment, estimate: ArcEstimate) -> ArcEstimate:
+    """``estimate`` with the positions an X jaw of ``segment`` hides read as that jaw's edge where a fit
+    placed them (``ArcEstimate.fitted``), for a model that renders X jaws (the aperture family); else
+    ``estimate`` itself.
+
+    A fit renders every strip edge as a leaf's; behind an X jaw the frames show the jaw's edge, and a
+    leaf fitted to it stands its learned leaf-end offset inside it (``ApertureFluence``: bank A's edge at
+    leaf_a - shift - offset_a, X1's at X1 - shift). So a hidden bank A position is read as X1 at leaf_a -
+    offset_a, a hidden bank B one as X2 at leaf_b + offset_b (a pair closed behind a jaw shows no edge
+    and is read alike). The network reads a hidden position as the jaw's edge already
+    (``losses.shown_leaves``)."""
+    hidden = segment.behind_x_jaws
+    if hidden is None or segment.x_jaws is None or not getattr(forward_model, "renders_x_jaws", False):
+        return estimate
+    offset = forward_model.aperture.leaf_end_offset.detach().double().cpu().numpy()
+    fitted = False if estimate.fitted is None else estimate.fitted.numpy()
+    leaf_a, leaf_b = estimate.leaf_a.double().numpy(), estimate.leaf_b.double().numpy()
+    leaf_a = np.where((hidden[0] == 1) & fitted, leaf_a - offset[0], leaf_a)
+    leaf_b = np.where((hidden[1] == 2) & fitted, leaf_b + offset[1], leaf_b)
+    return replace(estimate, leaf_a=torch.from_numpy(leaf_a).float(), leaf_b=torch.from_numpy(leaf_b).float())
 
 
 def leaf_errors(estimate: ArcEstimate, segment: ArcSegment) -> LeafErrors:
@@ -222,7 +253,8 @@ def arc_errors(estimate: ArcEstimate, segment: ArcSegment, narrow: np.ndarray | 
     (how many scored); with ``narrow`` (strips,) bool (``MlcGeometry.narrow_strips``) where any is
     set, the leaf MAE and share within 1 mm of those strips' leaves too (``narrow_leaf_mae_mm``,
     ``narrow_within_1mm``, ``narrow_leaves``); for a segment with X jaws, the MAE of the estimated edges
-    where they show an X jaw's (``LeafErrors.x_jaw_edges``: ``x_jaw_mae_mm``, ``x_jaw_positions``)."""
+    where they show an X jaw's (``LeafErrors.x_jaw_edges``: ``x_jaw_mae_mm``, ``x_jaw_positions``; read as
+    the jaw's by ``read_hidden_edges`` first)."""
     errors = leaf_errors(estimate, segment)
     leaf = torch.from_numpy(errors.scored_errors()).abs()
     jaws = torch.from_numpy(np.stack([segment.jaw_1, segment.jaw_2], 1))

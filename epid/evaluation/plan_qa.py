@@ -338,32 +338,22 @@ def _reconstructed(models: tuple[nn.Module, nn.Module], placement: timeline.Plac
 def read_x_jaws(forward_model: nn.Module, segment: arc_review.ArcSegment,
                 estimate: arc_review.ArcEstimate) -> arc_review.ArcEstimate:
     """``estimate`` of a beam with X jaws read as the frames show them, for a model that renders X
-    jaws (the aperture family): the positions an X jaw hides as that jaw's edge, and each frame's
-    signal MU (the arc fit's) with the jaws rendered; else ``estimate`` itself.
+    jaws (the aperture family): the positions an X jaw hides as that jaw's edge
+    (``arc_review.read_hidden_edges``), and each frame's signal MU (the arc fit's) with the jaws
+    rendered; else ``estimate`` itself.
 
-    The reconstruction renders every strip edge as a leaf's. Behind an X jaw the frames show the
-    jaw's edge, and the jaw's transmission beyond it: a leaf fitted to that edge stands its learned
-    leaf-end offset inside it (``ApertureFluence``: bank A's edge at leaf_a - shift - offset_a, X1's
-    at X1 - shift), and beyond the field its rendering leaks the leaves' transmission where the jaws
-    pass theirs, which the signal MU reads as less MU. So a hidden bank A leaf is read as X1 at
-    leaf_a - offset_a, a hidden bank B leaf as X2 at leaf_b + offset_b (a pair closed behind a jaw
-    shows no edge and stays), and each frame's signal MU is scaled by its rendering without X jaws
-    over its rendering with them: each X jaw at the mean of the hidden positions that show its edge
+    Beyond the field the fit's rendering leaks the leaves' transmission where the jaws pass theirs,
+    which the signal MU reads as less MU. So each frame's signal MU is scaled by its rendering without X
+    jaws over its rendering with them: each X jaw at the mean of the hidden positions that show its edge
     (in the jaw band, the pair open by ``arc_review.X_JAW_EDGE_OPEN_MM``), the plan's where none does (frame
     0's motion taken as its control point's alone). On a simulated clinic's error-free deliveries
     with X jaws following the leaves (``bench_error_detection --x-jaws``), without this: X1 +0.32
     mm, X2 -0.30 mm, the total MU -3.9 %."""
-    hidden = segment.behind_x_jaws
-    if hidden is None or segment.x_jaws is None or not getattr(forward_model, "renders_x_jaws", False):
-        return estimate
-    offset = forward_model.aperture.leaf_end_offset.detach().double().cpu().numpy()
-    leaf_a, leaf_b = estimate.leaf_a.double().numpy(), estimate.leaf_b.double().numpy()
-    leaf_a = np.where(hidden[0] == 1, leaf_a - offset[0], leaf_a)
-    leaf_b = np.where(hidden[1] == 2, leaf_b + offset[1], leaf_b)
-    read = dataclasses.replace(estimate, leaf_a=torch.from_numpy(leaf_a).float(),
-                               leaf_b=torch.from_numpy(leaf_b).float())
-    if estimate.signal_mu is None:
+    read = arc_review.read_hidden_edges(forward_model, segment, estimate)
+    if read is estimate or estimate.signal_mu is None:
         return read
+    hidden = segment.behind_x_jaws
+    leaf_a, leaf_b = read.leaf_a.double().numpy(), read.leaf_b.double().numpy()
     x_jaws = segment.x_jaws.copy()
     opening = segment.leaf_b - segment.leaf_a
     shown = arc_review.leaf_errors(estimate, segment).band & (opening > arc_review.X_JAW_EDGE_OPEN_MM)

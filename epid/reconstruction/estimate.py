@@ -103,8 +103,9 @@ class ArcReconstruction:
     (N + 1, 2) [jaw_1, jaw_2] mm at control points 0..N (frame k integrates k - 1 -> k), mu (N,)
     of each frame, ``method`` ("network" or "arc tracking") and ``from_start``: the share of the
     leaf positions the jaws leave open for which the network's estimate was kept over the fit
-    (``epid.reconstruction.fallback``); ``signal_mu`` (N,): each frame's MU from its whole signal
-    (``fallback.frame_misfits``), None for the network's estimate."""
+    (``epid.reconstruction.fallback``), ``leaves_from_start`` (N + 1, strips) bool: the positions
+    it was kept at (None for the network's estimate); ``signal_mu`` (N,): each frame's MU from its whole
+    signal (``fallback.frame_misfits``), None for the network's estimate."""
 
     leaf_a: Tensor
     leaf_b: Tensor
@@ -113,6 +114,7 @@ class ArcReconstruction:
     method: str
     from_start: float = 0.0
     signal_mu: Tensor | None = None
+    leaves_from_start: Tensor | None = None
 
 
 def stages_of(inverse_model: nn.Module) -> Stages:
@@ -204,7 +206,8 @@ def reconstruct_arc(forward_model: nn.Module, inverse_model: nn.Module, frames: 
         progress(count)
     points = kept.points
     return ArcReconstruction(points.leaf_a[0], points.leaf_b[0], points.jaws[0], kept.mu[0], method="arc tracking",
-                             from_start=kept.from_start, signal_mu=kept.signal_mu[0])
+                             from_start=kept.from_start, signal_mu=kept.signal_mu[0],
+                             leaves_from_start=kept.leaves_from_start[0])
 
 
 def _tracked_from(forward_model: nn.Module, signals: Tensor, start: ControlPointRun, stages: Stages,

@@ -5,6 +5,7 @@ figure per arc and arcs.csv."""
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import subprocess
 import sys
@@ -47,8 +48,6 @@ def test_a_segment_is_the_synthesis_of_its_frames_with_the_frame_before():
 def test_a_segment_on_an_mlc_with_x_jaws_scores_what_they_hide_as_theirs():
     """Millennium 120, static X jaws (arc 162 of 20 control points): the segment's leaves are the arc's
     cut at its X jaws, and the positions they cut are marked behind X1 or X2, never scored as leaves."""
-    import dataclasses
-
     from epid.synthesis.mlc import MLC_GEOMETRIES
 
     mlc = MLC_GEOMETRIES["millennium120"]
@@ -70,6 +69,33 @@ def test_a_segment_on_an_mlc_with_x_jaws_scores_what_they_hide_as_theirs():
     figures = arc_review.arc_errors(shifted, segment, np.ones(52, dtype=bool))
     assert figures["x_jaw_positions"] > 0 and figures["x_jaw_mae_mm"] == pytest.approx(0.25, abs=1e-5)
     assert figures["narrow_leaves"] == figures["leaves"]
+
+
+def test_a_reconstruction_marks_the_positions_its_fit_placed_leaf_by_leaf():
+    """Millennium 120: a 10 mm leaf (two strips) is the fit's only where both strips are; the network's
+    estimate marks none, the pair method's every one."""
+    from unittest import mock
+
+    from epid.reconstruction import estimate as estimate_module
+    from epid.reconstruction.estimate import ArcReconstruction
+    from epid.synthesis.mlc import MLC_GEOMETRIES
+
+    mlc = MLC_GEOMETRIES["millennium120"]
+    settings = dataclasses.replace(SETTINGS, control_points=20, mlc=mlc)
+    segment = arc_review.synthesise_segment(162, 1, 4, settings, default_kernel())
+    models = build_models("tiny", "aperture", mlc)
+    kept = torch.zeros(5, 52, dtype=torch.bool)
+    kept[2, 0] = True  # one strip of the first 10 mm leaf (strips 0 and 1) at control point 2
+    kept[3, 10:12] = True  # strips 10 and 11: two 5 mm leaves
+    arc = ArcReconstruction(torch.zeros(5, 52), torch.ones(5, 52), torch.tensor([[-50.0, 50.0]] * 5),
+                            torch.ones(4), "arc tracking", leaves_from_start=kept)
+    with mock.patch.object(estimate_module, "reconstruct_arc", return_value=arc):
+        estimate = arc_review.reconstruct_segment("arc", models, segment, mlc=mlc)
+    expected = ~kept[1:]
+    expected[1, 1] = False  # the first 10 mm leaf covers strips 0 and 1
+    assert torch.equal(estimate.fitted, expected)
+    assert arc_review.reconstruct_segment("network", models, segment, mlc=mlc).fitted is None
+    assert bool(arc_review.reconstruct_segment("pair", models, segment, mlc=mlc).fitted.all())
 
 
 def test_the_validation_segment_starts_after_every_training_curr_frame():

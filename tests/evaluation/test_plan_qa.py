@@ -395,31 +395,41 @@ def test_positions_an_x_jaw_hides_are_read_as_the_jaw_and_the_mu_with_the_jaws_r
         model.aperture.jaw_transmission_percent.fill_(0.2)
     hidden = segment.behind_x_jaws
     assert (hidden[0] == 1).sum() > 15 and (hidden[1] == 2).sum() > 15
-    fitted = dataclasses.replace(folded, leaf_a=folded.leaf_a + np.where(beam.behind_x_jaws()[0] == 1, 0.4, 0.0),
-                                 leaf_b=folded.leaf_b - np.where(beam.behind_x_jaws()[1] == 2, 0.3, 0.0))
+    rows = qa.points
+    kept = np.zeros_like(folded.leaf_a, dtype=bool)
+    kept[rows[2]] = True  # a control point kept from the network: its hidden positions are the jaw's edge
+    assert ((beam.behind_x_jaws()[0][rows[2]] == 1) | (beam.behind_x_jaws()[1][rows[2]] == 2)).any()
+    fitted = dataclasses.replace(
+        folded, leaf_a=folded.leaf_a + np.where((beam.behind_x_jaws()[0] == 1) & ~kept, 0.4, 0.0),
+        leaf_b=folded.leaf_b - np.where((beam.behind_x_jaws()[1] == 2) & ~kept, 0.3, 0.0))
     with torch.no_grad():
         truth = model.render(*plan_qa.frame_inputs(folded, x_jaws))[0].sum((-2, -1))  # frames 1..N-1, per MU
         leaves_alone = model.render(*plan_qa.frame_inputs(fitted))[0].sum((-2, -1))
-    rows = qa.points
     estimate = arc_review.ArcEstimate(
         torch.from_numpy(fitted.leaf_a[rows]), torch.from_numpy(fitted.leaf_b[rows]),
         torch.from_numpy(np.stack([segment.jaw_1, segment.jaw_2], 1)), torch.from_numpy(segment.mu), "arc",
-        signal_mu=(truth / leaves_alone)[rows - 1])
+        signal_mu=(truth / leaves_alone)[rows - 1], fitted=torch.from_numpy(~kept[rows]))
     assert float(estimate.signal_mu[1:].mean()) < 0.92, "the leaves' leakage beyond the jaws reads as less MU"
     read = plan_qa.read_x_jaws(model, segment, estimate)
     np.testing.assert_allclose(read.leaf_a.numpy(), segment.leaf_a, atol=1e-5)
     np.testing.assert_allclose(read.leaf_b.numpy(), segment.leaf_b, atol=1e-5)
+    edges = arc_review.read_hidden_edges(model, segment, estimate)  # the reviews' reading: the edges alone
+    assert torch.equal(edges.leaf_a, read.leaf_a) and torch.equal(edges.signal_mu, estimate.signal_mu)
     # frame 0's motion is not known; the others within 1 % (a visible leaf a few tenths inside a jaw's edge
     # meets a hidden one at the jaw in the tongue-and-groove strip, where the two renderings differ)
     np.testing.assert_allclose(read.signal_mu[1:].numpy(), 1.0, atol=0.01)
     assert abs(float(read.signal_mu[1:].mean()) - 1.0) < 3e-3
     summary = plan_qa.summarise(dataclasses.replace(qa, beam=beam, segment=segment, estimate=read))
     assert summary["x_jaw_max_mm"] < 1e-4 and summary["leaf_max_mm"] < 1e-4
-    network = plan_qa.read_x_jaws(model, segment, dataclasses.replace(estimate, signal_mu=None, method="network"))
+    network = plan_qa.read_x_jaws(model, segment, dataclasses.replace(
+        estimate, leaf_a=torch.from_numpy(segment.leaf_a), leaf_b=torch.from_numpy(segment.leaf_b), signal_mu=None,
+        method="network", fitted=None))
     np.testing.assert_allclose(network.leaf_a.numpy(), segment.leaf_a, atol=1e-5)
+    np.testing.assert_allclose(network.leaf_b.numpy(), segment.leaf_b, atol=1e-5)
     assert network.signal_mu is None
     legacy = build_models("tiny", "legacy")[0]
     assert plan_qa.read_x_jaws(legacy, segment, estimate) is estimate
+    assert arc_review.read_hidden_edges(legacy, segment, estimate) is estimate
 
 
 def test_arc_fit_from_a_later_frame_scores_the_control_points_after_it(tmp_path):

@@ -179,10 +179,13 @@ def test_an_arc_reconstruction_falls_back_to_the_network_where_tracking_fails():
 
     with mock.patch.object(estimate_module, "track_leaves", tracking_gone_wrong):
         estimate = estimate_module.reconstruct_arc(forward, network, signals)
-    assert estimate.from_start == 1.0
+    assert estimate.from_start == 1.0 and bool(estimate.leaves_from_start[band].all())
     torch.testing.assert_close(estimate.leaf_a[1:], truth.leaf_a[0, 1:] + 0.8)  # the network's estimate, kept
     honest = estimate_module.reconstruct_arc(forward, network, signals)
     assert honest.from_start < 0.05
+    assert honest.leaves_from_start.shape == honest.leaf_a.shape
+    shown = fallback.open_leaves(honest.jaws)
+    assert float(honest.leaves_from_start[shown].float().mean()) == pytest.approx(honest.from_start)
 
 
 @pytest.mark.parametrize(("moves", "hidden", "passes", "mlc"), [
