@@ -125,7 +125,7 @@ def assemble_batch(control_points: ControlPoints, window: Window, frames: torch.
 
     cp = control_points
     columns = [cp.mu[curr], cp.jaw_1[prev], cp.jaw_1[curr], cp.jaw_2[prev], cp.jaw_2[curr]]
-    if cp.mlc.x_jaws and cp.mlc != LEGACY_GRID:
+    if cp.mlc.arcs_have_x_jaws:
         x_jaws = cp.x_jaws if cp.x_jaws is not None else np.tile(np.float32([-X_JAW_OPEN_MM, X_JAW_OPEN_MM]),
                                                                   (len(cp), 1))
         columns += [x_jaws[prev, 0], x_jaws[curr, 0], x_jaws[prev, 1], x_jaws[curr, 1]]

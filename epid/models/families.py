@@ -110,7 +110,7 @@ class PairConfig:
         legacy grid, ``epid.synthesis.sequences.x_jaw_path``); the legacy family's stay."""
         def fitted(config: Any) -> Any:
             fields = {field.name for field in dataclasses.fields(config)}
-            changes = {"strip_leaves": mlc.strip_layout, "x_jaws": mlc.x_jaws and mlc != LEGACY_GRID}
+            changes = {"strip_leaves": mlc.strip_layout, "x_jaws": mlc.arcs_have_x_jaws}
             return dataclasses.replace(config, **{name: value for name, value in changes.items() if name in fields})
 
         return dataclasses.replace(self, forward=fitted(self.forward), inverse=fitted(self.inverse))

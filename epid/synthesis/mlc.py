@@ -81,10 +81,16 @@ class MlcGeometry:
                        tuple(tuple(float(v) for v in b) for b in values["layers"]), float(values["travel_mm"]),
                        bool(values.get("x_jaws", True)), bool(values.get("y_jaws", True)))
         known = MLC_GEOMETRIES.get(geometry.name)
-        if known is not None and replace(geometry, description=known.description,
-                                                     x_jaws=known.x_jaws) == known:
+        if known is not None and replace(geometry, description=known.description, x_jaws=known.x_jaws) == known:
             return known
         return geometry
+
+    @property
+    def arcs_have_x_jaws(self) -> bool:
+        """Whether this MLC's synthetic arcs have X jaws (``epid.synthesis.sequences.x_jaw_path``), and so
+        its batches' scalars and the models that learn them: every MLC with X jaws but the legacy grid,
+        whose arcs stay the design's."""
+        return self.x_jaws and self != LEGACY_GRID
 
     @property
     def pairs(self) -> tuple[int, ...]:

@@ -244,7 +244,7 @@ def generate_control_points(dataset_id: int, n_control_points: int = DEFAULT_CON
         leaves = np.rint(np.stack([shown_a, shown_b], axis=1).astype(np.float64) * TENTHS_PER_MM).astype(np.int64)
     jaw_1, jaw_2 = _read_only_mm(jaws[:, 0]), _read_only_mm(jaws[:, 1])
     x_jaws = None
-    if mlc.x_jaws and mlc != LEGACY_GRID:
+    if mlc.arcs_have_x_jaws:
         x_jaws = _read_only_mm(x_jaw_path(np.random.default_rng([seed_for(dataset_id), X_JAW_STREAM]), leaves, jaws,
                                           grid))
     return ControlPoints(

@@ -31,6 +31,7 @@ def test_each_built_in_mlc_has_its_published_layout(name):
     for own, (first, runs) in zip(geometry.layers, layers, strict=True):
         np.testing.assert_allclose(own, layout(first, runs), atol=1e-9)
     assert geometry.travel_mm == travel and (geometry.x_jaws, geometry.y_jaws) == jaws
+    assert geometry.arcs_have_x_jaws == (jaws[0] and name != "legacy")  # the legacy grid's arcs stay the design's
     assert identify([layout(first, runs) for first, runs in layers]) is geometry
 
 
