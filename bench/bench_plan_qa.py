@@ -2,13 +2,15 @@
 each one run of ``inference_visualize.py``, timed as whole processes.
 
 In a scratch folder: the commissioning plans of ``bench.bench_error_detection`` (dataset IDs 5 and
-85, tuning arcs, 41 control points over 120 deg, 150 MU) and a two-arc plan of held-out dataset
+85, tuning arcs, 41 control points over 120 deg, 150 MU, and the static fields of
+``epid.evaluation.commission.field_plan``, as ``--export-field-plan`` writes them) and a two-arc plan of held-out dataset
 IDs (``--arcs``, default 6 and 86: ``--control-points`` per arc over ``--arc-degrees``,
 ``--beam-mu`` each; arc 1 turns clockwise, arc 2 back counter-clockwise), each delivered by the
 clinic simulation (``bench.clinic_delivery``, which shares no code with the models) as a cine
 series of single-frame RT Images (the two-arc plan's frames naming their beam). Then
 
-    inference_visualize.py --checkpoint CHECKPOINT --commission arc_005.dcm cine_005/ arc_085.dcm cine_085/
+    inference_visualize.py --checkpoint CHECKPOINT --commission arc_005.dcm cine_005/ arc_085.dcm cine_085/ \
+        fields.dcm cine_fields/
     inference_visualize.py --checkpoint commissioned.pth --plan two_arcs.dcm --frames cine_1/ cine_2/
 
 the second ``--repeats`` times, and prints the wall clock of each (the QA's median), the frames,
@@ -88,10 +90,11 @@ def main(argv: list[str] | None = None) -> int:
         folder = Path(scratch)
         commissioning = []
         small = argparse.Namespace(control_points=41, arc_degrees=120.0, beam_mu=150.0)
-        for dataset_id in COMMISSIONING_IDS:
+        for dataset_id in COMMISSIONING_IDS + (None,):
             beam = arc_plan(folder, dataset_id, small)
-            write_cine(panel.deliver(beam), folder / f"cine_{dataset_id:03d}", physics)
-            commissioning += [beam.path, str(folder / f"cine_{dataset_id:03d}")]
+            cine = folder / ("cine_fields" if dataset_id is None else f"cine_{dataset_id:03d}")
+            write_cine(panel.deliver(beam), cine, physics)
+            commissioning += [beam.path, str(cine)]
         stop = (START_DEG + args.arc_degrees) % 360.0
         plan = folder / "two_arcs.dcm"
         write_arcs(plan, [Arc(generate_control_points(args.arcs[0], args.control_points), args.beam_mu, START_DEG,
@@ -108,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"in {time.perf_counter() - started:.0f} s", flush=True)
         commission_seconds = timed("--checkpoint", args.checkpoint, "--commission", *commissioning,
                                    "--output-dir", str(folder / "commissioned"))
-        print(f"--commission on arcs {', '.join(map(str, COMMISSIONING_IDS))}: {commission_seconds:.1f} s", flush=True)
+        print(f"--commission on arcs {', '.join(map(str, COMMISSIONING_IDS))} and the static fields: "
+              f"{commission_seconds:.1f} s", flush=True)
         qa = [str(folder / "commissioned" / "commissioned.pth"), "--plan", str(plan), "--frames",
               str(folder / "cine_1"), str(folder / "cine_2"), "--output-dir", str(folder / "qa"), "--device", "cpu"]
         runs = []
