@@ -3,8 +3,8 @@ each one run of ``inference_visualize.py``, timed as whole processes.
 
 In a scratch folder: the commissioning plans of ``bench.bench_error_detection`` (dataset IDs 5 and
 85, tuning arcs, 41 control points over 120 deg, 150 MU, and the static fields of
-``epid.evaluation.commission.field_plan``, as ``--export-field-plan`` writes them) and a two-arc plan of held-out dataset
-IDs (``--arcs``, default 6 and 86: ``--control-points`` per arc over ``--arc-degrees``,
+``epid.evaluation.commission.field_plan``, as ``--export-field-plan`` writes them) and a two-arc
+plan of held-out dataset IDs (``--arcs``, default 6 and 86: ``--control-points`` per arc over ``--arc-degrees``,
 ``--beam-mu`` each; arc 1 turns clockwise, arc 2 back counter-clockwise), each delivered by the
 clinic simulation (``bench.clinic_delivery``, which shares no code with the models) as a cine
 series of single-frame RT Images (the two-arc plan's frames naming their beam). Then
