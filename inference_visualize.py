@@ -473,10 +473,13 @@ def commission_run(args: argparse.Namespace) -> int:
     rows = [[name, ", ".join(f"{v:.4g}" for v in item["before"]), ", ".join(f"{v:.4g}" for v in item["after"])]
             for name, item in result.summary["parameters"].items()]
     print(format_table(["parameter", "before", "after"], rows))
-    for plan, before, after in zip(result.summary["plans"], result.summary["gamma_before"],
-                                   result.summary["gamma_after"], strict=True):
+    for plan, before, after, output_before, output_after in zip(
+            *(result.summary[key] for key in ("plans", "gamma_before", "gamma_after", "output_before", "output_after")),
+            strict=True):
         print(f"{plan}: gamma 3 %/2 mm {before['3_2mm']:.2f} -> {after['3_2mm']:.2f} %, 2 %/2 mm "
-              f"{before['2_2mm']:.2f} -> {after['2_2mm']:.2f} %")
+              f"{before['2_2mm']:.2f} -> {after['2_2mm']:.2f} %; output of its runs of {commission.WINDOW} frames "
+              f"{output_before['rms_percent']:.2f} -> {output_after['rms_percent']:.2f} % rms (worst "
+              f"{output_after['worst_percent']:+.2f} % from frame {output_after['worst_first_frame'] + 1})")
     _stage(f"wrote commissioned.pth, commissioning.json and commissioning.png to {output_dir}; done in "
            f"{time.perf_counter() - started:.1f} s")
     return 0

@@ -69,8 +69,31 @@ def test_commissioning_recovers_the_physics_and_the_panels_units(measurements):
     assert result.summary["loss_last"] < 0.3 * result.summary["loss_first"]
     for before, after in zip(result.summary["gamma_before"], result.summary["gamma_after"], strict=True):
         assert after["2_2mm"] >= before["2_2mm"] and after["2_2mm"] > 99.0
+    for before, after in zip(result.summary["output_before"], result.summary["output_after"], strict=True):
+        assert after["rms_percent"] < 0.5 * before["rms_percent"] and after["rms_percent"] < 0.5
     for name, value in start.state_dict().items():
         torch.testing.assert_close(value, kept[name]), "the model given is left as it was"
+
+
+def test_the_output_spread_is_the_log_of_each_runs_least_squares_scale():
+    """Hand-worked: runs of frames measured 2 % over, on, and (one frame) 20 % under a prediction
+    whose pixels differ, then a partial run, which is left out."""
+    window = commission.WINDOW
+    predicted = torch.rand(3 * window + 2, 8, 8) + 0.5
+    measured = predicted.clone()
+    measured[:window] *= 1.02
+    measured[2 * window + 1] *= 0.8
+    measured[3 * window:] *= 5.0
+    spread = commission.output_spread(predicted, measured)
+    last = predicted[2 * window:3 * window].double()
+    scale = float(((last * measured[2 * window:3 * window]).sum()) / last.square().sum())
+    logs = 100.0 * np.log([1.02, 1.0, scale])
+    assert 0.9 < scale < 0.98
+    assert spread["rms_percent"] == pytest.approx(float(np.sqrt(np.mean(logs**2))), rel=1e-6)
+    assert spread["worst_percent"] == pytest.approx(logs[2], rel=1e-6)
+    assert spread["worst_first_frame"] == 2 * window
+    few = commission.output_spread(predicted[:2], 1.05 * predicted[:2])
+    assert few["rms_percent"] == pytest.approx(100.0 * np.log(1.05), rel=1e-5) and few["worst_first_frame"] == 0
 
 
 def test_an_integrated_image_or_a_legacy_model_cannot_be_commissioned(measurements):
