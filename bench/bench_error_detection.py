@@ -202,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
         results["commissioning"] = {**commissioned.summary, "mu_reference": mu_reference}
         print(f"commissioned in {time.perf_counter() - started:.0f} s: scale {commissioned.scale:.4g}, MU reference "
               f"{mu_reference:.4f}, gamma {[round(g['2_2mm'], 2) for g in commissioned.summary['gamma_before']]} -> "
-              f"{[round(g['2_2mm'], 2) for g in commissioned.summary['gamma_after']]} % (2 %/2 mm)", flush=True)
+              f"{[round(g['2_2mm'], 2) for g in commissioned.summary['gamma_after']]} % (2 %/2 mm), output spread "
+              f"{[round(o['rms_percent'], 2) for o in commissioned.summary['output_after']]} % rms", flush=True)
         rows = []
         for dataset_id in JUDGED_IDS[:args.plans]:
             beam = arc_plan(folder, dataset_id, args, x_jaws=args.x_jaws, mlc=mlc)
