@@ -448,15 +448,15 @@ def commission_run(args: argparse.Namespace) -> int:
     for measurement in measurements:
         _stage(f"  beam {measurement.beam.beam_number} of {measurement.beam.path}: "
                f"{measurement.placement.describe()}")
-    _stage(f"commissioning the forward model on {len(measurements)} plan(s): {steps} steps")
+    _stage(f"commissioning the forward model on {len(measurements)} plan(s): {steps} steps, then the transmissions "
+           "and the lag by least squares")
 
     def report(step: int, loss: float) -> None:
         if step % 25 == 0 or step == steps:
             _stage(f"  step {step}/{steps}: loss {loss:.4g}")
 
     result = commission.commission(forward_model, measurements, steps, progress=report)
-    if hasattr(inverse_model, "lag_percent"):
-        inverse_model.lag_percent.data.copy_(result.model.lag_percent.data)
+    commission.with_commissioned_lag(inverse_model, result.model)
     _stage("reading the commissioning plans' MU against their reconstruction (the MU reference)")
     mu_reference = plan_qa.commissioned_mu_reference((result.model, inverse_model),
                                                      commission.reference_deliveries(deliveries), result.scale)
@@ -473,6 +473,9 @@ def commission_run(args: argparse.Namespace) -> int:
     rows = [[name, ", ".join(f"{v:.4g}" for v in item["before"]), ", ".join(f"{v:.4g}" for v in item["after"])]
             for name, item in result.summary["parameters"].items()]
     print(format_table(["parameter", "before", "after"], rows))
+    print("by least squares after the steps: " + ", ".join(
+        f"{name} {item['after_steps']:.4g} -> {item['least_squares']:.4g}"
+        for name, item in result.summary["least_squares"].items()))
     for plan, before, after, output_before, output_after in zip(
             *(result.summary[key] for key in ("plans", "gamma_before", "gamma_after", "output_before", "output_after")),
             strict=True):

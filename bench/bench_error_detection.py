@@ -7,7 +7,8 @@ Plans: synthetic arcs on the checkpoint's MLC written as RT Plans over ``--arc-d
 each, MU scaled to ``--beam-mu``), the commissioning ones from dataset IDs 1 mod 4 (tuning) and the
 static fields of ``commission.field_plan`` (as a clinic commissions; ``--arcs-only`` leaves them out:
 on one checkpoint the integrated image of the irregular arc 166 then failed, 70.4 % at 2 %/2 mm, and
-six arcs' error-free MU readings spread twice as wide, though no more of them beyond 1 %, README), the
+six arcs' error-free MU readings spread twice as wide, though no more of them beyond 1 %, before
+commissioning solved the transmissions and the lag by least squares, README), the
 judged ones 2 mod 4 (one per pattern), which no training or tuning saw. Each judged plan is
 delivered without error and with each error of ``ERRORS`` (bank A or both banks shifted, a leaf
 stuck from mid-arc, MU scaled, gantry angles reported off), and judged as a clinic would: the
@@ -196,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
             deliveries.append((series, measurements[-1].placement))
             print(f"commissioning plan {dataset_id or 'of static fields'}: {len(paths)} cine frames", flush=True)
         commissioned = commission.commission(models[0], measurements, args.commission_steps)
-        models = (commissioned.model, models[1])
+        models = (commissioned.model, commission.with_commissioned_lag(models[1], commissioned.model))
         mu_reference = plan_qa.commissioned_mu_reference(models, commission.reference_deliveries(deliveries),
                                                             commissioned.scale)
         results["commissioning"] = {**commissioned.summary, "mu_reference": mu_reference}

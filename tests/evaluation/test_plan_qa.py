@@ -733,9 +733,14 @@ def test_a_commissioned_checkpoint_carries_its_scale_and_mu_reference_into_the_q
                  str(trained["plan_200"]), str(trained["root"] / "cine" / "series"), "--output-dir", str(commissioned),
                  "--commission-steps", "2")
     assert result.returncode == 0, result.stderr[-3000:]
-    stored = load_checkpoint(commissioned / "commissioned.pth")["commissioning"]
+    saved = load_checkpoint(commissioned / "commissioned.pth")
+    stored = saved["commissioning"]
     assert stored["calibration_scale"] > 0 and math.isfinite(stored["mu_reference"]) and stored["mu_reference"] > 0
-    assert json.loads((commissioned / "commissioning.json").read_text())["mu_reference"] == stored["mu_reference"]
+    report = json.loads((commissioned / "commissioning.json").read_text())
+    assert report["mu_reference"] == stored["mu_reference"]
+    assert set(report["least_squares"]) == {"aperture.leaf_transmission_percent", "aperture.interleaf_leakage_percent",
+                                            "aperture.jaw_transmission_percent", "lag_percent"}
+    torch.testing.assert_close(saved["inverse_model"]["lag_percent"], saved["forward_model"]["lag_percent"])
     assert "MU reference" in result.stderr + result.stdout
     output = tmp_path / "qa"
     result = run("inference_visualize.py", "--checkpoint", str(commissioned / "commissioned.pth"), "--plan",
