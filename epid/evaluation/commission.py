@@ -47,8 +47,8 @@ centred squares of 3 to 20 cm, 4 cm squares off the axis), to give beside VMAT a
 fields also reach far from the axis, so that field size, distance from the axis and the leaves'
 transmission vary apart. On ``bench_error_detection``'s panel (one checkpoint, six arcs) it made the
 integrated image of every arc pass at 2 %/2 mm (the irregular arc 166: 70.4 -> 97.9 %) and drew the
-total MU readings of the error-free deliveries closer together (-1.8 to -0.3 % against -1.5 to +2.1 %)
-about an offset of -0.8 %, so no fewer of them read beyond 1 % (README).
+total MU readings of the error-free deliveries closer together (-1.8 to -0.3 % against -1.5 to +2.1 %,
+with the steps alone, before ``fit_least_squares``; README).
 """
 
 from __future__ import annotations
