@@ -10,7 +10,9 @@ A checkpoint is a dict of tensors, numbers, strings, lists and dicts only, so
   history {"train": {term: [...]}, "val": {term: [...]}, "gamma_pass": [...], "lr": [...],
   "samples_per_s": [...], ...}, best_val_loss, best_epoch, window_cursor (where the next capped
   epoch starts in each rank's window stream; 0 when missing), config (Config.to_dict()),
-  dataset_ids, world_size, torch_version, and ``interrupted`` (None, or where an epoch was
+  dataset_ids, world_size, torch_version, precision (the autocast precision the run trains in and
+  the CPU it was chosen on: {"name", "cpu", "cpu_features"}; missing in older checkpoints), and
+  ``interrupted`` (None, or where an epoch was
   stopped by a signal: {"epoch", "batches_done", "rank_train_sums", "rank_train_samples", ...},
   the loss sums and sample counts of every rank so far). ``epid.training.run_state`` writes and reads
   the training state in it.

@@ -58,7 +58,7 @@ from epid.training import distributed, metrics_log, preflight, side_by_side
 from epid.training.distributed import RankContext, StopSignal
 from epid.training.optimizer import build_optimizer, optimizer_step
 from epid.training.passes import NUM_TERMS, StopRules, TrainPass, interrupted_record, pass_values, resumed_pass
-from epid.training.precision import agreed_precision
+from epid.training.precision import agreed_precision, precision_record
 from epid.training.progress import IterationTimer, ProgressDisplay, TimingReport, epoch_line
 from epid.training.rank_data import RankData
 from epid.training.report import RunReport
@@ -195,14 +195,14 @@ class Trainer:
         self.context, self.config = context, config
         self.device, self.is_main = context.device, context.is_main
         self.report = RunReport(config, context)
-        self.precision = agreed_precision(config, context)
+        checkpoint = load_checkpoint(config.checkpoint_path) if config.resume else None
+        self.precision = agreed_precision(config, context, (checkpoint or {}).get("precision"))
         self.amp_dtype = self.precision.dtype
         self.stopped_by = ""  # the stop line's start once a signal or the time limit stopped an epoch
         if self.device.type == "cuda":
             torch.backends.cuda.matmul.allow_tf32 = True
             torch.backends.cudnn.allow_tf32 = True
             torch.backends.cudnn.benchmark = True
-        checkpoint = load_checkpoint(config.checkpoint_path) if config.resume else None
         seed_rngs(config.seed)
         self.model = CrossModel(*starting_models(config, checkpoint)).place(self.device)
         self.runner = ModelRunner(self.model, context, config.compile)
@@ -373,7 +373,7 @@ class Trainer:
 
     def _payload(self) -> dict[str, Any]:
         return capture_run_state(self.model, self.optimizer, self.scaler, self.schedule, self.state, self.config,
-                                 self.context.world_size)
+                                 self.context.world_size, precision_record(self.precision))
 
 
 def reduce_epoch(train: TrainPass, val_sums: Tensor, val_samples: Tensor, gamma: tuple[Tensor, Tensor],

@@ -17,8 +17,10 @@ bf16 is kept when its median step is at least ``MARGIN`` faster (``bf16_wins``) 
 is in ``BF16_FAMILIES``. The timings are cached per machine and run shape (``cache_key``) in
 ``precision.json`` under the user's cache directory (``user_cache_dir``), so a machine times a
 shape once; delete the file to time again. Rank 0 chooses before any rank trains and every
-rank takes its choice (``agreed_precision``). On CUDA and for an explicit EPID_PRECISION the
-choice is ``epid.core.devices.choose_precision``'s.
+rank takes its choice (``agreed_precision``). The checkpoint records the choice and the CPU it was
+made on (``precision_record``): a resumed run on the same CPU keeps it (``kept_precision``), so that it
+resumes bit for bit though the cache has since been deleted or timed again. On CUDA and for an
+explicit EPID_PRECISION the choice is ``epid.core.devices.choose_precision``'s.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from typing import Any
 import torch
 
 from epid.config.load import Config
-from epid.core.devices import PrecisionChoice, choose_precision, cpu_features, cpu_model
+from epid.core.devices import PRECISION_NAMES, PrecisionChoice, choose_precision, cpu_features, cpu_model
 from epid.core.files import temporary_path
 from epid.data.dataset import Batch
 from epid.models.families import LEGACY, CrossModel, build_models, family
@@ -118,16 +120,36 @@ def bf16_wins(timings: Timings) -> bool:
     return timings.fp32_s >= (1.0 + MARGIN) * timings.bf16_s
 
 
-def agreed_precision(config: Config, context: RankContext) -> PrecisionChoice:
+def agreed_precision(config: Config, context: RankContext, started: dict[str, str] | None = None) -> PrecisionChoice:
     """The run's autocast precision, the same on every rank: with EPID_PRECISION=auto on the CPU,
-    rank 0 chooses (``choose_run_precision``, saying when it times) and the others take its choice."""
+    rank 0 chooses and the others take its choice. A resumed run (``started``: its checkpoint's
+    ``precision_record``) keeps the precision it started in where rank 0 runs on the same CPU, so that
+    it resumes bit for bit whatever the cache holds now; otherwise ``choose_run_precision`` chooses,
+    saying when it times."""
     if config.precision != "auto" or context.device.type != "cpu":
         return choose_precision(config.precision, context.device)
     choice = None
     if context.is_main:
-        choice = choose_run_precision("auto", context.device, Workload.of(config, context),
-                                      announce=lambda line: print(line, flush=True))
+        choice = kept_precision(started) or choose_run_precision(
+            "auto", context.device, Workload.of(config, context), announce=lambda line: print(line, flush=True))
     return distributed.gather_objects(choice)[0]
+
+
+def precision_record(choice: PrecisionChoice) -> dict[str, str]:
+    """What a checkpoint keeps of the run's precision: its name and the CPU it was chosen on."""
+    return {"name": choice.name, "cpu": cpu_model(), "cpu_features": cpu_features().text()}
+
+
+def kept_precision(started: dict[str, str] | None) -> PrecisionChoice | None:
+    """The precision of ``started`` (a checkpoint's ``precision_record``) where it was chosen on this
+    CPU, else None (no record, another CPU, or a name this torch does not know)."""
+    if not started or (started.get("cpu"), started.get("cpu_features")) != (cpu_model(), cpu_features().text()):
+        return None
+    dtype = {name: dtype for dtype, name in PRECISION_NAMES.items()}.get(started.get("name", ""))
+    if dtype is None:
+        return None
+    return PrecisionChoice(dtype, f"auto: {started['name']}, the precision this run started in on this CPU, kept "
+                                  "from its checkpoint")
 
 
 def choose_run_precision(spec: str, device: torch.device, workload: Workload, *, cache: Path | None = None,

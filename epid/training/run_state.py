@@ -46,8 +46,10 @@ class RunState:
 
 
 def capture_run_state(model: CrossModel, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
-                      schedule: Schedule, state: RunState, config: Config, world_size: int) -> dict[str, Any]:
-    """The checkpoint payload of a run: plain containers, tensors copied to the CPU."""
+                      schedule: Schedule, state: RunState, config: Config, world_size: int,
+                      precision: dict[str, str]) -> dict[str, Any]:
+    """The checkpoint payload of a run: plain containers, tensors copied to the CPU; ``precision``
+    as ``epid.training.precision.precision_record`` gives it."""
     return {
         "format_version": FORMAT_VERSION,
         "run_id": state.run_id,
@@ -67,6 +69,7 @@ def capture_run_state(model: CrossModel, optimizer: torch.optim.Optimizer, scale
         "dataset_ids": list(config.dataset_ids),
         "world_size": world_size,
         "torch_version": str(torch.__version__),
+        "precision": precision,
         "interrupted": state.interrupted,
     }
 

@@ -30,7 +30,7 @@ from epid.core.errors import InputError
 from epid.evaluation import inference, plots
 from epid.models.checkpoint import CheckpointError, best_path, load_checkpoint, save_checkpoint
 from epid.models.losses import LOSS_TERMS
-from epid.training import loop, preflight
+from epid.training import loop, precision, preflight
 from epid.training.distributed import (
     LaunchError,
     RankContext,
@@ -278,6 +278,32 @@ def test_rank_zero_times_the_auto_precision_and_every_rank_takes_its_choice(two_
     assert [rank for rank, _, _ in lines] == ["0", "1"] and lines[0][1:] == lines[1][1:]
     assert re.search(r"per .+: fp32 [\d.]+ ms, bf16 [\d.]+ ms; .*; timed now, cached in ", lines[0][2])
     assert (checkpoint.parent / "cache" / "epid" / "precision.json").is_file()
+
+
+def test_a_resumed_auto_run_keeps_the_precision_it_started_in(two_rank_run, tmp_path, monkeypatch):
+    """The checkpoint records the precision the run chose and its CPU; with a cache that now says the
+    other precision wins, the resumed run keeps its own (and says so) while a fresh run of the same
+    shape takes the cache's; a record from another CPU is not kept."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    source, _ = two_rank_run
+    record = load_checkpoint(source)["precision"]
+    assert record == {"name": record["name"], "cpu": devices.cpu_model(), "cpu_features": devices.cpu_features().text()}
+    assert record["name"] in ("fp32", "bf16")
+    other = "bf16" if record["name"] == "fp32" else "fp32"
+    context = RankContext(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"),
+                          backend="", threads=1)
+    checkpoint = tmp_path / "epid.pth"
+    shutil.copy(source, checkpoint)
+    resumed = load_config(run_env(checkpoint, EPID_RESUME="1", EPID_EPOCHS="5", EPID_GAMMA_SAMPLES="0"))
+    workload = precision.Workload.of(resumed, context)
+    timings = precision.Timings(*((1.0, 0.5) if other == "bf16" else (0.5, 1.0)), "training step")
+    precision.write_cache(precision.user_cache_dir() / precision.CACHE_NAME, [], precision.cache_key(workload), timings)
+    kept = loop.Trainer(context, resumed, StopSignal()).precision
+    assert kept.name == record["name"] and "kept from its checkpoint" in kept.reason
+    fresh = load_config(run_env(tmp_path / "fresh" / "epid.pth", EPID_EPOCHS="5", EPID_GAMMA_SAMPLES="0"))
+    assert precision.agreed_precision(fresh, context).name == other
+    assert precision.kept_precision({**record, "cpu": "another CPU"}) is None
+    assert precision.kept_precision(None) is None
 
 
 def test_restored_trainer_holds_the_saved_weights_optimizer_and_schedule(two_rank_run, tmp_path, monkeypatch):
