@@ -269,7 +269,8 @@ class OptimisationVariables:
         "EPID_PRECISION", "auto", Choice("auto", "bf16", "fp16", "fp32"), example="fp32",
         meaning="autocast precision: auto is bf16 on GPUs that have it, else fp32; on the CPU bf16 where a few "
                 "training steps timed at the start run >= 10 % faster than in fp32 (legacy family; cached per "
-                "machine and run shape in the user's cache folder), else fp32; the start line says why")
+                "machine and run shape in the user's cache folder; a resumed run keeps the precision it started "
+                "in on the same CPU, recorded in its checkpoint), else fp32; the start line says why")
     compile: bool = setting(
         "EPID_COMPILE", False, Boolean(), example="1", meaning="compile the models with torch.compile")
     seed: int = setting(
