@@ -157,7 +157,9 @@ def config_fields(payload: Mapping[str, Any]) -> dict[str, Any]:
     """Training settings of a checkpoint as flat ``key -> value``.
 
     The resolved config's keys as they are, ``model.forward.*`` / ``model.inverse.*``
-    for the architecture, ``torch_version`` and ``format_version``, and the derived
+    for the architecture, ``torch_version`` and ``format_version``, ``precision_trained`` (the
+    autocast precision the run trained in, where the checkpoint records it: EPID_PRECISION=auto
+    chooses per machine and run shape), and the derived
     ``global_batch`` (samples per optimizer step over all ranks) and ``effective_lr``
     (left out when the stored config does not rebuild a ``Config`` of this code version).
     """
@@ -167,6 +169,8 @@ def config_fields(payload: Mapping[str, Any]) -> dict[str, Any]:
     for key in ("torch_version", "format_version"):
         if key in payload:
             fields[key] = payload[key]
+    if isinstance(payload.get("precision"), Mapping):
+        fields["precision_trained"] = payload["precision"].get("name")
     try:
         resolved = Config.from_dict(config)
         fields["global_batch"] = resolved.global_batch

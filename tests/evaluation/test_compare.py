@@ -204,6 +204,14 @@ def test_diff_reports_changed_config_keys_and_weights(runs, evaluated):
     assert diff_b["unmatched"] == []
 
 
+def test_the_precision_a_run_trained_in_is_compared_where_its_checkpoint_records_it(runs):
+    recorded = load_checkpoint(runs["a"])["precision"]["name"]
+    assert compare.config_fields(load_checkpoint(runs["a"]))["precision_trained"] == recorded
+    payload = {"config": {}, "precision": {"name": "bf16", "cpu": "a CPU", "cpu_features": "AVX2"}}
+    assert compare.config_fields(payload)["precision_trained"] == "bf16"
+    assert "precision_trained" not in compare.config_fields({"config": {}})
+
+
 def test_checkpoint_against_itself_has_zero_difference_and_identical_metrics(evaluated):
     a, _, a_copy = names_of(evaluated)
     diff_copy = evaluated["weight_diff"][1]
