@@ -311,6 +311,7 @@ def fit_least_squares(model: nn.Module, measurements: Sequence[Measurement]) -> 
         predicted = [_predicted(model, m) for m in measurements]
         scale = timeline.calibration_scale(torch.cat([m.frames for m in measurements]), torch.cat(predicted))
         normal, right = np.zeros((len(parameters), len(parameters))), np.zeros(len(parameters))
+        start = 0.0  # the weighted misfit of the frames as the steps left them (``_misfit``)
         for measurement, base in zip(measurements, predicted, strict=True):
             effects = []
             for parameter in parameters:
@@ -319,9 +320,10 @@ def fit_least_squares(model: nn.Module, measurements: Sequence[Measurement]) -> 
                 parameter.sub_(DIFFERENCE_STEP)
             for part, weight in _fit_chunks(measurement, base):
                 columns = torch.stack([effect[part].double().reshape(-1) for effect in effects], 1)
-                residual = (measurement.frames[part].double() * scale - base[part].double()).reshape(-1)
+                residual = (measurement.frames[part].double() * scale - base[part].double()).reshape(-1, 1)
                 normal += (weight * columns).T.matmul(columns).numpy()
-                right += (weight * columns).T.matmul(residual).numpy()
+                right += (weight * columns).T.matmul(residual)[:, 0].numpy()
+                start += float((weight * residual**2).sum())
         values, vectors = np.linalg.eigh(normal)
         seen = values > values.max(initial=0.0) * 1e-12
         change = np.zeros_like(before)
@@ -329,7 +331,6 @@ def fit_least_squares(model: nn.Module, measurements: Sequence[Measurement]) -> 
             root = np.sqrt(values[seen])[:, None] * vectors[:, seen].T
             target = vectors[:, seen].T @ right / np.sqrt(values[seen])
             change = scipy.optimize.lsq_linear(root, target, bounds=(-before, np.inf)).x
-        start = _misfit(predicted, measurements, predicted, scale)
         for share in STEP_SHARES:
             for parameter, value in zip(parameters, before + share * change, strict=True):
                 parameter.fill_(float(value))

@@ -135,15 +135,20 @@ def agreed_precision(config: Config, context: RankContext, started: dict[str, st
     return distributed.gather_objects(choice)[0]
 
 
+def this_cpu() -> dict[str, str]:
+    """The CPU that timings and choices of precision hold for: its model name and features."""
+    return {"cpu": cpu_model(), "cpu_features": cpu_features().text()}
+
+
 def precision_record(choice: PrecisionChoice) -> dict[str, str]:
-    """What a checkpoint keeps of the run's precision: its name and the CPU it was chosen on."""
-    return {"name": choice.name, "cpu": cpu_model(), "cpu_features": cpu_features().text()}
+    """What a checkpoint keeps of the run's precision: its name and the CPU it was chosen on (``this_cpu``)."""
+    return {"name": choice.name, **this_cpu()}
 
 
 def kept_precision(started: dict[str, str] | None) -> PrecisionChoice | None:
     """The precision of ``started`` (a checkpoint's ``precision_record``) where it was chosen on this
     CPU, else None (no record, another CPU, or a name this torch does not know)."""
-    if not started or (started.get("cpu"), started.get("cpu_features")) != (cpu_model(), cpu_features().text()):
+    if not started or {key: started.get(key) for key in ("cpu", "cpu_features")} != this_cpu():
         return None
     dtype = {name: dtype for dtype, name in PRECISION_NAMES.items()}.get(started.get("name", ""))
     if dtype is None:
@@ -196,8 +201,7 @@ def user_cache_dir() -> Path:
 
 def cache_key(workload: Workload) -> dict[str, Any]:
     """What the timings depend on: the CPU model and features, torch, the workload and the method."""
-    return {"cpu": cpu_model(), "cpu_features": cpu_features().text(), "torch": torch.__version__,
-            **asdict(workload), "method": METHOD}
+    return {**this_cpu(), "torch": torch.__version__, **asdict(workload), "method": METHOD}
 
 
 def read_cache(path: Path) -> list[dict[str, Any]]:
