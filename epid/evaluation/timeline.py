@@ -16,12 +16,15 @@ integrates one span [m0, m1] of it, placed (``place_frames``) by, in this order:
   beam's start, their sum taken as the beam's M (this holds when the gantry waits);
 - its gantry angle, a cine frame: the angle, read along the arc's direction of rotation, gives
   the travel from the arc's first angle and so the MU at the frame's end (gantry travel is
-  linear in MU within each interval); the frame starts where the frame before it ended. A
-  gap of more than ``GAP_FACTOR`` typical frame steps (in time where every frame has one, else
-  in gantry travel) holds dropped frames, as many as the typical steps it spans less one: the
-  frame after it integrates its share of the gap's gantry travel (the gantry taken to turn evenly
-  over the gap). The first frame starts the next frame's step before its end, at the arc's start
-  at the earliest.
+  linear in MU within each interval); where every frame has a time, the travels are read through
+  the times (``travel_in_time``: within an interval the gantry turns at one speed, and the line in
+  time through its frames averages the angles' rounding: on ``bench_error_detection``'s panel,
+  angles written to 0.01 deg, the frames' MU came 0.3-0.5 % rms from the delivered, against 1.0-1.2 %
+  from the angles alone); the frame starts where the frame before it ended. A gap of more than
+  ``GAP_FACTOR`` typical frame steps (in time where every frame has one, else in gantry travel)
+  holds dropped frames, as many as the typical steps it spans less one: the frame after it
+  integrates its share of the gap's gantry travel (the gantry taken to turn evenly over the gap).
+  The first frame starts the next frame's step before its end, at the arc's start at the earliest.
 
 The spans' ends form a timeline: control points 0..J at cumulative MU b[0] < ... < b[J], the
 plan's positions interpolated there (``Placement.beam``, a ``PlanBeam`` whose frame j integrates
@@ -61,6 +64,8 @@ ARC_TOLERANCE_DEG = 0.5
 """How far past the arc's first or last angle a frame's gantry angle may read (angle readout
 jitter); beyond it the frame is outside the arc and refused."""
 SPAN_TOLERANCE_MU = 1e-6
+LINE_FRAMES = 3
+"""Frames that end in one control-point interval for their gantry travel to be read through their times."""
 MU_SUM_RANGE = (0.9, 1.1)
 """Frames placed by their delivered MU must sum to this share of the beam's MU."""
 SNAPSHOT_STEP_MM = 0.5
@@ -201,10 +206,13 @@ def _spans_from_angles(beam: PlanBeam, series: MeasuredSeries, cumulative: np.nd
                          f"deg: the frames run against the arc's rotation (they are ordered by time, else by "
                          "InstanceNumber)")
     frame_travel = np.maximum.accumulate(frame_travel)
+    times = series.time_s
+    timed = bool(np.isfinite(times).all() and len(times) > 1 and (np.diff(times) > 0).any())
+    if timed:
+        frame_travel = travel_in_time(frame_travel, times, travel)
     steps = np.diff(frame_travel)
     typical = float(np.median(steps[steps > 0])) if (steps > 0).any() else arc
-    times = series.time_s
-    if np.isfinite(times).all() and len(times) > 1 and (np.diff(times) > 0).any():
+    if timed:
         periods = np.diff(times)
         ratio = periods / float(np.median(periods[periods > 0]))
     else:
@@ -217,6 +225,23 @@ def _spans_from_angles(beam: PlanBeam, series: MeasuredSeries, cumulative: np.nd
     ends_mu = np.interp(frame_travel, travel, cumulative)
     starts_mu = np.interp(np.maximum(starts, 0.0), travel, cumulative)
     return np.stack([starts_mu, ends_mu], axis=1)
+
+
+def travel_in_time(frame_travel: np.ndarray, times: np.ndarray, travel: np.ndarray) -> np.ndarray:
+    """The frames' gantry travel (F,) deg read again through their times (F,) s: within one control-point
+    interval (``travel`` (N,) at the control points) the gantry turns at one speed, so the travels of
+    the frames that end in it lie on one line in time; where at least ``LINE_FRAMES`` frames do, each
+    takes the least-squares line's value (kept within the interval). The angle read out with each
+    frame is rounded (0.01 deg: 2 % of a 0.5 deg frame) and jitters; the frames' times are regular,
+    and the line averages the readings of the interval's frames."""
+    interval = np.clip(np.searchsorted(travel, frame_travel, side="right"), 1, len(travel) - 1)
+    read = frame_travel.copy()
+    for k in np.unique(interval):
+        members = interval == k
+        if members.sum() >= LINE_FRAMES and np.ptp(times[members]) > 0:
+            slope, intercept = np.polyfit(times[members], frame_travel[members], 1)
+            read[members] = np.clip(intercept + slope * times[members], travel[k - 1], travel[k])
+    return np.maximum.accumulate(read)
 
 
 def _covers_beam(series: MeasuredSeries, total: float) -> bool:
@@ -399,7 +424,9 @@ def predict_intervals(forward_model: nn.Module, leaf_a: Tensor, leaf_b: Tensor, 
 
     A model that learned the detector's lag (``takes_prev_frame``) is linear in the recorded
     frame before: each output frame is the sum of its intervals' predictions after no frame plus
-    the lag times the frame before as predicted (dark before the first)."""
+    the lag times the frame before as predicted (dark before the first). The frames are then
+    recorded as the model's panel records a series (``epid.models.panel.PanelRecording``: the
+    commissioned slower lag and non-linear response; the frames as they are until commissioned)."""
     count = len(scalars)
     frame_of = np.arange(1, count + 1) if frame_of is None else frame_of
     output = torch.zeros((count if frames is None else frames, *FRAME_SHAPE))
@@ -418,6 +445,8 @@ def predict_intervals(forward_model: nn.Module, leaf_a: Tensor, leaf_b: Tensor, 
             lag = float(forward_model.lag_fraction)
             for k in range(1, len(output)):
                 output[k].add_(output[k - 1], alpha=lag)
+        if hasattr(forward_model, "recording"):
+            output = forward_model.recording(output)
     return output
 
 

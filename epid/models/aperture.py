@@ -49,7 +49,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from epid.models.legacy import LATENT_SIZE, NUM_SCALARS, _check_vector, as_frame_batch
-from epid.models.panel import COMMISSIONING_PARAMETERS, BeamProfile, sag_shift
+from epid.models.panel import COMMISSIONING_PARAMETERS, BeamProfile, PanelRecording, sag_shift
 from epid.models.response import DetectorResponse, ResponseFilter, centred_kernel, to_imager, to_leaf_grid
 from epid.synthesis.fluence import aperture_fluence
 from epid.synthesis.geometry import (
@@ -266,6 +266,7 @@ class ApertureForwardModel(nn.Module):
         self.lag_percent = nn.Parameter(torch.zeros(()))
         self.beam = BeamProfile()
         self.sag_mm = nn.Parameter(torch.zeros(2, 2), requires_grad=False)
+        self.recording = PanelRecording()
 
     def parameter_groups(self) -> list[tuple[list[nn.Parameter], float]]:
         """Every trainable parameter is physical: one group at ``PHYSICS_LR_FACTOR``."""
@@ -385,8 +386,7 @@ class MotionReadout(nn.Module):
     """One edge's (prev, curr) positions from the moments of its two frames.
 
     Features: curr minus prev centroid, both spreads, both log step masses, the mass change and
-    ``extra`` per-row features; an MLP returns offsets (mm) from the prev and curr centroids,
-    starting at zero.
+    ``extra`` per-row features; an MLP returns offsets (mm) from the prev and curr centroids, starting at zero.
     """
 
     def __init__(self, hidden: int, extra: int = 0) -> None:

@@ -1,6 +1,7 @@
-"""A clinic's beam and panel: the off-axis profile, the field-size output and the panel's sag.
+"""A clinic's beam and panel: the off-axis profile, the field-size output, the panel's sag, and how
+the panel records a series of frames (a lag of several time constants, a non-linear response).
 
-Three forms a real linac and EPID show that the synthesis does not have, which the aperture
+Forms a real linac and EPID show that the synthesis does not have, which the aperture
 family's forward model (``epid.models.aperture``) carries so that commissioning
 (``epid.evaluation.commission``) can fit them to a clinic's measured images:
 
@@ -14,7 +15,14 @@ family's forward model (``epid.models.aperture``) carries so that commissioning
 - *sag* (``panel_shift``): the panel and its image move with the gantry angle g, by
   s_xs sin g + s_xc (1 - cos g) along x and s_ys sin g + s_yc (1 - cos g) along y (mm at the
   isocentre); a prediction is moved by it piece by piece (``shift_frames``), a measured frame is
-  moved back before its leaves are reconstructed.
+  moved back before its leaves are reconstructed;
+- *recording* (``PanelRecording``): a series of frames F_k (the model's prediction with its own
+  one-frame lag) recorded as R_k = N_k + sum_c a_c (M_c,k - N_k), where N_k = F_k (F_k / 1 model
+  unit)^(-p) is the panel's mildly non-linear response (p > 0: it saturates) and M_c,k the
+  exponential average, over ``LAG_FRAMES[c]`` frames, of the frames N before frame k (dark before
+  the first): each component a_c carries a share of the signal into frames seconds later, as an
+  a-Si panel's trapped charge does, and keeps the series' total. One image (an integrated one) is
+  left as it is: the panel carried the lag within it, and its readouts' signals are not known.
 
 Every coefficient starts at 0 (the model as it was) and is held during training (the synthesis has
 none of these forms, and a parameter no loss reaches would stall DistributedDataParallel);
@@ -22,6 +30,8 @@ commissioning frees them (``COMMISSIONING_PARAMETERS``).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -35,7 +45,11 @@ FIELD_SHARE = 0.5
 """Share of a frame's highest fluence a cell reaches to count in the field's area."""
 MIN_AREA_MM2 = 100.0
 """Smallest open area the field-size output takes (a closed aperture keeps a finite output)."""
-COMMISSIONING_PARAMETERS = ("beam.off_axis", "beam.output_per_log_area", "sag_mm")
+LAG_FRAMES = (2.0, 8.0, 32.0)
+"""Time constants (frames) of the recording's lag components (``PanelRecording``)."""
+RECORDING_PARAMETERS = ("recording.lag_2_percent", "recording.lag_8_percent", "recording.lag_32_percent",
+                        "recording.power_percent")
+COMMISSIONING_PARAMETERS = ("beam.off_axis", "beam.output_per_log_area", "sag_mm", *RECORDING_PARAMETERS)
 """The forward model's parameters of these forms: held in training, fitted in commissioning."""
 
 
@@ -61,6 +75,39 @@ class BeamProfile(nn.Module):
         cells = fluence.detach().flatten(1)
         area = (cells >= FIELD_SHARE * cells.amax(1, keepdim=True)).sum(1).to(fluence.dtype).clamp_min(MIN_AREA_MM2)
         return 1.0 + self.output_per_log_area * torch.log(area / REFERENCE_AREA_MM2)
+
+
+class PanelRecording(nn.Module):
+    """How the panel records a series of frames (module docstring): ``lag_2_percent``,
+    ``lag_8_percent``, ``lag_32_percent`` the shares a_c (%) of the lag components of ``LAG_FRAMES``
+    and ``power_percent`` the response's power p (%), all 0 at the start (the frames as they are)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        for frames in LAG_FRAMES:
+            self.register_parameter(f"lag_{frames:g}_percent", nn.Parameter(torch.zeros(()), requires_grad=False))
+        self.power_percent = nn.Parameter(torch.zeros(()), requires_grad=False)
+
+    def shares(self) -> list[Tensor]:
+        """The lag components' shares a_c (fractions), in the order of ``LAG_FRAMES``."""
+        return [getattr(self, f"lag_{frames:g}_percent") / 100.0 for frames in LAG_FRAMES]
+
+    def forward(self, frames: Tensor) -> Tensor:
+        """The series ``frames`` (K, H, W), K > 1, as the panel records it; one image, or all
+        coefficients 0, as it is."""
+        shares = self.shares()
+        if len(frames) < 2 or not any(bool(value != 0) for value in (*shares, self.power_percent)):
+            return frames
+        power = self.power_percent / 100.0
+        response = torch.where(frames > 0, frames * frames.clamp_min(1e-12) ** -power, frames)
+        averages = [torch.zeros_like(response[0]) for _ in LAG_FRAMES]
+        recorded = []
+        for frame in response:
+            carried = sum(share * (average - frame) for share, average in zip(shares, averages, strict=True))
+            recorded.append(frame + carried)
+            averages = [average + (1.0 - math.exp(-1.0 / constant)) * (frame - average)
+                        for average, constant in zip(averages, LAG_FRAMES, strict=True)]
+        return torch.stack(recorded)
 
 
 def sag_shift(sag_mm: Tensor, gantry_deg: Tensor) -> Tensor:

@@ -15,7 +15,7 @@ from epid.dicom.series import MeasuredSeries
 from epid.evaluation import arc_review, commission, plan_qa, timeline
 from epid.models.families import build_models
 from epid.synthesis.sequences import generate_control_points
-from tests.evaluation.test_timeline import cine_ends, series_of
+from tests.evaluation.test_timeline import cine_ends, reference_cumulative, series_of
 
 UNITS = 37.0
 
@@ -60,7 +60,9 @@ def test_commissioning_recovers_the_physics_and_the_panels_units(measurements):
         [0.9], abs=0.15)
     assert parameters["lag_percent"]["after"] == pytest.approx([4.0], abs=0.5)
     assert parameters["sag_mm"]["after"] == pytest.approx([0.8, 0.0, 0.0, 0.6], abs=0.1)
-    assert parameters["beam.output_per_log_area"]["after"] == pytest.approx([0.03], abs=0.006)
+    # the field-size output trades with the off-axis profile and the response on these two arcs' fields
+    # (at the end the loss is 1/3,000 of its start): within a third
+    assert parameters["beam.output_per_log_area"]["after"] == pytest.approx([0.03], abs=0.01)
     tilt_x, tilt_y, c_2, c_4 = parameters["beam.off_axis"]["after"]
     assert c_2 + c_4 == pytest.approx(0.03, abs=0.015), "the profile's rise at 100 mm"
     # the calibration holds on a plan commissioning did not see: its own least-squares scale agrees
@@ -77,35 +79,67 @@ def test_commissioning_recovers_the_physics_and_the_panels_units(measurements):
         torch.testing.assert_close(value, kept[name]), "the model given is left as it was"
 
 
-START_PERCENT = (0.2, 2.0, 0.0, 3.0)
+def regular_frames(beam, frames: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(each frame's end MU (F,), its time s (F,)) of ``frames`` cine frames at a regular rate over a
+    delivery whose dose rate differs from one control-point interval to the next (0.3 to 3 x the mean;
+    within one interval the MU and the gantry move linearly in time, as a linac delivers them)."""
+    cumulative = reference_cumulative(beam)
+    rates = np.random.default_rng(seed).uniform(0.3, 3.0, len(cumulative) - 1)
+    boundaries = np.concatenate([[0.0], np.cumsum(np.diff(cumulative) / rates)])
+    times = np.linspace(0.0, boundaries[-1], frames + 1)[1:]
+    return np.interp(times, boundaries, cumulative), times
+
+
+@pytest.fixture(scope="module")
+def long_arcs(measurements, tmp_path_factory):
+    """Two arcs of 30 control points, 90 cine frames each whose MU differ from frame to frame, placed by
+    their gantry angles and times."""
+    folder = tmp_path_factory.mktemp("long")
+    placements = []
+    for dataset_id in (120, 300):
+        path = folder / f"arc_{dataset_id}.dcm"
+        write_plan(path, generate_control_points(dataset_id, 30), label=f"arc {dataset_id}")
+        (beam,) = read_plan(path)
+        ends, times = regular_frames(beam, 90, dataset_id)
+        placements.append((beam, timeline.place_frames(beam, series_of(beam, ends, times=times))))
+    return measurements[0], placements
+
+
+START_PERCENT = (0.2, 2.0, 0.0, 3.0, 0.0, 0.0, 0.0, 0.0)
+"""Leaf, interleaf and jaw transmission, the one-frame lag, the recording's lag components of 2, 8
+and 32 frames and its response's power (``commission.LEAST_SQUARES_PARAMETERS``), %."""
 
 
 @pytest.mark.parametrize(("truth_percent", "expected_percent"), [
-    ((1.4, 0.6, 0.3, 4.0), (1.4, 0.6, 0.3, 4.0)),
-    ((1.4, 0.6, -0.3, 4.0), (None, None, 0.0, None)),
+    ((1.4, 0.6, 0.3, 4.0, 0.0, 0.0, 0.0, 0.0), (1.4, 0.6, 0.3, 4.0, 0.0, 0.0, 0.0, 0.0)),
+    ((1.4, 0.6, 0.3, 4.0, 0.0, 1.5, 0.0, 1.0), (1.4, 0.6, 0.3, 4.0, 0.0, 1.5, 0.0, 1.0)),
+    ((1.4, 0.6, 0.3, 4.0, 0.0, 0.0, 0.0, -1.0), (1.4, 0.6, 0.3, 4.0, 0.0, 0.0, 0.0, -1.0)),
+    ((1.4, 0.6, -0.3, 4.0, 0.0, 0.0, 0.0, 0.0), (None, None, 0.0, None, None, None, None, None)),
 ])
-def test_the_transmissions_and_the_lag_are_set_by_least_squares(measurements, truth_percent, expected_percent):
-    """Frames of two arcs, in panel units, from a model whose leaf, interleaf and jaw transmissions and
-    lag are ``truth_percent``: from ``START_PERCENT`` one least-squares solve comes back to them (within
-    0.03 %, the lag, whose share compounds from frame to frame, within 0.1 %), all other physics held; a
-    value that would have to fall below 0 (a jaw that takes signal away) stops at 0."""
-    truth, measured = measurements
+def test_the_transmissions_and_the_lags_are_set_by_least_squares(long_arcs, truth_percent, expected_percent):
+    """Frames of two arcs (``long_arcs``), in panel units, from a model whose transmissions, lags and response's power
+    are ``truth_percent``: from ``START_PERCENT`` one least-squares solve, the calibration scale free in
+    it, comes back to them (within 0.05 %, the lags, whose shares compound from frame to frame, and the
+    power within 0.1 %), all other physics held; a value that would have to fall below 0 (a jaw that
+    takes signal away) stops at 0, the power alone may take either sign (a panel whose response rises)."""
+    truth, placements = long_arcs
     source, model = copy.deepcopy(truth), copy.deepcopy(truth)
     named_source, named_model = dict(source.named_parameters()), dict(model.named_parameters())
     with torch.no_grad():
         for name, value, start in zip(commission.LEAST_SQUARES_PARAMETERS, truth_percent, START_PERCENT, strict=True):
             named_source[name].fill_(value)
             named_model[name].fill_(start)
-    plans = [commission.Measurement(m.beam, m.placement, timeline.predict_spans(source, m.placement) * UNITS)
-             for m in measured[:2]]
+    plans = [commission.Measurement(beam, placement, timeline.predict_spans(source, placement) * UNITS)
+             for beam, placement in placements]
     fit = commission.fit_least_squares(model, plans)
     found = {name: float(named_model[name].detach()) for name in commission.LEAST_SQUARES_PARAMETERS}
     for name, start, expected in zip(commission.LEAST_SQUARES_PARAMETERS, START_PERCENT, expected_percent,
                                      strict=True):
         assert fit[name] == pytest.approx({"after_steps": start, "least_squares": found[name]})
-        assert found[name] >= 0.0
+        assert found[name] >= 0.0 or name in commission.SIGNED
         if expected is not None:
-            assert found[name] == pytest.approx(expected, abs=0.1 if name == "lag_percent" else 0.03), name
+            transmission = name.startswith("aperture.")
+            assert found[name] == pytest.approx(expected, abs=0.05 if transmission else 0.1), name
     for name, value in truth.state_dict().items():
         if name not in commission.LEAST_SQUARES_PARAMETERS:
             torch.testing.assert_close(model.state_dict()[name], value, msg=f"{name} is held")

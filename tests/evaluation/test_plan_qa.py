@@ -33,7 +33,7 @@ from epid.data.dataset import EpidData
 from epid.data.plans import scan_plans
 from epid.dicom.image import read_frames, write_frames
 from epid.dicom.plan import Arc, read_plan, write_arcs, write_plan
-from epid.evaluation import arc_review, inference, plan_qa, qa_report, timeline
+from epid.evaluation import arc_review, commission, inference, plan_qa, qa_report, timeline
 from epid.models.checkpoint import load_checkpoint
 from epid.models.families import build_models, predict_frames
 from epid.synthesis.frames import render_frames
@@ -738,8 +738,9 @@ def test_a_commissioned_checkpoint_carries_its_scale_and_mu_reference_into_the_q
     assert stored["calibration_scale"] > 0 and math.isfinite(stored["mu_reference"]) and stored["mu_reference"] > 0
     report = json.loads((commissioned / "commissioning.json").read_text())
     assert report["mu_reference"] == stored["mu_reference"]
-    assert set(report["least_squares"]) == {"aperture.leaf_transmission_percent", "aperture.interleaf_leakage_percent",
-                                            "aperture.jaw_transmission_percent", "lag_percent"}
+    assert set(report["least_squares"]) == set(commission.LEAST_SQUARES_PARAMETERS) >= {
+        "aperture.leaf_transmission_percent", "aperture.jaw_transmission_percent", "lag_percent",
+        "recording.lag_32_percent", "recording.power_percent"}
     torch.testing.assert_close(saved["inverse_model"]["lag_percent"], saved["forward_model"]["lag_percent"])
     assert "MU reference" in result.stderr + result.stdout
     output = tmp_path / "qa"

@@ -116,6 +116,23 @@ def test_cine_frames_between_control_points_are_placed_and_predicted_as_the_plan
     np.testing.assert_allclose(placement.beam.control_points.mu[1:], np.diff(placement.boundaries_mu), rtol=1e-6)
 
 
+def test_rounded_gantry_angles_are_read_through_the_frames_times(beam):
+    """120 frames at regular times whose angles are rounded to 0.1 deg (4 % of a frame's 2.4 deg): the
+    line in time through each control-point interval's frames places their ends three times closer to
+    the truth than the rounded angles themselves (numpy's interpolation of the arc)."""
+    ends = cine_ends(beam, 121)
+    angles = np.round(reference_angles(beam, ends), 1)
+    placement = timeline.place_frames(beam, series_of(beam, ends, angles=angles))
+    frame_mu = ends[1] - ends[0]
+    unwrapped = np.rad2deg(np.unwrap(np.deg2rad(beam.gantry_deg.astype(np.float64))))
+    by_angle = np.interp(np.rad2deg(np.unwrap(np.deg2rad(angles))), unwrapped, reference_cumulative(beam))
+    placed_error = (placement.boundaries_mu[1:] - ends) / frame_mu
+    angle_error = (by_angle - ends) / frame_mu
+    assert placement.dropped == 0 and np.abs(angle_error).max() > 0.02
+    assert np.sqrt(np.mean(placed_error**2)) < np.sqrt(np.mean(angle_error**2)) / 3
+    assert np.abs(placed_error).max() < 0.02
+
+
 def test_the_plans_own_intervals_predict_as_the_plans_frames(beam, model):
     placement = timeline.place_frames(beam, series_of(beam, reference_cumulative(beam)[1:]))
     np.testing.assert_allclose(placement.boundaries_mu[1:], reference_cumulative(beam)[1:], atol=1e-6)
@@ -167,6 +184,21 @@ def test_lag_is_carried_from_frame_to_frame_of_the_timeline(beam):
     for k in range(1, len(expected)):
         expected[k] += lag * expected[k - 1]
     torch.testing.assert_close(with_lag, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_the_timeline_is_recorded_as_the_models_panel_records_a_series(beam):
+    torch.manual_seed(0)
+    forward = build_models("tiny", "aperture")[0].eval()
+    placement = timeline.place_frames(beam, series_of(beam, cine_ends(beam, 8)))
+    with torch.no_grad():
+        forward.lag_percent.fill_(3.0)
+        lagged = timeline.predict_spans(forward, placement)
+        forward.recording.lag_8_percent.fill_(2.0)
+        forward.recording.power_percent.fill_(1.0)
+        recorded = timeline.predict_spans(forward, placement)
+        expected = forward.recording(lagged)
+    assert not torch.equal(recorded, lagged)
+    torch.testing.assert_close(recorded, expected, atol=1e-6, rtol=1e-6)
 
 
 def test_an_integrated_image_keeps_the_lag_share(beam):

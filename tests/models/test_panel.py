@@ -1,6 +1,6 @@
 """The beam and panel forms commissioning fits (epid.models.panel): the off-axis profile, the
-field-size output and the sag, checked against hand-worked values and scipy, and neutral until
-fitted."""
+field-size output, the sag and the panel's recording of a series, checked against hand-worked
+values, a slow reference loop and scipy, and neutral until fitted."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 
 from epid.models.aperture import column_centres, leaf_grid_centres
 from epid.models.families import build_models
-from epid.models.panel import BeamProfile, sag_shift, shift_frames
+from epid.models.panel import LAG_FRAMES, BeamProfile, PanelRecording, sag_shift, shift_frames
 from tests.models.test_aperture import whole_mm_control_points
 
 
@@ -72,6 +72,61 @@ def test_the_forms_leave_the_forward_model_as_it_was_until_fitted():
         area = float((fluence[0] >= 0.5 * fluence[0].max()).sum())
         scaled = forward.render(leaf_a, leaf_b, scalars)[0]
     torch.testing.assert_close(scaled[0], forward.response(fluence)[0] * (1 + 0.05 * math.log(area / 1e4)))
+
+
+def recorded_by_loop(frames: np.ndarray, shares_percent, power_percent: float) -> np.ndarray:
+    """The panel's recording of ``frames`` (K, H, W) pixel by pixel in float64: each pixel's response
+    v x v^(-p), then each lag component's average of the responses before it, updated after it."""
+    count, height, width = frames.shape
+    out = np.zeros_like(frames, dtype=np.float64)
+    for row in range(height):
+        for column in range(width):
+            averages = [0.0] * len(LAG_FRAMES)
+            for k in range(count):
+                value = float(frames[k, row, column])
+                response = value * value ** (-power_percent / 100.0) if value > 0 else value
+                out[k, row, column] = response + sum(share / 100.0 * (average - response)
+                                                     for share, average in zip(shares_percent, averages, strict=True))
+                averages = [average + (1.0 - math.exp(-1.0 / frames_)) * (response - average)
+                            for average, frames_ in zip(averages, LAG_FRAMES, strict=True)]
+    return out
+
+
+def test_the_panels_recording_is_the_reference_loops_and_keeps_a_long_series_total():
+    rng = np.random.default_rng(3)
+    frames = rng.uniform(0.0, 2.0, size=(40, 3, 4)).astype(np.float32)
+    frames[5:9, 1] = 0.0  # dark frames on one row, and one negative pixel (left as it is by the response)
+    frames[12, 0, 0] = -0.01
+    recording = PanelRecording()
+    with torch.no_grad():
+        for name, value in zip(("lag_2_percent", "lag_8_percent", "lag_32_percent"), (2.0, 1.0, 0.5), strict=True):
+            getattr(recording, name).fill_(value)
+        recording.power_percent.fill_(1.5)
+        recorded = recording(torch.from_numpy(frames))
+    np.testing.assert_allclose(recorded.numpy(), recorded_by_loop(frames, (2.0, 1.0, 0.5), 1.5), rtol=1e-5, atol=1e-6)
+    # a lag moves signal later, it makes none: a long series of constant frames after a dark start
+    # records the constant (the averages reach it) and loses only what the first frames lent
+    steady = torch.ones(400, 1, 1)
+    with torch.no_grad():
+        recording.power_percent.fill_(0.0)
+        out = recording(steady)
+    assert float(out[-1]) == pytest.approx(1.0, abs=1e-5)
+    assert float(out[0]) == pytest.approx(1.0 - 0.035, abs=1e-6)
+    lent = sum(share / 100 / (1 - math.exp(-1 / frames_)) for share, frames_ in zip((2.0, 1.0, 0.5), LAG_FRAMES,
+                                                                                   strict=True))
+    assert float(out.sum()) == pytest.approx(400 - lent, rel=1e-5)
+
+
+def test_the_recording_leaves_frames_as_they_are_until_fitted_and_one_image_always():
+    frames = torch.rand(6, 5, 5)
+    recording = PanelRecording()
+    assert recording(frames) is frames
+    with torch.no_grad():
+        recording.lag_8_percent.fill_(3.0)
+        recording.power_percent.fill_(2.0)
+    assert torch.equal(recording(frames[:1]), frames[:1])
+    assert not torch.equal(recording(frames), frames)
+    assert all(not parameter.requires_grad for parameter in recording.parameters()), "held in training"
 
 
 def grid_sampled(frames: torch.Tensor, shift_mm: torch.Tensor, padding: str = "zeros") -> torch.Tensor:
