@@ -448,8 +448,8 @@ def commission_run(args: argparse.Namespace) -> int:
     for measurement in measurements:
         _stage(f"  beam {measurement.beam.beam_number} of {measurement.beam.path}: "
                f"{measurement.placement.describe()}")
-    _stage(f"commissioning the forward model on {len(measurements)} plan(s): {steps} steps, then the transmissions "
-           "and the lag by least squares")
+    _stage(f"commissioning the forward model on {len(measurements)} plan(s): {steps} steps, then the transmissions, "
+           "the lags and the panel's response by least squares")
 
     def report(step: int, loss: float) -> None:
         if step % 25 == 0 or step == steps:
