@@ -301,7 +301,9 @@ def fit_least_squares(model: nn.Module, measurements: Sequence[Measurement]) -> 
 
     The frames are nearly linear in them (a jaw's transmission multiplies a leaf's, the lags' shares
     compound from frame to frame, the response's power is mild), so each one's effect is the
-    difference of two predictions ``DIFFERENCE_STEP`` apart, and one bounded solve of the normal
+    difference of two predictions ``DIFFERENCE_STEP`` apart (the recording's, which acts on the
+    predicted series alone, from the plans' frames predicted once before it; the one-frame lag also
+    scales each piece's own prediction), and one bounded solve of the normal
     equations sets them all; the change is kept where the frames then agree better, else the first of
     its ``STEP_SHARES`` that does (none at the last). The scale is free in the solve because the
     power moves every frame's level with its signal, which a scale held at the starting physics'
@@ -314,16 +316,19 @@ def fit_least_squares(model: nn.Module, measurements: Sequence[Measurement]) -> 
     before = np.array([float(parameter.detach()) for parameter in parameters])
     model.eval()
     with torch.no_grad():
-        predicted = [_predicted(model, m) for m in measurements]
+        sums = [timeline.predict_spans(model, m.placement, recorded=False) for m in measurements]
+        predicted = [_recorded(model, m, s) for m, s in zip(measurements, sums, strict=True)]
         scale = timeline.calibration_scale(torch.cat([m.frames for m in measurements]), torch.cat(predicted))
         size = len(parameters) + 1  # and the calibration scale's relative change, the last column
         normal, right = np.zeros((size, size)), np.zeros(size)
         start = 0.0  # the weighted misfit of the frames as the steps left them (``_misfit``)
-        for measurement, base in zip(measurements, predicted, strict=True):
+        for measurement, summed, base in zip(measurements, sums, predicted, strict=True):
             effects = []
-            for parameter in parameters:
+            for name, parameter in zip(LEAST_SQUARES_PARAMETERS, parameters, strict=True):
                 parameter.add_(DIFFERENCE_STEP)
-                effects.append((_predicted(model, measurement) - base) / DIFFERENCE_STEP)
+                moved = (_recorded(model, measurement, summed) if name in RECORDING_PARAMETERS
+                         else _predicted(model, measurement))
+                effects.append((moved - base) / DIFFERENCE_STEP)
                 parameter.sub_(DIFFERENCE_STEP)
             for part, weight in _fit_chunks(measurement, base):
                 calibrated = measurement.frames[part].double() * scale
@@ -350,6 +355,13 @@ def fit_least_squares(model: nn.Module, measurements: Sequence[Measurement]) -> 
                 break
     return {name: {"after_steps": float(value), "least_squares": float(parameter.detach())}
             for name, value, parameter in zip(LEAST_SQUARES_PARAMETERS, before, parameters, strict=True)}
+
+
+def _recorded(model: nn.Module, measurement: Measurement, summed: Tensor) -> Tensor:
+    """The prediction (F, 256, 256) of each measured frame of ``measurement`` from the sums of its
+    timeline's frames before the recording (``timeline.predict_spans`` with ``recorded`` False), as
+    ``model`` records them now: a recording parameter moved without predicting the plan again."""
+    return timeline.record(model, summed)[measurement.placement.frame_of - 1]
 
 
 def _fit_chunks(measurement: Measurement, base: Tensor) -> Iterator[tuple[slice, Tensor]]:

@@ -324,10 +324,17 @@ def _reconstructed(models: tuple[nn.Module, nn.Module], placement: timeline.Plac
                    frames: Tensor, method: str, device: torch.device | str, say: Callable[[str], None]
                    ) -> tuple[arc_review.ArcSegment, arc_review.ArcEstimate]:
     """The longest run of consecutive calibrated ``frames`` (K, 256, 256), ending on ``points`` (K,),
-    moved back by the sag and reconstructed by ``method``: its segment and estimate."""
+    read back through the forward model's panel recording (``epid.models.panel.PanelRecording.undo``:
+    its slower lag and non-linear response taken out, which the reconstruction's frame-pair rendering
+    does not carry), moved back by the sag and reconstructed by ``method``: its segment and estimate."""
     run = longest_run(points)
+    shown = frames
+    if hasattr(models[0], "recording"):
+        with torch.no_grad():
+            shown = models[0].recording.undo(frames)  # the whole series: the run's first frames have their past
+    shown = shown[run]
     segment = plan_segment(placement.beam, points[run],
-                           timeline.with_sag(models[0], frames[run], timeline.frame_gantry(placement)[run], undo=True))
+                           timeline.with_sag(models[0], shown, timeline.frame_gantry(placement)[run], undo=True))
     cine = not placement.by_control_points
     say(f"reconstructing control points {segment.first}-{segment.first + len(segment) - 1} of the "
         f"{'timeline' if cine else 'plan'} from the measured frames ({method})")

@@ -415,18 +415,13 @@ def frame_gantry(placement: Placement) -> np.ndarray:
 def predict_intervals(forward_model: nn.Module, leaf_a: Tensor, leaf_b: Tensor, scalars: Tensor,
                       device: torch.device | str = "cpu", batch_size: int = 64, progress: Progress | None = None,
                       frame_of: np.ndarray | None = None, frames: int | None = None,
-                      gantry_deg: np.ndarray | None = None) -> Tensor:
+                      gantry_deg: np.ndarray | None = None, recorded: bool = True) -> Tensor:
     """Frames of consecutive intervals of a delivery (inputs as ``piece_inputs`` gives them, P
     intervals) predicted by ``forward_model`` (on ``device``, switched to eval mode) ``batch_size``
     at a time, summed into ``frames`` frames (frames, 256, 256) float32 on the CPU: interval i
     into frame ``frame_of[i] - 1`` (default: one frame per interval), each moved by the panel's sag
-    at its gantry angle ``gantry_deg[i]`` where given (``with_sag``).
-
-    A model that learned the detector's lag (``takes_prev_frame``) is linear in the recorded
-    frame before: each output frame is the sum of its intervals' predictions after no frame plus
-    the lag times the frame before as predicted (dark before the first). The frames are then
-    recorded as the model's panel records a series (``epid.models.panel.PanelRecording``: the
-    commissioned slower lag and non-linear response; the frames as they are until commissioned)."""
+    at its gantry angle ``gantry_deg[i]`` where given (``with_sag``), then recorded (``record``);
+    with ``recorded`` False the sums before it."""
     count = len(scalars)
     frame_of = np.arange(1, count + 1) if frame_of is None else frame_of
     output = torch.zeros((count if frames is None else frames, *FRAME_SHAPE))
@@ -441,6 +436,18 @@ def predict_intervals(forward_model: nn.Module, leaf_a: Tensor, leaf_b: Tensor, 
             output.index_add_(0, torch.from_numpy(frame_of[start:stop] - 1), epid.float().cpu())
             if progress is not None:
                 progress(stop - start)
+    return record(forward_model, output) if recorded else output
+
+
+def record(forward_model: nn.Module, frames: Tensor) -> Tensor:
+    """A series of predicted frames (K, 256, 256), each the sum of its pieces' predictions after no
+    frame, as the model's panel records it: a model that learned the detector's lag
+    (``takes_prev_frame``) is linear in the recorded frame before, so each frame gains the lag times
+    the frame before as recorded (dark before the first); the series then passes through the
+    model's ``PanelRecording`` (``epid.models.panel``: the commissioned slower lag and non-linear
+    response; the frames as they are until commissioned). ``frames`` is left as it is."""
+    with torch.no_grad():
+        output = frames.clone()
         if getattr(forward_model, "takes_prev_frame", False):
             lag = float(forward_model.lag_fraction)
             for k in range(1, len(output)):
@@ -451,18 +458,19 @@ def predict_intervals(forward_model: nn.Module, leaf_a: Tensor, leaf_b: Tensor, 
 
 
 def predict_spans(forward_model: nn.Module, placement: Placement, device: torch.device | str = "cpu",
-                  batch_size: int = 64, progress: Progress | None = None) -> Tensor:
+                  batch_size: int = 64, progress: Progress | None = None, recorded: bool = True) -> Tensor:
     """Every frame of ``placement``'s timeline (J, 256, 256) float32 on the CPU: the sum of the
     forward model's predictions of its pieces (``pieces``, ``predict_intervals``), each moved by the
-    panel's sag at its gantry angle; ``progress`` counts pieces. One image over the whole span (an
+    panel's sag at its gantry angle, recorded as the panel records a series (``record``; with
+    ``recorded`` False, as before it); ``progress`` counts pieces. One image over the whole span (an
     integrated image) keeps the lag's share: the panel carries it from readout to readout within
     the image, where a cine frame passes it on to the next frame."""
     start, end, frame = pieces(placement.plan, placement.boundaries_mu)
     leaf_a, leaf_b, scalars = piece_inputs(placement.plan, start, end)
     predicted = predict_intervals(forward_model, leaf_a, leaf_b, scalars, device, batch_size, progress,
                                   frame_of=frame, frames=len(placement.boundaries_mu) - 1,
-                                  gantry_deg=piece_gantry(placement.plan, start, end))
-    if len(predicted) == 1 and getattr(forward_model, "takes_prev_frame", False):
+                                  gantry_deg=piece_gantry(placement.plan, start, end), recorded=recorded)
+    if recorded and len(predicted) == 1 and getattr(forward_model, "takes_prev_frame", False):
         predicted /= 1.0 - float(forward_model.lag_fraction.detach())
     return predicted
 

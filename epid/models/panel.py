@@ -22,7 +22,9 @@ family's forward model (``epid.models.aperture``) carries so that commissioning
   exponential average, over ``LAG_FRAMES[c]`` frames, of the frames N before frame k (dark before
   the first): each component a_c carries a share of the signal into frames seconds later, as an
   a-Si panel's trapped charge does, and keeps the series' total. One image (an integrated one) is
-  left as it is: the panel carried the lag within it, and its readouts' signals are not known.
+  left as it is: the panel carried the lag within it, and its readouts' signals are not known. A
+  measured series is read back through its exact inverse (``PanelRecording.undo``) before its
+  leaves are reconstructed.
 
 Every coefficient starts at 0 (the model as it was) and is held during training (the synthesis has
 none of these forms, and a parameter no loss reaches would stall DistributedDataParallel);
@@ -95,19 +97,40 @@ class PanelRecording(nn.Module):
     def forward(self, frames: Tensor) -> Tensor:
         """The series ``frames`` (K, H, W), K > 1, as the panel records it; one image, or all
         coefficients 0, as it is."""
-        shares = self.shares()
-        if len(frames) < 2 or not any(bool(value != 0) for value in (*shares, self.power_percent)):
+        if self._identity(frames):
             return frames
         power = self.power_percent / 100.0
-        response = torch.where(frames > 0, frames * frames.clamp_min(1e-12) ** -power, frames)
-        averages = [torch.zeros_like(response[0]) for _ in LAG_FRAMES]
-        recorded = []
-        for frame in response:
-            carried = sum(share * (average - frame) for share, average in zip(shares, averages, strict=True))
-            recorded.append(frame + carried)
-            averages = [average + (1.0 - math.exp(-1.0 / constant)) * (frame - average)
+        response = torch.where(frames > 0, frames.clamp_min(1e-12) ** (1.0 - power), frames)
+        return self._carried(response, undo=False)
+
+    def undo(self, recorded: Tensor) -> Tensor:
+        """The series (K, H, W) that the panel recorded as ``recorded`` (``forward``'s exact inverse):
+        each frame's carried share taken out given the frames before it as undone, then the response's
+        power; one image, or all coefficients 0, as it is. Measured frames are read with it before
+        their leaves are reconstructed."""
+        if self._identity(recorded):
+            return recorded
+        response = self._carried(recorded, undo=True)
+        power = self.power_percent / 100.0
+        return torch.where(response > 0, response.clamp_min(1e-12) ** (1.0 / (1.0 - power)), response)
+
+    def _identity(self, frames: Tensor) -> bool:
+        return len(frames) < 2 or not any(bool(value != 0) for value in (*self.shares(), self.power_percent))
+
+    def _carried(self, frames: Tensor, undo: bool) -> Tensor:
+        """The lag components applied to responses N (K, H, W): R_k = (1 - sum a_c) N_k + sum a_c M_c,k;
+        with ``undo``, ``frames`` are R and N is solved frame by frame."""
+        shares = self.shares()
+        kept = 1.0 - sum(shares)
+        averages = [torch.zeros_like(frames[0]) for _ in LAG_FRAMES]
+        series = []
+        for frame in frames:
+            carried = sum(share * average for share, average in zip(shares, averages, strict=True))
+            response = (frame - carried) / kept if undo else frame
+            series.append(response if undo else kept * response + carried)
+            averages = [average + (1.0 - math.exp(-1.0 / constant)) * (response - average)
                         for average, constant in zip(averages, LAG_FRAMES, strict=True)]
-        return torch.stack(recorded)
+        return torch.stack(series)
 
 
 def sag_shift(sag_mm: Tensor, gantry_deg: Tensor) -> Tensor:

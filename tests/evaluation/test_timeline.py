@@ -197,8 +197,15 @@ def test_the_timeline_is_recorded_as_the_models_panel_records_a_series(beam):
         forward.recording.power_percent.fill_(1.0)
         recorded = timeline.predict_spans(forward, placement)
         expected = forward.recording(lagged)
+        summed = timeline.predict_spans(forward, placement, recorded=False)
+        kept = summed.clone()
+        recorded_after = timeline.record(forward, summed)
     assert not torch.equal(recorded, lagged)
     torch.testing.assert_close(recorded, expected, atol=1e-6, rtol=1e-6)
+    # the sums before the recording, recorded afterwards (as commissioning's solve moves the lags),
+    # are the frames predicted at once; the sums are left as they were
+    torch.testing.assert_close(recorded_after, recorded, atol=1e-6, rtol=1e-6)
+    assert torch.equal(summed, kept) and not torch.equal(summed, recorded)
 
 
 def test_an_integrated_image_keeps_the_lag_share(beam):

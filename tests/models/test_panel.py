@@ -104,6 +104,10 @@ def test_the_panels_recording_is_the_reference_loops_and_keeps_a_long_series_tot
         recording.power_percent.fill_(1.5)
         recorded = recording(torch.from_numpy(frames))
     np.testing.assert_allclose(recorded.numpy(), recorded_by_loop(frames, (2.0, 1.0, 0.5), 1.5), rtol=1e-5, atol=1e-6)
+    # read back (as measured frames are before their leaves are reconstructed), the series returns
+    with torch.no_grad():
+        undone = recording.undo(recording(torch.from_numpy(frames).double()))
+    np.testing.assert_allclose(undone.numpy(), frames, rtol=1e-6, atol=1e-9)  # the coefficients are float32
     # a lag moves signal later, it makes none: a long series of constant frames after a dark start
     # records the constant (the averages reach it) and loses only what the first frames lent
     steady = torch.ones(400, 1, 1)
@@ -120,11 +124,11 @@ def test_the_panels_recording_is_the_reference_loops_and_keeps_a_long_series_tot
 def test_the_recording_leaves_frames_as_they_are_until_fitted_and_one_image_always():
     frames = torch.rand(6, 5, 5)
     recording = PanelRecording()
-    assert recording(frames) is frames
+    assert recording(frames) is frames and recording.undo(frames) is frames
     with torch.no_grad():
         recording.lag_8_percent.fill_(3.0)
         recording.power_percent.fill_(2.0)
-    assert torch.equal(recording(frames[:1]), frames[:1])
+    assert torch.equal(recording(frames[:1]), frames[:1]) and torch.equal(recording.undo(frames[:1]), frames[:1])
     assert not torch.equal(recording(frames), frames)
     assert all(not parameter.requires_grad for parameter in recording.parameters()), "held in training"
 
