@@ -361,7 +361,7 @@ def _recorded(model: nn.Module, measurement: Measurement, summed: Tensor) -> Ten
     """The prediction (F, 256, 256) of each measured frame of ``measurement`` from the sums of its
     timeline's frames before the recording (``timeline.predict_spans`` with ``recorded`` False), as
     ``model`` records them now: a recording parameter moved without predicting the plan again."""
-    return timeline.record(model, summed)[measurement.placement.frame_of - 1]
+    return timeline.record(model, summed.clone())[measurement.placement.frame_of - 1]
 
 
 def _fit_chunks(measurement: Measurement, base: Tensor) -> Iterator[tuple[slice, Tensor]]:

@@ -445,16 +445,13 @@ def record(forward_model: nn.Module, frames: Tensor) -> Tensor:
     (``takes_prev_frame``) is linear in the recorded frame before, so each frame gains the lag times
     the frame before as recorded (dark before the first); the series then passes through the
     model's ``PanelRecording`` (``epid.models.panel``: the commissioned slower lag and non-linear
-    response; the frames as they are until commissioned). ``frames`` is left as it is."""
+    response; the frames as they are until commissioned). The lag is added to ``frames`` in place."""
     with torch.no_grad():
-        output = frames.clone()
         if getattr(forward_model, "takes_prev_frame", False):
             lag = float(forward_model.lag_fraction)
-            for k in range(1, len(output)):
-                output[k].add_(output[k - 1], alpha=lag)
-        if hasattr(forward_model, "recording"):
-            output = forward_model.recording(output)
-    return output
+            for k in range(1, len(frames)):
+                frames[k].add_(frames[k - 1], alpha=lag)
+        return forward_model.recording(frames) if hasattr(forward_model, "recording") else frames
 
 
 def predict_spans(forward_model: nn.Module, placement: Placement, device: torch.device | str = "cpu",

@@ -119,18 +119,23 @@ class PanelRecording(nn.Module):
 
     def _carried(self, frames: Tensor, undo: bool) -> Tensor:
         """The lag components applied to responses N (K, H, W): R_k = (1 - sum a_c) N_k + sum a_c M_c,k;
-        with ``undo``, ``frames`` are R and N is solved frame by frame."""
-        shares = self.shares()
-        kept = 1.0 - sum(shares)
-        averages = [torch.zeros_like(frames[0]) for _ in LAG_FRAMES]
-        series = []
-        for frame in frames:
-            carried = sum(share * average for share, average in zip(shares, averages, strict=True))
-            response = (frame - carried) / kept if undo else frame
-            series.append(response if undo else kept * response + carried)
-            averages = [average + (1.0 - math.exp(-1.0 / constant)) * (response - average)
-                        for average, constant in zip(averages, LAG_FRAMES, strict=True)]
-        return torch.stack(series)
+        with ``undo``, ``frames`` are R and N is solved frame by frame. The averages M (C, H, W) are
+        updated in place, one frame at a time."""
+        shares = torch.stack(self.shares()).to(frames.dtype)[:, None, None]
+        kept = 1.0 - float(shares.sum())
+        rates = torch.tensor([1.0 - math.exp(-1.0 / constant) for constant in LAG_FRAMES],
+                             dtype=frames.dtype, device=frames.device)[:, None, None]
+        averages = frames.new_zeros((len(LAG_FRAMES), *frames.shape[1:]))
+        series = torch.empty_like(frames)
+        for index, frame in enumerate(frames):
+            carried = (shares * averages).sum(0)
+            if undo:
+                response = torch.div(frame - carried, kept, out=series[index])
+            else:
+                response = frame
+                torch.add(carried, frame, alpha=kept, out=series[index])
+            averages.addcmul_(rates, response - averages)
+        return series
 
 
 def sag_shift(sag_mm: Tensor, gantry_deg: Tensor) -> Tensor:

