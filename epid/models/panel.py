@@ -99,7 +99,7 @@ class PanelRecording(nn.Module):
         coefficients 0, as it is."""
         if self._identity(frames):
             return frames
-        power = self.power_percent / 100.0
+        power = float(self.power_percent) / 100.0  # a number: frames may lie on another device than the model
         response = torch.where(frames > 0, frames.clamp_min(1e-12) ** (1.0 - power), frames)
         return self._carried(response, undo=False)
 
@@ -111,7 +111,7 @@ class PanelRecording(nn.Module):
         if self._identity(recorded):
             return recorded
         response = self._carried(recorded, undo=True)
-        power = self.power_percent / 100.0
+        power = float(self.power_percent) / 100.0
         return torch.where(response > 0, response.clamp_min(1e-12) ** (1.0 / (1.0 - power)), response)
 
     def _identity(self, frames: Tensor) -> bool:
@@ -121,7 +121,8 @@ class PanelRecording(nn.Module):
         """The lag components applied to responses N (K, H, W): R_k = (1 - sum a_c) N_k + sum a_c M_c,k;
         with ``undo``, ``frames`` are R and N is solved frame by frame. The averages M (C, H, W) are
         updated in place, one frame at a time."""
-        shares = torch.stack(self.shares()).to(frames.dtype)[:, None, None]
+        shares = torch.tensor([float(share) for share in self.shares()], dtype=frames.dtype,
+                              device=frames.device)[:, None, None]
         kept = 1.0 - float(shares.sum())
         rates = torch.tensor([1.0 - math.exp(-1.0 / constant) for constant in LAG_FRAMES],
                              dtype=frames.dtype, device=frames.device)[:, None, None]
