@@ -109,6 +109,18 @@ def error_summary(errors: LeafErrors, leaves: list[dict[str, Any]],
     })
 
 
+def criterion(summary: dict[str, Any]) -> dict[str, Any]:
+    """The QA verdict's criterion on ``error_summary``'s flags: {rule, value (the flags: banks and X jaws,
+    leaves, MU), limit (0), pass}. Gamma and the leaves' share within 1 mm average an error over the arc
+    and the field: a bank 1 mm off or one leaf stuck may pass them, while its flag persists."""
+    edges = [*summary["banks"].values(), *summary["x_jaws"].values()]
+    flags = sum(bool(edge["flagged"]) for edge in edges) + summary["flagged_leaves"] + int(summary["mu_flagged"])
+    return {"rule": (f"no delivery error flagged: a bank or X jaw >= {BANK_FLAG_MM:g} mm off on average, a leaf "
+                     f"beyond {LEAF_FLAG_MM:g} mm at {LEAF_FLAG_RUN} control points in a row, the total MU beyond "
+                     f"{MU_FLAG_PERCENT:g} %"),
+            "value": flags, "limit": 0, "pass": flags == 0}
+
+
 def _edge(errors: np.ndarray) -> dict[str, Any]:
     """Mean, spread and count of one bank's or jaw's errors (1-D), flagged where the mean lies
     ``BANK_FLAG_MM`` or more from 0."""

@@ -462,8 +462,9 @@ def summarise(qa: PlanQA) -> dict[str, Any]:
     ``arc_review.LeafErrors``); mu_error_percent (mean
     relative error of the frames' least-squares MU, frames with planned MU), mu_planned and
     mu_reconstructed (sums over the reconstructed frames; the latter of the arc fit's signal MU,
-    ``fallback.frame_misfits``, times ``PlanQA.mu_reference``), mu_total_error_percent. criteria: per criterion
-    {rule, value, limit, pass}; pass: every criterion passes.
+    ``fallback.frame_misfits``, times ``PlanQA.mu_reference``), mu_total_error_percent. delivery_errors
+    (``delivery_errors.error_summary``). criteria: per criterion {rule, value, limit, pass}: TG-218 gamma,
+    TG-142 leaves and no delivery error flagged (``delivery_errors.criterion``); pass: every criterion passes.
     """
     beam, gamma, estimate, segment = qa.beam, qa.gamma, qa.estimate, qa.segment
     errors = arc_review.leaf_errors(estimate, segment)
@@ -512,11 +513,12 @@ def summarise(qa: PlanQA) -> dict[str, Any]:
         "mu_total_error_percent": 100 * (mu_total - mu_planned.sum()) / mu_planned.sum() if mu_planned.sum() > 0
         else math.nan,
     })
-    summary["criteria"] = _criteria(summary)
-    summary["pass"] = all(item["pass"] for item in summary["criteria"].values())
     summary["delivery_errors"] = delivery_errors.error_summary(
         errors, leaf_error_rows(qa), summary["mu_total_error_percent"],
         gamma.pass_rates[TG218_CRITERION], qa.points, qa.beam.gantry_deg[qa.points], TG218_TOLERANCE_PERCENT)
+    flags = delivery_errors.criterion(summary["delivery_errors"])
+    summary["criteria"] = {**_criteria(summary), "delivery_errors": flags}
+    summary["pass"] = all(item["pass"] for item in summary["criteria"].values())
     return {key: _finite(value) if isinstance(value, float) else value for key, value in summary.items()}
 
 

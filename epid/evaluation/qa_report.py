@@ -184,7 +184,8 @@ def _shown(value: float | None, form: str = "{:.2f}") -> str:
 
 def verdict_table(summary: Mapping[str, Any]) -> str:
     """The QA verdict as text: one row per criterion, the leaf, jaw and MU figures, the overall result."""
-    rows = [[name, item["rule"], _shown(item["value"]), "PASS" if item["pass"] else "FAIL"]
+    rows = [[name, item["rule"], _shown(item["value"], "{:d}" if isinstance(item["value"], int) else "{:.2f}"),
+             "PASS" if item["pass"] else "FAIL"]
             for name, item in summary["criteria"].items()]
     return (f"Delivery QA of beam {summary['beam']} ({summary['frames']} frames, reconstruction "
             f"{summary['reconstruction']}):\n{format_table(['criterion', 'rule', 'value', 'result'], rows)}\n"

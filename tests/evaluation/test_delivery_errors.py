@@ -51,9 +51,12 @@ def test_a_stuck_leaf_in_the_field_is_flagged_and_one_behind_the_jaw_is_not():
     rows, summary = flagged(arc_review.leaf_errors(estimate, segment))
     assert [(row["bank"], row["leaf"], row["flagged_control_points"]) for row in rows] == [("A", 20, "3-12")]
     assert summary["flagged"] and summary["banks"]["A"]["mean_mm"] == pytest.approx(12.0 * 10 / 12 / 6)
+    verdict = delivery_errors.criterion(summary)
+    assert (verdict["value"], verdict["pass"]) == (2, False), "bank A's mean (1.67 mm) and leaf A20 each count"
     # the same error where the upper jaw leaves 4 % of the strip open: the frames show the jaw there
     segment, estimate = segment_and_estimate({24: 12.0})
     errors = arc_review.leaf_errors(estimate, segment)
     rows, summary = flagged(errors)
     assert rows == [] and not summary["flagged"] and summary["banks"]["A"]["mean_mm"] == 0.0
+    assert (delivery_errors.criterion(summary)["value"], delivery_errors.criterion(summary)["pass"]) == (0, True)
     assert np.abs(errors.scored_errors()).max() == 12.0, "the design's band still scores the strip"

@@ -172,7 +172,8 @@ def test_plan_with_measured_frames_writes_the_report(report):
     for key in ("leaf_mae_mm", "leaf_max_mm", "jaw_mae_mm", "mu_total_error_percent"):
         assert math.isfinite(summary[key])
     assert 0.0 <= summary["leaf_within_1mm_percent"] <= 100.0
-    assert set(summary["criteria"]) == {"gamma_3_2mm_frames", "gamma_3_2mm_integrated", "leaf_1mm"}
+    assert set(summary["criteria"]) == {"gamma_3_2mm_frames", "gamma_3_2mm_integrated", "leaf_1mm", "delivery_errors"}
+    assert summary["criteria"]["delivery_errors"]["pass"] == (not summary["delivery_errors"]["flagged"])
     assert summary["pass"] == all(item["pass"] for item in summary["criteria"].values())
     with open(output / "qa_frames.csv", newline="") as handle:
         frames = list(csv.DictReader(handle))
@@ -366,6 +367,9 @@ def test_leaves_an_x_jaw_hides_are_scored_as_that_jaw_and_never_as_leaves(tmp_pa
     assert found["x_jaws"]["X2"]["mean_mm"] == 0.0 and not found["x_jaws"]["X2"]["flagged"]
     assert not any(bank["flagged"] for bank in found["banks"].values()) and found["flagged_leaves"] == 0
     assert found["flagged"]
+    # gamma (the frames against themselves) and the leaves pass; the flagged X1 jaw fails the verdict
+    assert [name for name, item in summary["criteria"].items() if not item["pass"]] == ["delivery_errors"]
+    assert summary["criteria"]["delivery_errors"]["value"] == 1 and not summary["pass"]
     qa_report.write_leaves_csv(tmp_path / "qa_leaves.csv", dataclasses.replace(qa, beam=beam, segment=segment,
                                                                                estimate=estimate))
     with open(tmp_path / "qa_leaves.csv", newline="") as handle:
