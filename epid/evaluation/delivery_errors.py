@@ -16,6 +16,9 @@ timeline's) against the plan, inside the jaw band (``epid.evaluation.arc_review.
 - frames: those whose 3 %/2 mm gamma pass rate is below the TG-218 tolerance, with their gantry
   angle.
 
+Any flag of a bank, X jaw, leaf or the MU fails the QA verdict (``criterion``); the frames below the
+tolerance are gamma's own criterion there.
+
 A single position beyond 1 mm is not flagged: the reconstruction has an error of its own
 (``leaf_within_1mm_percent`` reports it); the flags look for what persists. Every figure here is over
 the positions whose strip the Y jaws leave at least half open (``LeafErrors.verifiable``): of a strip
