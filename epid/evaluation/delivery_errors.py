@@ -107,8 +107,7 @@ def error_summary(errors: LeafErrors, leaves: list[dict[str, Any]],
         "banks": banks, "x_jaws": x_jaws, "flagged_leaves": len(flagged_leaves), "leaves": flagged_leaves[:LISTED],
         "mu_total_error_percent": mu_total_error_percent, "mu_flagged": mu_flag,
         "flagged_frames": int(low.size), "frames": frames,
-        "flagged": bool(any(item["flagged"] for item in [*banks.values(), *x_jaws.values()]) or flagged_leaves
-                        or mu_flag),
+        "flagged": _flag_count(banks, x_jaws, len(flagged_leaves), mu_flag) > 0,
     })
 
 
@@ -116,12 +115,18 @@ def criterion(summary: dict[str, Any]) -> dict[str, Any]:
     """The QA verdict's criterion on ``error_summary``'s flags: {rule, value (the flags: banks and X jaws,
     leaves, MU), limit (0), pass}. Gamma and the leaves' share within 1 mm average an error over the arc
     and the field: a bank 1 mm off or one leaf stuck may pass them, while its flag persists."""
-    edges = [*summary["banks"].values(), *summary["x_jaws"].values()]
-    flags = sum(bool(edge["flagged"]) for edge in edges) + summary["flagged_leaves"] + int(summary["mu_flagged"])
+    flags = _flag_count(summary["banks"], summary["x_jaws"], summary["flagged_leaves"], summary["mu_flagged"])
     return {"rule": (f"no delivery error flagged: a bank or X jaw >= {BANK_FLAG_MM:g} mm off on average, a leaf "
                      f"beyond {LEAF_FLAG_MM:g} mm at {LEAF_FLAG_RUN} control points in a row, the total MU beyond "
                      f"{MU_FLAG_PERCENT:g} %"),
             "value": flags, "limit": 0, "pass": flags == 0}
+
+
+def _flag_count(banks: dict[str, dict[str, Any]], x_jaws: dict[str, dict[str, Any]], flagged_leaves: int,
+                mu_flagged: bool) -> int:
+    """The delivery errors flagged: each flagged bank and X jaw, each flagged leaf, the MU."""
+    edges = [*banks.values(), *x_jaws.values()]
+    return sum(bool(edge["flagged"]) for edge in edges) + flagged_leaves + int(mu_flagged)
 
 
 def _edge(errors: np.ndarray) -> dict[str, Any]:

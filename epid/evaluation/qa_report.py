@@ -177,15 +177,17 @@ def _spread(frames: int) -> np.ndarray:
     return np.unique(np.linspace(0, frames - 1, plots.PLAN_FRAMES_SHOWN).round().astype(int))
 
 
-def _shown(value: float | None, form: str = "{:.2f}") -> str:
-    """A figure as text in ``form``, "n/a" where there is none."""
-    return "n/a" if value is None else form.format(value)
+def _shown(value: float | None, form: str | None = None) -> str:
+    """A figure as text in ``form`` (by default a whole number as it is, else with 2 decimals), "n/a"
+    where there is none."""
+    if value is None:
+        return "n/a"
+    return (form or ("{:d}" if isinstance(value, int) else "{:.2f}")).format(value)
 
 
 def verdict_table(summary: Mapping[str, Any]) -> str:
     """The QA verdict as text: one row per criterion, the leaf, jaw and MU figures, the overall result."""
-    rows = [[name, item["rule"], _shown(item["value"], "{:d}" if isinstance(item["value"], int) else "{:.2f}"),
-             "PASS" if item["pass"] else "FAIL"]
+    rows = [[name, item["rule"], _shown(item["value"]), "PASS" if item["pass"] else "FAIL"]
             for name, item in summary["criteria"].items()]
     return (f"Delivery QA of beam {summary['beam']} ({summary['frames']} frames, reconstruction "
             f"{summary['reconstruction']}):\n{format_table(['criterion', 'rule', 'value', 'result'], rows)}\n"
@@ -212,7 +214,7 @@ def write_plan_summary(plan: str, summaries: Sequence[Mapping[str, Any]], output
 
 def plan_table(plan_summary: Mapping[str, Any]) -> str:
     """The verdict of a plan of several beams as text: one row per beam, then the plan's result."""
-    rows = [[f"{beam['beam']} ({beam['beam_name']})", _shown(beam["frames"], "{:d}"), _shown(beam["gamma_3_2mm_mean"]),
+    rows = [[f"{beam['beam']} ({beam['beam_name']})", _shown(beam["frames"]), _shown(beam["gamma_3_2mm_mean"]),
              _shown(beam["gamma_3_2mm_integrated"]), _shown(beam["leaf_mae_mm"]),
              _shown(beam["mu_total_error_percent"], "{:+.2f}"), "PASS" if beam["pass"] else "FAIL"]
             for beam in plan_summary["beams"]]

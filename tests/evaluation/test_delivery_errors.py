@@ -58,5 +58,6 @@ def test_a_stuck_leaf_in_the_field_is_flagged_and_one_behind_the_jaw_is_not():
     errors = arc_review.leaf_errors(estimate, segment)
     rows, summary = flagged(errors)
     assert rows == [] and not summary["flagged"] and summary["banks"]["A"]["mean_mm"] == 0.0
-    assert (delivery_errors.criterion(summary)["value"], delivery_errors.criterion(summary)["pass"]) == (0, True)
+    verdict = delivery_errors.criterion(summary)
+    assert (verdict["value"], verdict["pass"]) == (0, True)
     assert np.abs(errors.scored_errors()).max() == 12.0, "the design's band still scores the strip"
