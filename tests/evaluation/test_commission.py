@@ -110,6 +110,27 @@ START_PERCENT = (0.2, 2.0, 0.0, 3.0, 0.0, 0.0, 0.0, 0.0)
 and 32 frames and its response's power (``commission.LEAST_SQUARES_PARAMETERS``), %."""
 
 
+def test_the_broad_gaussians_of_the_separable_profiles_are_dropped_and_stay_dropped(measurements):
+    model = build_models("tiny", "aperture")[0]
+    response = model.response
+    with torch.no_grad():
+        for profile in (response.profile_y, response.profile_x):
+            profile.log_width.copy_(torch.tensor([2.0, 6.0, 20.0]).log())
+            profile.logits.copy_(torch.tensor([0.6, 0.3, 0.1]).log())
+    centre = response.reach
+    before = response.kernel().detach()
+    assert before[centre, centre + 24] > 1e-3 * before[centre, centre], "a cross: broad along the axes"
+    commission.round_scatter(model)
+    for profile in (response.profile_y, response.profile_x):
+        np.testing.assert_allclose(torch.softmax(profile.logits, 0).detach().numpy(), [2 / 3, 1 / 3, 0.0], atol=1e-12)
+    after = response.kernel().detach()
+    assert float(after.sum()) == pytest.approx(1.0, abs=1e-6)
+    assert after[centre, centre + 24] < 0.02 * before[centre, centre + 24], "the cross's arms gone"
+    result = commission.commission(model, measurements[1][:1], steps=5)
+    for profile in (result.model.response.profile_y, result.model.response.profile_x):
+        assert float(torch.softmax(profile.logits.detach(), 0)[2]) < 1e-12, "the steps leave a dropped Gaussian dropped"
+
+
 @pytest.mark.parametrize(("truth_percent", "expected_percent"), [
     ((1.4, 0.6, 0.3, 4.0, 0.0, 0.0, 0.0, 0.0), (1.4, 0.6, 0.3, 4.0, 0.0, 0.0, 0.0, 0.0)),
     ((1.4, 0.6, 0.3, 4.0, 0.0, 1.5, 0.0, 1.0), (1.4, 0.6, 0.3, 4.0, 0.0, 1.5, 0.0, 1.0)),
@@ -240,7 +261,8 @@ def test_the_field_plan_holds_the_fields_a_clinic_measures(tmp_path):
     count = 1 + commission.FIELD_CONTROL_POINTS * len(commission.FIELDS_MM)
     assert len(plan) == count and plan.mu[0] == 0 and float(plan.mu.sum()) == pytest.approx(2.5 * (count - 1))
     centres = -127.5 + 5.0 * np.arange(52)
-    for index, (side, x, y) in enumerate(commission.FIELDS_MM):
+    combs = []
+    for index, (side, x, y, comb) in enumerate(commission.FIELDS_MM):
         points = slice(1 + index * commission.FIELD_CONTROL_POINTS, 1 + (index + 1) * commission.FIELD_CONTROL_POINTS)
         leaf_a, leaf_b = plan.leaf_a[points], plan.leaf_b[points]
         assert np.all(leaf_a == leaf_a[0]) and np.all(leaf_b == leaf_b[0]), "a static field"
@@ -250,9 +272,21 @@ def test_the_field_plan_holds_the_fields_a_clinic_measures(tmp_path):
             continue
         covered = np.abs(centres - y) < side / 2
         assert covered.sum() * 5.0 == side, "the pairs under the jaws span the side"
-        assert np.all(leaf_a[0, covered] == x - side / 2) and np.all(leaf_b[0, covered] == x + side / 2)
         assert np.all(leaf_a[0, ~covered] == -20.0) and np.all(leaf_b[0, ~covered] == 20.0), "parked"
         assert np.all(plan.jaw_1[points] == y - side / 2) and np.all(plan.jaw_2[points] == y + side / 2)
+        if not comb:
+            assert np.all(leaf_a[0, covered] == x - side / 2) and np.all(leaf_b[0, covered] == x + side / 2)
+            continue
+        left = leaf_b[0, covered] == x
+        assert np.all(leaf_a[0, covered][left] == x - side / 2), "open over the half x < x centre"
+        assert np.all(leaf_a[0, covered][~left] == x) and np.all(leaf_b[0, covered][~left] == x + side / 2)
+        assert np.all(left[1:] != left[:-1]), "every boundary: one neighbour open, the other closed"
+        assert left[0] == (comb > 0)
+        combs.append(left)
+    assert len(combs) == 2 and np.all(combs[0] != combs[1]), "the two combs open each strip on both halves"
+    held_out = int(len(commission.FIELDS_MM) * (1 - commission.VALIDATION_SHARE))
+    fitted = {(field.side is None, field.comb != 0) for field in commission.FIELDS_MM[:held_out]}
+    assert fitted == {(True, False), (False, False), (False, True)}, "each kind before the held-out share"
     path = tmp_path / "fields.dcm"
     write_plan(path, plan, beam_mu=150.0, gantry_start_deg=181.0, gantry_stop_deg=301.0, label="fields")
     (beam,) = read_plan(path)
