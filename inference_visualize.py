@@ -153,8 +153,9 @@ def parse_arguments(argv: Sequence[str] | None, config: Config) -> argparse.Name
                        help="optimizer steps of --commission (default: epid.evaluation.commission.DEFAULT_STEPS, 300)")
     dicom.add_argument("--export-field-plan", metavar="FILE",
                        help="write static fields to commission on beside the VMAT plans (a closed MLC, centred "
-                            "squares of 3 to 20 cm, 4 cm squares off the axis; epid.evaluation.commission."
-                            "field_plan) as an RT Plan to deliver and record, then give to --commission")
+                            "squares of 3 to 20 cm, 4 cm squares off the axis, two tongue-and-groove combs; "
+                            "epid.evaluation.commission.field_plan) as an RT Plan to deliver and record, then give to "
+                            "--commission")
     dicom.add_argument("--export-plan", metavar="FILE",
                        help="write the synthetic arc of the one selected dataset ID (--dataset-ids N) as an RT Plan")
     dicom.add_argument("--export-frames", metavar="FILE",
