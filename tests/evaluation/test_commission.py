@@ -278,7 +278,7 @@ def test_the_field_plan_holds_the_fields_a_clinic_measures(tmp_path):
             assert np.all(leaf_a[0, covered] == x - side / 2) and np.all(leaf_b[0, covered] == x + side / 2)
             continue
         left = leaf_b[0, covered] == x
-        assert np.all(leaf_a[0, covered][left] == x - side / 2), "open over the half x < x centre"
+        assert np.all(leaf_a[0, covered][left] == x - side / 2), "open over the half left of the centre"
         assert np.all(leaf_a[0, covered][~left] == x) and np.all(leaf_b[0, covered][~left] == x + side / 2)
         assert np.all(left[1:] != left[:-1]), "every boundary: one neighbour open, the other closed"
         assert left[0] == (comb > 0)
