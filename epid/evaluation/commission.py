@@ -191,10 +191,20 @@ def field_plan(mu_per_control_point: float = 3.75, mlc: MlcGeometry = LEGACY_GRI
 
 
 def is_field_plan(beam: PlanBeam) -> bool:
-    """Whether ``beam`` holds the leaves and jaws of ``field_plan`` (as ``--export-field-plan`` wrote it)."""
-    fields, given = field_plan(mlc=beam.control_points.mlc), beam.control_points
-    return len(given) == len(fields) and all(np.allclose(getattr(given, name), getattr(fields, name), atol=0.05)
-                                             for name in ("leaf_a", "leaf_b", "jaw_1", "jaw_2"))
+    """Whether ``beam`` is a plan of static fields as ``field_plan`` lays them out (``--export-field-plan``
+    wrote it, this version's fields or an earlier one's): after control point 0, runs of
+    ``FIELD_CONTROL_POINTS`` control points whose leaves and jaws stand still within each run. No VMAT
+    arc's leaves stand still over a run."""
+    given = beam.control_points
+    runs = (len(given) - 1) // FIELD_CONTROL_POINTS
+    if runs < 1 or len(given) != 1 + runs * FIELD_CONTROL_POINTS:
+        return False
+    for name in ("leaf_a", "leaf_b", "jaw_1", "jaw_2"):
+        values = np.asarray(getattr(given, name))[1:]
+        fields = values.reshape(runs, FIELD_CONTROL_POINTS, *values.shape[1:])
+        if not np.allclose(fields, fields[:, :1], atol=0.05):
+            return False
+    return True
 
 
 def reference_deliveries(deliveries: Sequence[T]) -> list[T]:

@@ -4,6 +4,8 @@ recovers known parameters, calibrates the panel's units, and never leaves the gi
 from __future__ import annotations
 
 import copy
+import dataclasses
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -308,6 +310,29 @@ def test_the_field_plan_is_exported_for_a_clinic_to_deliver(tmp_path):
     with pytest.raises(InputError, match="--export-field-plan: not with --plan"):
         inference_visualize.main(["--export-field-plan", str(tmp_path / "other.dcm"), "--plan", str(path)])
     assert not (tmp_path / "other.dcm").exists()
+
+
+def test_a_plan_of_static_fields_is_told_from_an_arc_by_its_content(tmp_path, monkeypatch):
+    """The current field plan and an earlier one (without the combs, exported before they were added)
+    are both field plans; no synthetic arc of 41 control points (1 + 10 runs of 4) is one."""
+    plans = {"now": commission.field_plan()}
+    monkeypatch.setattr(commission, "FIELDS_MM", tuple(field for field in commission.FIELDS_MM if not field.comb))
+    plans["earlier"] = commission.field_plan()
+    monkeypatch.undo()
+    assert len(plans["earlier"]) == 41 and len(plans["now"]) == 49
+    for label, plan in plans.items():
+        path = tmp_path / f"{label}.dcm"
+        write_plan(path, plan, beam_mu=150.0, gantry_start_deg=181.0, gantry_stop_deg=301.0)
+        (beam,) = read_plan(path)
+        assert commission.is_field_plan(beam), label
+    for dataset_id in range(0, 640, 7):
+        arc = generate_control_points(dataset_id, 41)
+        assert not commission.is_field_plan(SimpleNamespace(control_points=arc)), dataset_id
+    moved = commission.field_plan()
+    leaf_a = moved.leaf_a.copy()
+    leaf_a[3, 20] += 1.0
+    assert not commission.is_field_plan(SimpleNamespace(control_points=dataclasses.replace(moved, leaf_a=leaf_a))), \
+        "a leaf that moves within a field's run"
 
 
 def test_the_mu_reference_is_read_from_the_plans_other_than_the_fields(tmp_path, measurements):
